@@ -1,0 +1,3 @@
+"""feddg: federated domain generalization in PyTorch."""
+
+__version__ = "0.1.0"

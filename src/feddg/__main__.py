@@ -1,0 +1,3 @@
+from feddg.cli import app
+
+app()

@@ -1,0 +1,1 @@
+"""Pure aggregation functions on arrays: no models, no federation state."""

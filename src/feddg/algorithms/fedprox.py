@@ -1,0 +1,45 @@
+"""FedProx (Li et al., 2020): FedAvg plus a proximal term ``μ/2 ‖w − w_global‖²`` (their eq. 2)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from feddg.algorithms.base import ClientContext, ClientState, Method, Params
+from feddg.algorithms.local import train_local
+from feddg.messages import Message, load_weights, weights_of
+
+
+class FedProxParams(Params):
+    mu: float = Field(0.01, ge=0.0, description="weight of the proximal term")
+
+
+def proximal_term(model: nn.Module, anchor: list[Tensor]) -> Tensor:
+    """``Σ_i ‖w_i − a_i‖²`` over the trainable parameters."""
+    return sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))
+
+
+class FedProx(Method):
+    """Local objective ``CE + μ/2 ‖w − w_global‖²``; FedAvg aggregation. At μ=0 it is FedAvg."""
+
+    name = "fedprox"
+    Params = FedProxParams
+    search_space = {"mu": [0.001, 0.01, 0.1, 1.0]}
+
+    def client_update(
+        self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        load_weights(model, msg)
+        anchor = [p.detach().clone() for p in model.parameters()]
+        mu = self.params.mu
+
+        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+            loss = F.cross_entropy(m(x), y)
+            return loss + 0.5 * mu * proximal_term(m, anchor) if mu > 0 else loss
+
+        loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
+        return {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": loss}, client_state
+
+
+

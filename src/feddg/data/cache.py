@@ -1,0 +1,60 @@
+"""On-disk cache of built datasets: where it lives, and atomic ``.npz`` save/load."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``cache_dir`` if given, else ``$FEDDG_CACHE``, else ``~/.cache/feddg``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("FEDDG_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "feddg"
+
+
+def cache_file(cache_dir: Path, *parts: object) -> Path:
+    """``cache_dir/<part1>_<part2>_....npz``, each part made file-name safe (``+90%`` -> ``%2B90%25``)."""
+    return cache_dir / ("_".join(quote(str(p), safe="") for p in parts) + ".npz")
+
+
+def save_arrays(path: Path, arrays: Arrays) -> None:
+    """Write ``arrays`` to ``path`` atomically: a temporary file in the same folder, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_arrays(path: Path, keys: tuple[str, ...]) -> Arrays | None:
+    """The arrays stored at ``path``; ``None`` if it is missing, unreadable or lacks one of ``keys``."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in keys}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+
+
+def cached(path: Path, keys: tuple[str, ...], build: Callable[[], Arrays]) -> Arrays:
+    """Load ``path``, or (if missing or corrupt) ``build()`` the arrays and save them there."""
+    arrays = load_arrays(path, keys)
+    if arrays is None:
+        arrays = build()
+        save_arrays(path, arrays)
+    return arrays

@@ -1,0 +1,1 @@
+"""Accuracy per domain, result tables and plots."""

@@ -1,0 +1,1 @@
+"""The round loop: client sampling, seeding, checkpoints, metrics; engines that run methods."""

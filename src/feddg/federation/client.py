@@ -1,0 +1,51 @@
+"""The client half as any engine runs it: seed, build the context, call the method, check the reply."""
+
+from __future__ import annotations
+
+import torch
+
+from feddg.algorithms import ClientContext
+from feddg.federation.rounds import client_generator, derived_seed
+from feddg.federation.setup import Federation
+from feddg.messages import Message, validate_message
+
+
+def client_context(fed: Federation, client_id: int, round: int) -> ClientContext:
+    """Context of ``client_id`` in ``round``; its random stream depends only on (seed, round, id)."""
+    cfg = fed.cfg
+    torch.manual_seed(derived_seed(cfg.seed, round, client_id, 1))  # dropout, noise in the method
+    return ClientContext(
+        client_id=client_id,
+        round=round,
+        dataset=fed.dataset,
+        train_idx=fed.clients[client_id].train_idx,
+        batch_size=cfg.federation.batch_size,
+        local_epochs=cfg.federation.local_epochs,
+        optim=fed.optim,
+        generator=client_generator(cfg.seed, round, client_id),
+        device=fed.device,
+    )
+
+
+def run_client(
+    fed: Federation, client_id: int, round: int, msg: Message, client_state: Message
+) -> tuple[Message, Message]:
+    """One client update; the reply and the new client state are checked against the contract."""
+    ctx = client_context(fed, client_id, round)
+    reply, new_state = fed.method.client_update(fed.model, msg, client_state, ctx)
+    validate_message(reply, f"reply of client {client_id}")
+    validate_message(new_state, f"state of client {client_id}")
+    if "num_examples" not in reply:
+        raise KeyError(f"{fed.method.name}: a client reply must contain 'num_examples'")
+    return reply, new_state
+
+
+def run_client_setup(
+    fed: Federation, client_id: int, msg: Message, client_state: Message
+) -> tuple[Message, Message]:
+    """The one-time setup exchange of ``client_id`` (round 0)."""
+    ctx = client_context(fed, client_id, 0)
+    reply, new_state = fed.method.client_setup(fed.model, msg, client_state, ctx)
+    validate_message(reply, f"setup reply of client {client_id}")
+    validate_message(new_state, f"state of client {client_id}")
+    return reply, new_state

@@ -1,0 +1,288 @@
+"""Permutation specs: which tensor axes a permutation of a layer's output channels must touch.
+
+Permuting the output channels (filters) of a convolution leaves the network's function unchanged
+only if the *same* permutation is applied to everything indexed by those channels: the conv's own
+bias, the BatchNorm that follows (weight, bias, running statistics), the input channels of the
+layer that consumes the map, the flattened input of the first linear layer (one block of ``H·W``
+features per channel) and that layer's Gram matrix. In residual networks every block adds into the
+same stream, so a whole stream shares one permutation. A :class:`PermutationSpec` writes this down
+once per model; HFedATM's filter-wise OT alignment (``feddg.aggregation.fot``) finds the
+permutations and :func:`apply_permutations` applies them.
+
+A permutation ``p`` of a group of size ``c`` means: new channel ``i`` is old channel ``p[i]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from feddg.models.alexnet import AlexNet
+from feddg.models.cnn import SmallCNN
+from feddg.models.hfedf_cnn import HFedFCNN, NaiveInception
+from feddg.models.lenet import LeNet
+from feddg.models.resnet import BasicBlock, Bottleneck, ResNet
+from feddg.models.vgg import VGG
+
+Permutations = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Axis:
+    """Entries ``(offset + c) * block + j`` (``j < block``) of axis ``dim`` of ``key`` belong to channel ``c``.
+
+    ``offset`` places a group inside a concatenation; ``block`` is the number of flattened features
+    per channel (``H·W`` for a feature map flattened into a linear layer).
+    """
+
+    key: str
+    dim: int
+    offset: int = 0
+    block: int = 1
+
+    def positions(self, size: int) -> np.ndarray:
+        """``[size, block]`` indices of the group's channels along ``dim``."""
+        base = (self.offset + np.arange(size))[:, None] * self.block
+        return base + np.arange(self.block)[None, :]
+
+
+@dataclass(frozen=True)
+class PermGroup:
+    """One channel space that is permuted as a unit.
+
+    ``producers``: the conv weight keys whose output channels (dim 0) *are* this group; FOT
+    matches their filters. ``members``: every axis indexed by the group (producers included).
+    """
+
+    name: str
+    size: int
+    producers: tuple[str, ...]
+    members: tuple[Axis, ...]
+
+
+@dataclass(frozen=True)
+class PermutationSpec:
+    groups: tuple[PermGroup, ...]
+
+    def prefixed(self, prefix: str) -> PermutationSpec:
+        """The spec of a model nested at ``prefix`` (e.g. ``"net."`` inside a wrapper)."""
+        if not prefix:
+            return self
+        return PermutationSpec(
+            tuple(
+                replace(
+                    g,
+                    name=prefix + g.name,
+                    producers=tuple(prefix + p for p in g.producers),
+                    members=tuple(replace(a, key=prefix + a.key) for a in g.members),
+                )
+                for g in self.groups
+            )
+        )
+
+    @property
+    def acyclic(self) -> bool:
+        """True if every producer's input channels belong to groups listed before its own group.
+
+        Then one forward pass of alignment is exact; residual streams make a spec cyclic.
+        """
+        seen: set[str] = set()
+        for g in self.groups:
+            for p in g.producers:
+                inputs = {h.name for h in self.groups for a in h.members if a.key == p and a.dim == 1}
+                if not inputs <= seen:
+                    return False
+            seen.add(g.name)
+        return True
+
+
+# ------------------------------------------------------------------------ applying permutations
+
+
+def permute_axis(t: Tensor, axis: Axis, perm: np.ndarray) -> Tensor:
+    """``t`` with the channels of ``axis`` reordered by ``perm`` (other entries untouched)."""
+    pos = axis.positions(len(perm))
+    index = np.arange(t.shape[axis.dim])
+    index[pos.ravel()] = pos[perm].ravel()
+    return t.index_select(axis.dim, torch.from_numpy(index).to(t.device))
+
+
+def apply_permutations(state: Mapping[str, Tensor], spec: PermutationSpec, perms: Permutations) -> dict[str, Tensor]:
+    """A copy of ``state`` (a state_dict) with each group's permutation applied to all its members."""
+    out = dict(state)
+    for g in spec.groups:
+        if g.name in perms:
+            for a in g.members:
+                out[a.key] = permute_axis(out[a.key], a, perms[g.name])
+    return out
+
+
+def permute_grams(grams: Mapping[str, Tensor], spec: PermutationSpec, perms: Permutations) -> dict[str, Tensor]:
+    """Permute the Gram matrices of linear layers (keyed by module name) whose *inputs* are permuted.
+
+    The Gram ``X^T X`` of a layer's input is indexed by input features on both axes, exactly like
+    the input axis (dim 1) of the layer's weight.
+    """
+    out = dict(grams)
+    for g in spec.groups:
+        if g.name not in perms:
+            continue
+        for a in g.members:
+            layer = a.key.removesuffix(".weight")
+            if a.dim == 1 and a.key.endswith(".weight") and layer in out:
+                gram = permute_axis(out[layer], replace(a, dim=0), perms[g.name])
+                out[layer] = permute_axis(gram, replace(a, dim=1), perms[g.name])
+    return out
+
+
+def random_permutations(spec: PermutationSpec, rng: np.random.Generator) -> Permutations:
+    return {g.name: rng.permutation(g.size) for g in spec.groups}
+
+
+# ------------------------------------------------------------------------------- spec builders
+
+
+class _Builder:
+    """Collects groups while walking a network in forward order."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = dict(model.named_modules())
+        self.groups: dict[str, dict] = {}
+
+    def new_group(self, conv: str) -> str:
+        m = self.modules[conv]
+        members = [Axis(f"{conv}.weight", 0)] + ([Axis(f"{conv}.bias", 0)] if m.bias is not None else [])
+        self.groups[conv] = {"size": m.out_channels, "producers": [f"{conv}.weight"], "members": members}
+        return conv
+
+    def add_producer(self, group: str, conv: str, bn: str | None) -> None:
+        m = self.modules[conv]
+        self.groups[group]["producers"].append(f"{conv}.weight")
+        self.groups[group]["members"] += [Axis(f"{conv}.weight", 0)] + ([Axis(f"{conv}.bias", 0)] if m.bias is not None else [])
+        if bn is not None:
+            self.add_norm(group, bn)
+
+    def add_norm(self, group: str, bn: str, offset: int = 0) -> None:
+        keys = ("weight", "bias", "running_mean", "running_var")
+        self.groups[group]["members"] += [Axis(f"{bn}.{k}", 0, offset) for k in keys]
+
+    def consume(self, segments: list[tuple[str, int]], key: str, block: int = 1) -> None:
+        for group, offset in segments:
+            self.groups[group]["members"].append(Axis(key, 1, offset, block))
+
+    def spec(self) -> PermutationSpec:
+        return PermutationSpec(
+            tuple(
+                PermGroup(name, g["size"], tuple(g["producers"]), tuple(g["members"]))
+                for name, g in self.groups.items()
+            )
+        )
+
+
+_CHANNELWISE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Dropout, nn.Flatten, nn.Identity)
+
+
+def _forward_leaves(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Leaf modules in registration order, with a naïve Inception module kept whole."""
+    skip: tuple[str, ...] = ()
+    for name, m in model.named_modules():
+        if not name or (skip and name.startswith(skip)):
+            continue
+        if isinstance(m, NaiveInception):
+            skip = (f"{name}.",)
+            yield name, m
+        elif not list(m.children()):
+            yield name, m
+
+
+def sequential_spec(model: nn.Module) -> PermutationSpec:
+    """Spec of a network whose modules are registered in forward order and form a chain
+    conv → [BN] → channel-wise ops → conv ... → flatten → first ``nn.Linear`` (naïve Inception
+    modules allowed: their branches concatenate with the pooled input).
+
+    Only for models known to satisfy that (the function-preservation tests check each one).
+    """
+    b = _Builder(model)
+    segments: list[tuple[str, int]] = []  # the channels of the current feature map: (group, offset)
+    for name, m in _forward_leaves(model):
+        if isinstance(m, nn.Conv2d):
+            b.consume(segments, f"{name}.weight")
+            segments = [(b.new_group(name), 0)]
+        elif isinstance(m, nn.BatchNorm2d):
+            for group, offset in segments:
+                b.add_norm(group, name, offset)
+        elif isinstance(m, NaiveInception):
+            branches = [f"{name}.branch1", f"{name}.branch3", f"{name}.branch5"]
+            for br in branches:
+                b.consume(segments, f"{br}.weight")
+            width, new = 0, []
+            for br in branches:
+                new.append((b.new_group(br), width))
+                width += b.modules[br].out_channels
+            segments = new + [(g, width + off) for g, off in segments]
+        elif isinstance(m, nn.Linear):
+            channels = sum(b.groups[g]["size"] for g, _ in segments)
+            if m.in_features % channels:
+                raise ValueError(f"{name}: {m.in_features} inputs are not a whole number of blocks of {channels} channels")
+            b.consume(segments, f"{name}.weight", m.in_features // channels)
+            return b.spec()
+        elif not isinstance(m, _CHANNELWISE):
+            raise TypeError(f"no permutation rule for {name} ({type(m).__name__})")
+    raise ValueError(f"{type(model).__name__}: no linear layer after the convolutions")
+
+
+def resnet_spec(model: ResNet) -> PermutationSpec:
+    """One group per residual stream (the stem and every block's last conv, plus the downsample
+    conv that opens a stream), one per inner conv of each block; the last stream feeds ``fc``."""
+    b = _Builder(model)
+    stream = b.new_group("conv1")
+    b.add_norm(stream, "bn1")
+    for li in range(1, 5):
+        for bi, block in enumerate(getattr(model, f"layer{li}")):
+            p = f"layer{li}.{bi}"
+            convs = ["conv1", "conv2"] + (["conv3"] if isinstance(block, Bottleneck) else [])
+            if not isinstance(block, (BasicBlock, Bottleneck)):
+                raise TypeError(f"{p}: unknown residual block {type(block).__name__}")
+            b.consume([(stream, 0)], f"{p}.conv1.weight")
+            if block.downsample is not None:
+                b.consume([(stream, 0)], f"{p}.downsample.0.weight")
+                stream = b.new_group(f"{p}.downsample.0")
+                b.add_norm(stream, f"{p}.downsample.1")
+            for k, conv in enumerate(convs[:-1]):
+                inner = b.new_group(f"{p}.{conv}")
+                b.add_norm(inner, f"{p}.bn{k + 1}")
+                b.consume([(inner, 0)], f"{p}.{convs[k + 1]}.weight")
+            b.add_producer(stream, f"{p}.{convs[-1]}", f"{p}.bn{len(convs)}")
+    b.consume([(stream, 0)], "fc.weight")
+    return b.spec()
+
+
+SpecBuilder = Callable[[nn.Module], PermutationSpec]
+
+#: zoo class -> spec builder; :func:`register_spec` adds models defined elsewhere
+SPEC_BUILDERS: dict[type[nn.Module], SpecBuilder] = {
+    LeNet: sequential_spec,
+    SmallCNN: sequential_spec,
+    HFedFCNN: sequential_spec,
+    AlexNet: sequential_spec,
+    VGG: sequential_spec,
+    ResNet: resnet_spec,  # type: ignore[dict-item]
+}
+
+
+def register_spec(cls: type[nn.Module], builder: SpecBuilder) -> None:
+    SPEC_BUILDERS[cls] = builder
+
+
+def permutation_spec(model: nn.Module) -> PermutationSpec:
+    """The spec of ``model``, or of the outermost registered model nested inside it (a wrapper such
+    as FedSR's keeps the zoo model as a submodule), with keys prefixed accordingly."""
+    for name, m in model.named_modules():
+        for cls, builder in SPEC_BUILDERS.items():
+            if isinstance(m, cls):
+                return builder(m).prefixed(f"{name}." if name else "")
+    raise TypeError(f"no permutation spec for {type(model).__name__}; register one in feddg/models/permutation.py")

@@ -1,0 +1,122 @@
+"""The explicit model registry, and loading of local ``.pth`` state_dicts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from feddg.models.alexnet import AlexNet
+from feddg.models.base import FedModel
+from feddg.models.cnn import SmallCNN
+from feddg.models.hfedf_cnn import HFedFCNN
+from feddg.models.lenet import LeNet
+from feddg.models.resnet import resnet18, resnet50
+from feddg.models.vgg import vgg11, vgg11_bn
+
+logger = logging.getLogger(__name__)
+
+# Every factory takes (num_classes, in_channels, image_size, **model options).
+MODELS: dict[str, Callable[..., FedModel]] = {
+    "alexnet": AlexNet,
+    "cnn": SmallCNN,
+    "hfedf-cnn": HFedFCNN,
+    "lenet": LeNet,
+    "resnet18": resnet18,
+    "resnet50": resnet50,
+    "vgg11": vgg11,
+    "vgg11_bn": vgg11_bn,
+}
+
+
+def list_models() -> list[str]:
+    """Names accepted by :func:`create_model`."""
+    return sorted(MODELS)
+
+
+def create_model(
+    name: str,
+    num_classes: int,
+    in_channels: int = 3,
+    image_size: int = 28,
+    weights: str | Path | None = None,
+    **kwargs: object,
+) -> FedModel:
+    """Build a zoo model for ``in_channels``×``image_size``² inputs; ``kwargs`` are model options
+    (e.g. ``small_input``, ``hidden_dim``, ``reduced_head``). ``weights`` is a local ``.pth``
+    state_dict loaded with :func:`load_weights`."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    model = MODELS[name](num_classes=num_classes, in_channels=in_channels, image_size=image_size, **kwargs)
+    if weights is not None:
+        load_weights(model, weights)
+    return model
+
+
+def _head_prefix(model: FedModel) -> str:
+    name = next(name for name, module in model.named_modules() if module is model.classifier)
+    return f"{name}."
+
+
+def _first(keys: Iterable[str], n: int = 3) -> str:
+    names = sorted(keys)
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _shape_diff(keys: list[str], state: Mapping[str, Tensor], own: Mapping[str, Tensor], n: int = 3) -> str:
+    diff = "; ".join(f"{k} {list(state[k].shape)} vs {list(own[k].shape)}" for k in keys[:n])
+    return diff + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+
+
+def load_weights(model: FedModel, path: str | Path) -> None:
+    """Load a state_dict saved with ``torch.save(model.state_dict(), path)`` into ``model``.
+
+    Head tensors (those of ``model.classifier``) whose shapes differ, e.g. a checkpoint for another
+    number of classes, are skipped and keep their fresh initialisation; this is logged. Any other
+    difference (missing, unexpected or mis-shaped keys) raises a one-line ``ValueError`` naming the
+    file and the first few keys; a missing file raises ``FileNotFoundError``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model weights not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch.load fails with many types: UnpicklingError, RuntimeError, struct.error, ...
+        raise ValueError(
+            f"{path}: cannot be read by torch.load(weights_only=True) ({type(err).__name__}); "
+            "save a state_dict with torch.save(model.state_dict(), path)"
+        ) from err
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"{path}: not a state_dict (a dict of tensors), got {type(state).__name__}")
+
+    own = model.state_dict()
+    # BatchNorm fills in ``num_batches_tracked`` for checkpoints that predate it (torchvision's).
+    optional = {k for k in own if k.endswith(".num_batches_tracked")}
+    missing = set(own) - set(state) - optional
+    unexpected = set(state) - set(own)
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing keys: {_first(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys: {_first(unexpected)}")
+        raise ValueError(f"{path}: does not fit {type(model).__name__}; {'; '.join(problems)}")
+    mismatched = sorted(k for k, v in state.items() if own[k].shape != v.shape)
+    head = _head_prefix(model)
+    skipped = [k for k in mismatched if k.startswith(head)]
+    trunk = [k for k in mismatched if not k.startswith(head)]
+    if trunk:
+        diff = _shape_diff(trunk, state, own)
+        raise ValueError(f"{path}: shape mismatch for {type(model).__name__} (checkpoint vs model): {diff}")
+    model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
+    if skipped:
+        logger.warning(
+            "%s: head shape differs (checkpoint vs model: %s); loaded everything else, "
+            "the head keeps its fresh initialisation",
+            path,
+            _shape_diff(skipped, state, own),
+        )

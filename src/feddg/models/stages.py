@@ -1,0 +1,39 @@
+"""Where each zoo model's convolutional stages end.
+
+Methods that act between stages — FedFA's FFA layers (after every stage, the paper's
+"{1,…,5}"), PARDON's feature-space style transfer (after the first stage) — hook the modules
+named here. A stage ends where a block of convolutions hands its feature map on, before the
+next spatial reduction or block.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from feddg.models.alexnet import AlexNet
+from feddg.models.cnn import SmallCNN
+from feddg.models.hfedf_cnn import HFedFCNN
+from feddg.models.lenet import LeNet
+from feddg.models.resnet import ResNet
+from feddg.models.vgg import VGG
+
+
+def conv_stages(model: nn.Module) -> list[str]:
+    """Names of the modules (in forward order) whose output ends a conv stage of ``model``.
+
+    Each named module is called exactly once per forward pass, so a forward hook on it sees
+    the stage's output feature map ``[B, C, H, W]``.
+    """
+    if isinstance(model, SmallCNN):
+        return [f"blocks.{i}" for i in range(len(model.blocks))]
+    if isinstance(model, LeNet):
+        return ["conv.2", "conv.5"]
+    if isinstance(model, HFedFCNN):
+        return ["trunk.2", "trunk.6", "trunk.7", "trunk.8"]
+    if isinstance(model, AlexNet):
+        return [f"layer{i}" for i in range(1, 6)]
+    if isinstance(model, ResNet):
+        return ["maxpool", "layer1", "layer2", "layer3", "layer4"]
+    if isinstance(model, VGG):
+        return [f"features.{i}" for i, m in enumerate(model.trunk) if isinstance(m, nn.MaxPool2d)]
+    raise TypeError(f"no conv-stage map for {type(model).__name__}; add one in feddg/models/stages.py")

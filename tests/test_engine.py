@@ -1,0 +1,106 @@
+import json
+
+import numpy as np
+import pytest
+
+from feddg.federation.inprocess import run_inprocess, run_round
+from feddg.federation.server import Server
+from toy import toy_federation
+
+
+def _run(tmp_path, *over, name="run"):
+    server = Server(toy_federation(*over), tmp_path / name)
+    results = run_inprocess(server)
+    return server, results
+
+
+def _without_times(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+
+
+def test_training_learns_and_writes_the_run_directory(tmp_path):
+    server, res = _run(tmp_path, "federation.rounds=4")
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert res["final"]["id_acc"] > 60  # 4 classes: chance is 25 %
+    assert set(res["final"]) >= {"id_acc/a", "id_acc/b", "ood_acc/c", "ood_acc"}
+    assert rows[0]["bytes_up"] > 0 and rows[0]["bytes_down"] > 0
+    assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "results.json").is_file()
+
+
+def test_bytes_are_counted_from_the_messages(tmp_path):
+    server, _ = _run(tmp_path, "federation.rounds=1")
+    n_params = sum(v.numel() for v in server.fed.model.state_dict().values() if v.dtype.is_floating_point)
+    row = server.metrics[0]
+    # 4 clients each receive and send all float32 weights (plus small scalars and key names)
+    assert 4 * 4 * n_params < row["bytes_down"] < 4 * 4 * n_params + 4 * 600
+    assert 4 * 4 * n_params < row["bytes_up"] < 4 * 4 * n_params + 4 * 600
+
+
+def test_same_seed_same_metrics_other_seed_differs(tmp_path):
+    a, _ = _run(tmp_path, name="a")
+    b, _ = _run(tmp_path, name="b")
+    c, _ = _run(tmp_path, "seed=1", name="c")
+    assert _without_times(a.metrics) == _without_times(b.metrics)
+    assert _without_times(a.metrics) != _without_times(c.metrics)
+
+
+def test_resume_after_a_crash_gives_the_uninterrupted_result(tmp_path):
+    full, _ = _run(tmp_path, "federation.rounds=4", name="full")
+    crashed = Server(toy_federation("federation.rounds=4"), tmp_path / "crash")
+    crashed.mark_setup_done()
+    for r in (1, 2):
+        run_round(crashed, r)
+    crashed.configure(3)  # killed in the middle of round 3: nothing of it is saved
+    resumed = Server(toy_federation("federation.rounds=4"), tmp_path / "crash", resume=True)
+    assert resumed.round == 2
+    run_inprocess(resumed)
+    assert _without_times(resumed.metrics) == _without_times(full.metrics)
+    final_full, final_resumed = full.state["weights"], resumed.state["weights"]
+    assert all(np.array_equal(final_full[k], final_resumed[k]) for k in final_full)
+
+
+def test_fedprox_equals_fedavg_at_mu_zero_and_differs_otherwise(tmp_path):
+    avg, _ = _run(tmp_path, name="avg")
+    prox0, _ = _run(tmp_path, "method.name=fedprox", "method.params.mu=0.0", name="p0")
+    prox1, _ = _run(tmp_path, "method.name=fedprox", "method.params.mu=1.0", name="p1")
+    w_avg, w0, w1 = (s.state["weights"] for s in (avg, prox0, prox1))
+    assert all(np.array_equal(w_avg[k], w0[k]) for k in w_avg)
+    assert max(float(np.abs(w_avg[k] - w1[k]).max()) for k in w_avg) > 1e-4
+
+
+def test_client_sampling_fraction(tmp_path):
+    server, _ = _run(tmp_path, "federation.client_fraction=0.5", "federation.rounds=2")
+    assert [m["clients"] for m in server.metrics] == [2, 2]
+
+
+def test_a_reply_that_breaks_the_contract_is_rejected(tmp_path):
+    import torch
+
+    fed = toy_federation()
+    original = fed.method.client_update
+
+    def leaky(model, msg, state, ctx):
+        reply, st = original(model, msg, state, ctx)
+        return {**reply, "raw": torch.zeros(1)}, st
+
+    fed.method.client_update = leaky
+    with pytest.raises(TypeError, match="raw"):
+        run_inprocess(Server(fed, tmp_path / "x"))
+
+
+def test_worker_processes_match_the_sequential_path(tmp_path, cache_dir):
+    """Warm workers rebuild the federation from the config and exchange only messages."""
+    from feddg.config import build_config
+    from feddg.federation.setup import build_federation
+
+    over = ["data.max_per_domain=60", "partition.num_clients=3", "federation.rounds=2", "model.name=lenet",
+            "split.target=uci", f"data.cache_dir={cache_dir}", "device=cpu"]
+    seq = Server(build_federation(build_config({}, over)), tmp_path / "seq")
+    run_inprocess(seq)
+    par = Server(build_federation(build_config({}, [*over, "federation.workers=2"])), tmp_path / "par")
+    run_inprocess(par)
+    assert [m["round"] for m in par.metrics] == [1, 2]
+    for k, v in seq.state["weights"].items():
+        np.testing.assert_allclose(par.state["weights"][k], v, rtol=1e-4, atol=1e-5, err_msg=k)

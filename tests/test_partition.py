@@ -1,0 +1,350 @@
+"""Tests of the client partitioners' arithmetic (feddg.data.partition)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import pytest
+
+from feddg.data.partition import (
+    _PARAM_CHECKS,
+    PARTITIONERS,
+    Partition,
+    assign_domains,
+    d_allocation,
+    lambda_counts,
+    lambda_partition,
+    make_partition,
+)
+
+
+def make_data(domain_sizes: list[int], num_classes: int = 5, target_size: int = 7, seed: int = 0):
+    """Synthetic dataset: domain 0 is a held-out target (so source indices are not 0..n-1),
+    domains 1.. are the sources with the given sizes, labels random."""
+    sizes = [target_size, *domain_sizes]
+    domain_ids = np.repeat(np.arange(len(sizes)), sizes)
+    labels = np.random.default_rng(seed).integers(0, num_classes, len(domain_ids))
+    perm = np.random.default_rng(seed + 1).permutation(len(domain_ids))  # interleave domains
+    domain_ids, labels = domain_ids[perm], labels[perm]
+    source_idx = np.flatnonzero(domain_ids != 0)
+    return source_idx, domain_ids, labels
+
+
+def domain_counts(p: Partition, domain_ids: np.ndarray, domains: list[int]) -> np.ndarray:
+    """``[num_clients, len(domains)]`` sample counts."""
+    return np.array([[np.sum(domain_ids[ix] == d) for d in domains] for ix in p.client_indices])
+
+
+# kind, params, num_clients -- every registered partitioner appears at least once
+CASES: list[tuple[str, dict[str, Any], int]] = [
+    ("iid", {}, 7),
+    ("by_domain", {}, 6),
+    ("lambda", {"lam": 0.0}, 5),
+    ("lambda", {"lam": 0.1}, 7),
+    ("lambda", {"lam": 0.37}, 2),
+    ("lambda", {"lam": 1.0}, 9),
+    ("d_allocation", {"d": 1}, 5),
+    ("d_allocation", {"d": 2}, 4),
+    ("d_allocation", {"d": 3}, 7),
+    ("d_allocation", {"d": 2, "shuffle_clients": True}, 3),
+    ("dirichlet_domains", {"alpha": 0.5}, 4),
+    ("dirichlet_labels", {"alpha": 0.3}, 6),
+]
+SIZES = [[40, 25, 61], [100, 100, 100], [13, 200, 57]]
+
+
+def test_cases_cover_every_partitioner() -> None:
+    assert {kind for kind, _, _ in CASES} == set(PARTITIONERS)
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("kind,params,num_clients", CASES)
+def test_no_sample_lost_or_duplicated(kind: str, params: dict[str, Any], num_clients: int, sizes: list[int]) -> None:
+    for seed in range(4):
+        source_idx, domain_ids, labels = make_data(sizes, seed=seed)
+        p = make_partition(kind, source_idx, domain_ids, labels, num_clients, np.random.default_rng(seed), **params)
+        assert p.num_clients == num_clients == len(p.client_domains)
+        everything = np.concatenate(p.client_indices)
+        assert len(everything) == len(source_idx)  # no sample twice ...
+        assert np.array_equal(np.sort(everything), np.sort(source_idx))  # ... none lost, none foreign
+        for ix in p.client_indices:
+            assert ix.dtype == np.int64 and len(ix) > 0
+            assert np.all(np.diff(ix) > 0)  # sorted
+
+
+@pytest.mark.parametrize("kind,params,num_clients", CASES)
+def test_same_seed_same_partition(kind: str, params: dict[str, Any], num_clients: int) -> None:
+    source_idx, domain_ids, labels = make_data(SIZES[0])
+
+    def run(seed: int) -> Partition:
+        return make_partition(kind, source_idx, domain_ids, labels, num_clients, np.random.default_rng(seed), **params)
+
+    a, b, c = run(3), run(3), run(4)
+    assert a.client_domains == b.client_domains
+    assert all(np.array_equal(x, y) for x, y in zip(a.client_indices, b.client_indices))
+    assert not all(np.array_equal(x, y) for x, y in zip(a.client_indices, c.client_indices))
+
+
+# --------------------------------------------------------------------------- iid, by_domain
+
+
+def test_iid_sizes_differ_by_at_most_one() -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    p = make_partition("iid", source_idx, domain_ids, labels, 8, np.random.default_rng(0))
+    sizes = [len(ix) for ix in p.client_indices]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_by_domain_gives_each_domain_its_own_clients() -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    p = make_partition("by_domain", source_idx, domain_ids, labels, 6, np.random.default_rng(0))
+    assert p.client_domains == [[1], [1], [2], [2], [3], [3]]
+    for ix, (d,) in zip(p.client_indices, p.client_domains):
+        assert set(domain_ids[ix]) == {d}
+    assert [len(ix) for ix in p.client_indices] == [20, 20, 13, 12, 31, 30]
+
+
+def test_by_domain_one_domain_per_client() -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    p = make_partition("by_domain", source_idx, domain_ids, labels, 3, np.random.default_rng(0))
+    assert [len(ix) for ix in p.client_indices] == [40, 25, 61]
+
+
+# ------------------------------------------------------------ lambda: HFedATM supplement eq. 7
+
+
+def test_assign_domains_fewer_domains_than_clients() -> None:
+    # start one client per domain; extra clients go to argmax n_d / k_d: 50/1 -> d0, then 30/1 -> d1
+    a = assign_domains(np.array([50, 30, 20]), 5)
+    assert a.tolist() == [
+        [True, True, False, False, False],
+        [False, False, True, True, False],
+        [False, False, False, False, True],
+    ]
+
+
+def test_assign_domains_more_domains_than_clients() -> None:
+    # largest first to the least-loaded client: 40->c0, 30->c1, 20->c1 (30<40), 10->c0 (40<50)
+    a = assign_domains(np.array([10, 40, 30, 20]), 2)
+    assert a.tolist() == [[True, False], [True, False], [False, True], [False, True]]
+
+
+def test_lambda_counts_match_eq7_by_hand() -> None:
+    # n = (60, 40), C = 4, D_c = (0, 0, 1, 1), lam = 0.5:
+    # n_{0,c} = 0.5*60/4 + 0.5*60/2 = 22.5 for c in {0,1}, 7.5 otherwise; n_{1,c} = 5 or 5+10 = 15
+    assigned = assign_domains(np.array([60, 40]), 4)
+    expected = lambda_counts(np.array([60, 40]), assigned, 0.5)
+    np.testing.assert_allclose(expected, [[22.5, 22.5, 7.5, 7.5], [5, 5, 15, 15]])
+    source_idx, domain_ids, labels = make_data([60, 40])
+    p = lambda_partition(source_idx, domain_ids, labels, 4, np.random.default_rng(0), lam=0.5)
+    counts = domain_counts(p, domain_ids, [1, 2]).T
+    assert np.all(np.abs(counts - expected) < 1)
+    assert counts.sum(axis=1).tolist() == [60, 40]
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.1, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("sizes,num_clients", [([40, 25, 61], 7), ([13, 200, 57, 90, 31], 3), ([100, 100], 10)])
+def test_lambda_counts_within_one_of_eq7(lam: float, sizes: list[int], num_clients: int) -> None:
+    source_idx, domain_ids, labels = make_data(sizes)
+    p = lambda_partition(source_idx, domain_ids, labels, num_clients, np.random.default_rng(1), lam=lam)
+    expected = lambda_counts(np.array(sizes), assign_domains(np.array(sizes), num_clients), lam)
+    counts = domain_counts(p, domain_ids, list(range(1, len(sizes) + 1))).T
+    assert np.all(np.abs(counts - expected) < 1)
+
+
+@pytest.mark.parametrize("sizes,num_clients", [([40, 25, 61], 7), ([13, 200, 57, 90, 31], 3), ([500, 300], 10)])
+def test_lambda_one_is_iid_over_domains(sizes: list[int], num_clients: int) -> None:
+    """lam = 1: every client holds n_d / C of every domain, up to rounding (±1 sample)."""
+    source_idx, domain_ids, labels = make_data(sizes)
+    p = lambda_partition(source_idx, domain_ids, labels, num_clients, np.random.default_rng(0), lam=1.0)
+    counts = domain_counts(p, domain_ids, list(range(1, len(sizes) + 1)))
+    share = np.array(sizes) / num_clients
+    assert np.all(np.abs(counts - share) < 1)
+    assert np.all(counts.max(axis=0) - counts.min(axis=0) <= 1)
+
+
+@pytest.mark.parametrize("sizes,num_clients", [([40, 25, 61], 7), ([13, 200, 57, 90, 31], 3), ([40, 25, 61], 3)])
+def test_lambda_zero_gives_only_assigned_domains(sizes: list[int], num_clients: int) -> None:
+    source_idx, domain_ids, labels = make_data(sizes)
+    p = lambda_partition(source_idx, domain_ids, labels, num_clients, np.random.default_rng(0), lam=0.0)
+    for ix, assigned in zip(p.client_indices, p.client_domains):
+        assert sorted(set(domain_ids[ix].tolist())) == assigned
+    holders = {d: sum(d in ds for ds in p.client_domains) for d in range(1, len(sizes) + 1)}
+    for d, k in holders.items():  # 1 - lam = 1 of the domain shared equally among its holders
+        shares = [np.sum(domain_ids[ix] == d) for ix, ds in zip(p.client_indices, p.client_domains) if d in ds]
+        assert len(shares) == k and max(shares) - min(shares) <= 1
+
+
+def test_lambda_small_spreads_a_little_of_every_domain() -> None:
+    """lam = 0.1 (PARDON default): each client's non-assigned domains are lam * n_d / C."""
+    source_idx, domain_ids, labels = make_data([400, 400, 400])
+    p = lambda_partition(source_idx, domain_ids, labels, 4, np.random.default_rng(0), lam=0.1)
+    counts = domain_counts(p, domain_ids, [1, 2, 3])
+    for c, assigned in enumerate(p.client_domains):
+        for k, d in enumerate([1, 2, 3]):
+            if d not in assigned:
+                assert counts[c, k] == 10  # 0.1 * 400 / 4
+
+
+# ----------------------------------------------------------------- d-allocation: hFedF Alg. 5
+
+
+@pytest.mark.parametrize("num_domains", [2, 3, 5])
+@pytest.mark.parametrize("num_clients", [1, 2, 3, 4, 7])
+def test_d_allocation_exactly_d_distinct_domains(num_domains: int, num_clients: int) -> None:
+    sizes = [30 + 11 * k for k in range(num_domains)]
+    source_idx, domain_ids, labels = make_data(sizes)
+    for d in range(1, num_domains + 1):
+        if num_clients * d < num_domains:
+            continue
+        p = d_allocation(source_idx, domain_ids, labels, num_clients, np.random.default_rng(d), d=d)
+        for ix, doms in zip(p.client_indices, p.client_domains):
+            assert len(doms) == d
+            assert sorted(set(domain_ids[ix].tolist())) == doms
+
+
+def test_d_allocation_figure_2b_example() -> None:
+    """hFedF Fig. 2b: 3 domains, 2 clients, d = 2; the largest domain is split into 2 parts.
+
+    a = floor(2*2/3) = 1, b = 4 mod 3 = 1: domain 2 (the largest, 50) gets a+1 = 2 parts.
+    Pass 1: client 0 takes domain 1 (whole), client 1 the first half of domain 2.
+    Pass 2: client 0 takes the second half of domain 2, client 1 domain 3 (whole).
+    """
+    source_idx, domain_ids, labels = make_data([30, 50, 20])
+    p = d_allocation(source_idx, domain_ids, labels, 2, np.random.default_rng(0), d=2)
+    assert p.client_domains == [[1, 2], [2, 3]]
+    assert domain_counts(p, domain_ids, [1, 2, 3]).tolist() == [[30, 25, 0], [0, 25, 20]]
+
+
+def test_d_allocation_hfedf_setting_clients_equal_domains() -> None:
+    """N = |Z_src| = 3 (hFedF §5.1), d = 2: a = 2, b = 0, every domain halved; parts taken
+    in domain order go to clients 0,1,2,0,1,2."""
+    source_idx, domain_ids, labels = make_data([40, 60, 80])
+    p = d_allocation(source_idx, domain_ids, labels, 3, np.random.default_rng(0), d=2)
+    assert p.client_domains == [[1, 2], [1, 3], [2, 3]]
+    assert domain_counts(p, domain_ids, [1, 2, 3]).tolist() == [[20, 30, 0], [20, 0, 40], [0, 30, 40]]
+
+
+@pytest.mark.parametrize("num_clients,d", [(4, 2), (5, 2), (7, 3), (5, 1), (6, 4), (8, 3)])
+def test_d_allocation_parts_per_domain(num_clients: int, d: int) -> None:
+    """The b largest domains are cut into a + 1 equal parts, the others into a (Alg. 5)."""
+    sizes = [31, 77, 45, 90, 58]
+    source_idx, domain_ids, labels = make_data(sizes)
+    p = d_allocation(source_idx, domain_ids, labels, num_clients, np.random.default_rng(0), d=d)
+    a, b = divmod(num_clients * d, len(sizes))
+    largest = set(np.argsort(sizes)[::-1][:b].tolist())
+    counts = domain_counts(p, domain_ids, [1, 2, 3, 4, 5])
+    for k, n in enumerate(sizes):
+        parts = counts[:, k][counts[:, k] > 0]
+        assert len(parts) == (a + 1 if k in largest else a)
+        assert parts.max() - parts.min() <= 1 and parts.sum() == n
+
+
+def test_d_allocation_shuffle_only_relabels_clients() -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    plain = d_allocation(source_idx, domain_ids, labels, 5, np.random.default_rng(2), d=2)
+    shuffled = d_allocation(source_idx, domain_ids, labels, 5, np.random.default_rng(2), d=2, shuffle_clients=True)
+    assert {tuple(ix) for ix in plain.client_indices} == {tuple(ix) for ix in shuffled.client_indices}
+    assert [tuple(ix) for ix in plain.client_indices] != [tuple(ix) for ix in shuffled.client_indices]
+
+
+# ---------------------------------------------------------------------------- Dirichlet
+
+
+def test_dirichlet_domains_huge_alpha_is_uniform() -> None:
+    source_idx, domain_ids, labels = make_data([1000, 800, 1200])
+    p = make_partition("dirichlet_domains", source_idx, domain_ids, labels, 4, np.random.default_rng(0), alpha=1e6)
+    counts = domain_counts(p, domain_ids, [1, 2, 3])
+    np.testing.assert_allclose(counts / counts.sum(axis=0), 0.25, atol=0.01)
+
+
+def test_dirichlet_domains_tiny_alpha_is_concentrated() -> None:
+    source_idx, domain_ids, labels = make_data([100] * 6)
+    p = make_partition("dirichlet_domains", source_idx, domain_ids, labels, 3, np.random.default_rng(0), alpha=1e-3)
+    counts = domain_counts(p, domain_ids, list(range(1, 7)))
+    assert np.all(counts.max(axis=0) / counts.sum(axis=0) >= 0.99)
+
+
+def class_counts(p: Partition, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    return np.array([np.bincount(labels[ix], minlength=num_classes) for ix in p.client_indices])
+
+
+def test_dirichlet_labels_huge_alpha_is_uniform() -> None:
+    source_idx, domain_ids, labels = make_data([1500, 1500], num_classes=4)
+    p = make_partition("dirichlet_labels", source_idx, domain_ids, labels, 3, np.random.default_rng(0), alpha=1e6)
+    counts = class_counts(p, labels, 4)
+    np.testing.assert_allclose(counts / counts.sum(axis=0), 1 / 3, atol=0.01)
+
+
+def test_dirichlet_labels_tiny_alpha_is_concentrated() -> None:
+    source_idx, domain_ids, labels = make_data([400, 400], num_classes=8)
+    p = make_partition("dirichlet_labels", source_idx, domain_ids, labels, 3, np.random.default_rng(0), alpha=1e-3)
+    counts = class_counts(p, labels, 8)
+    assert np.all(counts.max(axis=0) / counts.sum(axis=0) >= 0.99)
+
+
+@pytest.mark.parametrize("kind", ["dirichlet_domains", "dirichlet_labels"])
+def test_dirichlet_guard_raises_when_clients_stay_empty(kind: str) -> None:
+    # 2 domains / 2 classes, each put on ~one client: 6 clients can never all be fed
+    source_idx, domain_ids, labels = make_data([100, 100], num_classes=2)
+    with pytest.raises(ValueError, match="empty in all 5 draws"):
+        make_partition(kind, source_idx, domain_ids, labels, 6, np.random.default_rng(0), alpha=1e-4, max_tries=5)
+
+
+# ------------------------------------------------------------------------ make_partition
+
+
+@pytest.mark.parametrize(
+    "kind,num_clients,params,match",
+    [
+        ("nope", 3, {}, "unknown partition kind 'nope'"),
+        ("iid", 3, {"lam": 0.5}, "takes no parameter 'lam'"),
+        ("lambda", 3, {"alpha": 1.0}, "takes no parameter 'alpha'"),
+        ("lambda", 3, {}, "needs parameter 'lam'"),
+        ("lambda", 3, {"lam": 1.5}, "lam must be a number in"),
+        ("lambda", 3, {"lam": "0.1"}, "lam must be a number in"),
+        ("dirichlet_labels", 3, {"alpha": 0.0}, "alpha must be a number > 0"),
+        ("dirichlet_domains", 3, {"alpha": 1.0, "max_tries": 0}, "max_tries must be an integer"),
+        ("d_allocation", 3, {"d": 0}, "d must be an integer >= 1"),
+        ("d_allocation", 3, {"d": 1.5}, "d must be an integer >= 1"),
+        ("d_allocation", 3, {"d": 4}, r"d must be in \[1, 3\]"),
+        ("d_allocation", 2, {"d": 1}, "below the 3 source domains"),
+        ("iid", 0, {}, "num_clients must be >= 1"),
+        ("iid", 10_000, {}, "exceeds the 126 source samples"),
+        ("by_domain", 4, {}, "multiple of the 3 source domains"),
+    ],
+)
+def test_make_partition_rejects_bad_input(kind: str, num_clients: int, params: dict[str, Any], match: str) -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    with pytest.raises(ValueError, match=match):
+        make_partition(kind, source_idx, domain_ids, labels, num_clients, np.random.default_rng(0), **params)
+
+
+def test_rejects_duplicate_source_indices() -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    with pytest.raises(ValueError, match="duplicate"):
+        make_partition("iid", np.r_[source_idx, source_idx[:1]], domain_ids, labels, 3, np.random.default_rng(0))
+
+
+def test_rejects_partitions_with_empty_clients() -> None:
+    source_idx, domain_ids, labels = make_data([2, 200, 50])  # 3 clients for a 2-sample domain
+    with pytest.raises(ValueError, match="received no samples"):
+        make_partition("by_domain", source_idx, domain_ids, labels, 9, np.random.default_rng(0))
+
+
+def test_lambda_one_balances_leftover_samples_across_clients() -> None:
+    """With lam = 1 every domain leaves the same fractional share; leftovers rotate over
+    clients, so client totals differ by at most 1 as in a plain iid split."""
+    source_idx, domain_ids, labels = make_data([2, 2, 2, 2, 2, 2])
+    p = lambda_partition(source_idx, domain_ids, labels, 4, np.random.default_rng(0), lam=1.0)
+    sizes = [len(ix) for ix in p.client_indices]
+    assert sorted(sizes) == [3, 3, 3, 3]
+
+
+def test_every_keyword_parameter_has_a_check() -> None:
+    for fn in PARTITIONERS.values():
+        for name, p in inspect.signature(fn).parameters.items():
+            if p.kind is p.KEYWORD_ONLY:
+                assert name in _PARAM_CHECKS, f"{fn.__name__}: no check for {name!r}"

@@ -1,0 +1,30 @@
+import math
+
+import pytest
+
+from feddg.federation.rounds import client_generator, derived_seed, learning_rate, sample_clients
+
+
+def test_sampling_is_seeded_sized_and_distinct():
+    a = sample_clients(100, 0.2, seed=3, round=5)
+    assert a == sample_clients(100, 0.2, seed=3, round=5)
+    assert len(a) == 20 and len(set(a)) == 20 and a == sorted(a)
+    assert a != sample_clients(100, 0.2, seed=3, round=6)
+    assert sample_clients(10, 1.0, 0, 1) == list(range(10))
+    assert len(sample_clients(3, 0.01, 0, 1)) == 1
+
+
+def test_derived_seeds_differ_per_key_and_generators_repeat():
+    assert derived_seed(0, 1, 2) != derived_seed(0, 2, 1)
+    g1, g2 = client_generator(0, 1, 2), client_generator(0, 1, 2)
+    assert g1.initial_seed() == g2.initial_seed()
+
+
+def test_learning_rate_schedules():
+    assert learning_rate(0.1, "constant", 7, 10) == 0.1
+    assert learning_rate(0.1, "cosine", 1, 10) == pytest.approx(0.1)
+    assert learning_rate(0.1, "cosine", 6, 10) == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert learning_rate(0.1, "step", 10, 30, step_size=10, gamma=0.5) == pytest.approx(0.1)
+    assert learning_rate(0.1, "step", 11, 30, step_size=10, gamma=0.5) == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        learning_rate(0.1, "warmup", 1, 10)

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from feddg.models import create_model
+from feddg.models.stages import conv_stages
+
+MODELS = ["cnn", "lenet", "hfedf-cnn", "alexnet", "resnet18", "vgg11"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_stage_is_called_once_with_a_feature_map(name):
+    model = create_model(name, num_classes=10, in_channels=3, image_size=32).eval()
+    names = conv_stages(model)
+    modules = dict(model.named_modules())
+    calls: dict[str, list[tuple[int, ...]]] = {n: [] for n in names}
+    hooks = [modules[n].register_forward_hook(lambda m, i, o, n=n: calls[n].append(tuple(o.shape))) for n in names]
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    for h in hooks:
+        h.remove()
+    assert all(len(c) == 1 and len(c[0]) == 4 and c[0][0] == 2 for c in calls.values()), calls
+    # stages run in forward order: spatial size never grows
+    sizes = [calls[n][0][2] for n in names]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_unknown_model_is_rejected():
+    with pytest.raises(TypeError, match="stages.py"):
+        conv_stages(torch.nn.Linear(2, 2))
