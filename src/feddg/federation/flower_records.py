@@ -1,0 +1,70 @@
+"""Lossless conversion between a feddg :data:`~feddg.messages.Message` and Flower records.
+
+A Message becomes four records of a ``RecordDict`` (names prefixed, so several Messages, e.g.
+the client states of several clients in one ``Context.state``, can share one RecordDict):
+
+=================  ==============  ===================================================
+record             Flower type     holds
+=================  ==============  ===================================================
+``<p>arrays``      ArrayRecord     every ``np.ndarray`` (``np.save`` bytes: dtype and
+                                   shape are kept, 0-d arrays included)
+``<p>numbers``     MetricRecord    ints stay ints (sint64), floats stay floats (double)
+``<p>text``        ConfigRecord    strings
+``<p>layout``      ConfigRecord    ``order``: the Message's keys in their original order
+=================  ==============  ===================================================
+
+NumPy scalars (``np.int64``, ``np.float32``) arrive as Python ``int`` / ``float`` of the same
+value; everything else round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from feddg.messages import Message, validate_message
+
+ARRAYS, NUMBERS, TEXT, LAYOUT = "arrays", "numbers", "text", "layout"
+
+
+def put_message(records: RecordDict, msg: Message, prefix: str = "") -> RecordDict:
+    """Write ``msg`` into ``records`` under ``prefix`` (replacing what was there); returns ``records``."""
+    validate_message(msg)
+    arrays, numbers, text = ArrayRecord(), MetricRecord(), ConfigRecord()
+    for key, value in msg.items():
+        if isinstance(value, np.ndarray):
+            arrays[key] = Array(value)
+        elif isinstance(value, str):
+            text[key] = value
+        elif isinstance(value, (int, np.integer)):
+            numbers[key] = int(value)
+        else:
+            numbers[key] = float(value)
+    records[prefix + ARRAYS] = arrays
+    records[prefix + NUMBERS] = numbers
+    records[prefix + TEXT] = text
+    records[prefix + LAYOUT] = ConfigRecord({"order": list(msg)})
+    return records
+
+
+def message_records(msg: Message, prefix: str = "") -> RecordDict:
+    """A new RecordDict holding ``msg``."""
+    return put_message(RecordDict(), msg, prefix)
+
+
+def get_message(records: RecordDict, prefix: str = "") -> Message:
+    """The Message stored under ``prefix``; ``{}`` if there is none (a client's first round)."""
+    if prefix + LAYOUT not in records:
+        return {}
+    arrays = records.array_records[prefix + ARRAYS]
+    numbers = records.metric_records[prefix + NUMBERS]
+    text = records.config_records[prefix + TEXT]
+    out: Message = {}
+    for key in records.config_records[prefix + LAYOUT]["order"]:
+        if key in arrays:
+            out[key] = arrays[key].numpy()
+        elif key in numbers:
+            out[key] = numbers[key]
+        else:
+            out[key] = text[key]
+    return out
