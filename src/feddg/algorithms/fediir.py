@@ -1,0 +1,128 @@
+"""FedIIR (Guo et al., ICML 2023): federated learning of *implicit invariant relationships*.
+
+The server keeps ``ḡ``, an EMA-smoothed mean of the clients' gradients of the loss with respect to
+the classifier's parameters; each client adds a penalty on the squared distance between its own
+classifier gradient and that mean (the official code's ``update``):
+
+    L_k = CE + γ · Σ_params ‖∇_w CE_k(batch) − ḡ‖²,     ḡ ← β ḡ + (1 − β) · mean over batches of ∇_w CE
+
+with ``γ = penalty`` and ``β = ema``. The mean is over the batches of all participating clients at
+the global model (their ``mean_grad``). With one message exchange per round, each client computes
+its batch gradients at the model it receives, *before* training, and sends their sum; the server
+folds them into ``ḡ`` at aggregation, so round ``t``'s penalty uses gradients up to round ``t − 1``
+(the official code computes round ``t``'s gradients first, in a second pass over all clients).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, autograd, nn
+
+from feddg.algorithms.base import ClientContext, ClientState, Method, Params, Reply, ServerContext, ServerState
+from feddg.algorithms.local import train_local
+from feddg.messages import Message, load_weights, subset, weights_of
+
+MEAN_PREFIX = "iir/"  # server -> client: ḡ per classifier parameter
+GRAD_PREFIX = "grad/"  # client -> server: Σ over its batches of the classifier gradient
+BATCHES = "grad_batches"  # client -> server: number of those batches
+
+
+class FedIIRParams(Params):
+    penalty: float = Field(1e-3, ge=0, description="γ, weight of the gradient-alignment penalty")
+    ema: float = Field(0.95, ge=0, lt=1, description="β, EMA factor of the server's mean classifier gradient")
+
+
+def classifier(model: nn.Module) -> nn.Module:
+    head = getattr(model, "classifier", None)
+    if not isinstance(head, nn.Module):
+        raise TypeError("FedIIR needs a model with a `classifier` head (a zoo model)")
+    return head
+
+
+def gradient_penalty(grads: tuple[Tensor, ...], mean: list[Tensor]) -> Tensor:
+    """``Σ_params ‖g − ḡ‖²``."""
+    return sum(((g - m) ** 2).sum() for g, m in zip(grads, mean, strict=True))
+
+
+def ema_update(old: dict[str, np.ndarray], new: dict[str, np.ndarray], beta: float) -> dict[str, np.ndarray]:
+    """``β · old + (1 − β) · new`` per parameter."""
+    return {k: (beta * old[k] + (1.0 - beta) * new[k]).astype(old[k].dtype) for k in old}
+
+
+def batch_gradient_sum(model: nn.Module, ctx: ClientContext) -> tuple[dict[str, np.ndarray], int]:
+    """Σ over the client's batches of ``∇_classifier CE`` at the current weights, and the batch count.
+
+    Runs in training mode like the official code (BatchNorm running statistics are restored after), over
+    the client's data in order and without augmentation, so it draws nothing from the client's random stream.
+    """
+    head = classifier(model)
+    names, params = zip(*head.named_parameters(), strict=True)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    total = [torch.zeros_like(p) for p in params]
+    batches = 0
+    model.train()
+    for x, y in ctx.batches(shuffle=False, train=False):
+        grads = autograd.grad(F.cross_entropy(model(x), y), params)
+        total = [t + g for t, g in zip(total, grads, strict=True)]
+        batches += 1
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(buffers[k])
+    return {n: t.detach().cpu().numpy() for n, t in zip(names, total, strict=True)}, batches
+
+
+class FedIIR(Method):
+    name = "fediir"
+    Params = FedIIRParams
+    search_space = {"penalty": [1e-2, 5e-3, 1e-3, 5e-4, 1e-4], "ema": [0.90, 0.95, 0.99]}
+
+    @property
+    def iir_params(self) -> FedIIRParams:
+        assert isinstance(self.params, FedIIRParams)
+        return self.params
+
+    def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
+        mean = {n: np.zeros_like(p.detach().cpu().numpy()) for n, p in classifier(model).named_parameters()}
+        return {"weights": weights_of(model), "grad_mean": mean}
+
+    def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
+        return {**state["weights"], **{MEAN_PREFIX + k: v for k, v in state["grad_mean"].items()}}
+
+    def client_update(
+        self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        load_weights(model, msg)
+        head = classifier(model)
+        names = [n for n, _ in head.named_parameters()]
+        mean = [torch.from_numpy(np.asarray(msg[MEAN_PREFIX + n])).to(ctx.device) for n in names]
+        grad_sum, batches = batch_gradient_sum(model, ctx)
+        params = list(head.parameters())
+        gamma = self.iir_params.penalty
+
+        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+            erm = F.cross_entropy(m(x), y)
+            grads = autograd.grad(erm, params, create_graph=True)
+            return erm + gamma * gradient_penalty(grads, mean)
+
+        loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
+        reply = {
+            **weights_of(model),
+            **{GRAD_PREFIX + k: v for k, v in grad_sum.items()},
+            BATCHES: batches,
+            "num_examples": ctx.num_examples,
+            "train_loss": loss,
+        }
+        return reply, client_state
+
+    def aggregate(self, state: ServerState, replies: list[Reply]) -> ServerState:
+        """FedAvg of the weights; ``ḡ ← β ḡ + (1 − β) Σ_k grad_sum_k / Σ_k batches_k``."""
+        state = super().aggregate(state, replies)
+        batches = sum(int(r.message[BATCHES]) for r in replies)
+        if batches == 0:
+            return state
+        new = {k: sum(np.asarray(subset(r.message, GRAD_PREFIX)[k], np.float64) for r in replies) / batches
+               for k in state["grad_mean"]}
+        return {**state, "grad_mean": ema_update(state["grad_mean"], new, self.iir_params.ema)}

@@ -1,0 +1,150 @@
+"""FedSR (Nguyen, Torr & Lim, NeurIPS 2022): a simple, probabilistic representation for FedDG.
+
+The featurizer outputs the mean and (pre-softplus) scale of a Gaussian representation,
+``z = μ(x) + softplus(s(x)) · ε`` with ``ε ~ N(0, I)`` (their §3.1), and the local objective is
+
+    CE(classifier(z), y) + λ_L2R · E‖z‖₂ + λ_CMI · KL(p(z|x) ‖ r(z|y))                (their eqs. 5–8)
+
+where the conditional mutual-information bound uses a learned class-conditional Gaussian reference
+``r(z|y) = N(r_μ[y], softplus(r_σ[y])²)``, compared with ``p(z|x)`` scaled by a learned scalar ``c``
+(their code: ``z_mu * C``, ``z_sigma * C``). The reference ``(r_μ, r_σ, c)`` is client state: it is
+trained with the model but never leaves the client. Server: FedAvg. Test time: the softmax averaged
+over ``num_samples`` draws of ``z``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from feddg.algorithms.base import ClientContext, ClientState, Method, Params
+from feddg.algorithms.local import make_optimizer
+from feddg.messages import Message, load_weights, weights_of
+from feddg.models.base import FedModel
+
+REF_KEYS = ("ref/mu", "ref/sigma", "ref/scale")
+
+
+class FedSRParams(Params):
+    l2r: float = Field(1e-2, ge=0, description="λ_L2R, weight of E‖z‖₂")
+    cmi: float = Field(5e-4, ge=0, description="λ_CMI, weight of KL(p(z|x) ‖ r(z|y))")
+    z_dim: int | None = Field(None, ge=1, description="size of z (default: the zoo model's feature_dim)")
+    num_samples: int = Field(20, ge=1, description="Monte-Carlo draws of z at test time")
+
+
+class FedSRNet(FedModel):
+    """A zoo model whose last linear layer outputs ``2·z_dim`` Gaussian parameters, then a linear classifier.
+
+    ``features(x)`` draws ``z`` in training mode and returns the mean ``μ`` in eval mode (FedSR's
+    :meth:`FedSR.predict` averages over draws instead).
+    """
+
+    def __init__(self, net: FedModel, z_dim: int | None = None) -> None:
+        super().__init__()
+        head_name, head = _last_linear(net)
+        self.z_dim = z_dim or net.feature_dim
+        self.feature_dim = self.z_dim
+        _set_module(net, head_name, nn.Linear(head.in_features, 2 * self.z_dim))
+        self.net = net
+        self.classifier = nn.Linear(self.z_dim, head.out_features)
+
+    def distribution(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(μ, σ)`` of ``p(z|x)``, ``σ = softplus(s)``."""
+        params = self.net(x)
+        return params[:, : self.z_dim], F.softplus(params[:, self.z_dim :])
+
+    def features(self, x: Tensor) -> Tensor:
+        mu, sigma = self.distribution(x)
+        return mu + sigma * torch.randn_like(mu) if self.training else mu
+
+
+def _last_linear(net: FedModel) -> tuple[str, nn.Linear]:
+    heads = [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]
+    head_root = next(n for n, m in net.named_modules() if m is net.classifier)
+    inside = [(n, m) for n, m in heads if n == head_root or n.startswith(f"{head_root}.")]
+    if not inside:
+        raise TypeError(f"{type(net).__name__}: its classifier has no nn.Linear for FedSR to widen")
+    return inside[-1]
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, module)
+
+
+def cmi_term(mu: Tensor, sigma: Tensor, scale: Tensor, r_mu: Tensor, r_sigma: Tensor) -> Tensor:
+    """``KL(N(c μ, (c σ)²) ‖ N(r_μ, r_σ²))`` summed over dimensions, per sample (FedSR eq. 8 bound)."""
+    s = sigma * scale
+    return (torch.log(r_sigma) - torch.log(s) + (s**2 + (mu * scale - r_mu) ** 2) / (2 * r_sigma**2) - 0.5).sum(1)
+
+
+def l2r_term(z: Tensor) -> Tensor:
+    """``‖z‖₂`` per sample (FedSR's L2 regulariser on the representation)."""
+    return z.norm(dim=1)
+
+
+class FedSR(Method):
+    name = "fedsr"
+    Params = FedSRParams
+    search_space = {"l2r": [1e-3, 1e-2, 1e-1], "cmi": [1e-4, 5e-4, 1e-3, 5e-3]}
+
+    @property
+    def fedsr_params(self) -> FedSRParams:
+        assert isinstance(self.params, FedSRParams)
+        return self.params
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        if not isinstance(model, FedModel):
+            raise TypeError("FedSR needs a zoo model (classifier(features(x)))")
+        return FedSRNet(model, self.fedsr_params.z_dim)
+
+    def client_update(
+        self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        assert isinstance(model, FedSRNet)
+        load_weights(model, msg)
+        p = self.fedsr_params
+        num_classes, z_dim = model.classifier.out_features, model.z_dim
+        ref = client_state or {
+            "ref/mu": torch.zeros(num_classes, z_dim).numpy(),
+            "ref/sigma": torch.ones(num_classes, z_dim).numpy(),
+            "ref/scale": torch.ones(()).numpy(),
+        }
+        r_mu, r_sigma, scale = (torch.tensor(ref[k], device=ctx.device, requires_grad=True) for k in REF_KEYS)
+        opt = make_optimizer([*model.parameters(), r_mu, r_sigma, scale], ctx.optim, float(msg["lr"]))
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        model.train()
+        sums, steps = {"loss": 0.0, "l2r": 0.0, "cmi": 0.0}, 0
+        for _ in range(ctx.local_epochs):
+            for x, y in ctx.batches():
+                if has_bn and len(y) < 2:
+                    continue
+                mu, sigma = model.distribution(x)
+                z = mu + sigma * torch.randn_like(mu)
+                l2r = l2r_term(z).mean()
+                cmi = cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean()
+                loss = F.cross_entropy(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                for k, v in (("loss", loss), ("l2r", l2r), ("cmi", cmi)):
+                    sums[k] += float(v.detach())
+                steps += 1
+        n = max(steps, 1)
+        reply = {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": sums["loss"] / n,
+                 "l2r": sums["l2r"] / n, "cmi": sums["cmi"] / n}
+        state = {k: t.detach().cpu().numpy().copy() for k, t in zip(REF_KEYS, (r_mu, r_sigma, scale), strict=True)}
+        return reply, state
+
+    def predict(self, model: nn.Module, x: Tensor) -> Tensor:
+        """``log`` of the softmax averaged over ``num_samples`` draws of ``z`` (drawn from a fixed seed,
+        so evaluation is deterministic and independent of what ran before)."""
+        assert isinstance(model, FedSRNet)
+        mu, sigma = model.distribution(x)
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        s = self.fedsr_params.num_samples
+        eps = torch.randn((s, *mu.shape), generator=gen, device=x.device, dtype=mu.dtype)
+        probs = F.softmax(model.classifier((mu + sigma * eps).reshape(-1, mu.shape[1])), dim=1)
+        return probs.reshape(s, mu.shape[0], -1).mean(0).clamp_min(1e-12).log()

@@ -1,0 +1,81 @@
+"""FedIIR: classifier-gradient penalty, the server's EMA mean, and what a client sends."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from feddg.algorithms import Reply
+from feddg.algorithms.fediir import (
+    BATCHES,
+    GRAD_PREFIX,
+    FedIIR,
+    FedIIRParams,
+    batch_gradient_sum,
+    ema_update,
+    gradient_penalty,
+)
+from feddg.algorithms.fedavg import FedAvg
+from feddg.federation.client import client_context
+from feddg.messages import weights_of
+from toy import toy_federation
+
+
+def test_penalty_is_the_squared_distance_to_the_mean_gradient():
+    grads = (torch.tensor([[1.0, 2.0]]), torch.tensor([3.0]))
+    mean = [torch.tensor([[0.0, 4.0]]), torch.tensor([1.0])]
+    assert float(gradient_penalty(grads, mean)) == pytest.approx(1 + 4 + 4)
+
+
+def test_ema_update_closed_form():
+    out = ema_update({"w": np.array([2.0, 0.0])}, {"w": np.array([0.0, 4.0])}, 0.95)
+    np.testing.assert_allclose(out["w"], [1.9, 0.2])
+
+
+def test_batch_gradient_sum_adds_per_batch_classifier_gradients_and_keeps_bn_statistics():
+    fed = toy_federation()
+    model, ctx = fed.model, client_context(fed, 0, 1)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    got, batches = batch_gradient_sum(model, ctx)
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    expected = [torch.zeros_like(p) for p in model.classifier.parameters()]
+    n = 0
+    for x, y in ctx.batches(shuffle=False, train=False):
+        model.train()
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.classifier.parameters()))
+        expected = [e + g for e, g in zip(expected, grads)]
+        n += 1
+    assert batches == n == int(np.ceil(ctx.num_examples / 16))
+    np.testing.assert_allclose(got["weight"], expected[0].numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got["bias"], expected[1].numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_server_folds_batch_weighted_client_gradients_into_the_ema():
+    method = FedIIR(FedIIRParams(ema=0.9))
+    old = {"weight": np.ones((2, 3), np.float32), "bias": np.zeros(2, np.float32)}
+    state = {"weights": {"w/a": np.zeros(1, np.float32)}, "grad_mean": old}
+    replies = [
+        Reply(0, {"w/a": np.ones(1, np.float32), "num_examples": 10, GRAD_PREFIX + "weight": np.full((2, 3), 6.0),
+                  GRAD_PREFIX + "bias": np.full(2, 2.0), BATCHES: 2}),
+        Reply(1, {"w/a": np.ones(1, np.float32), "num_examples": 30, GRAD_PREFIX + "weight": np.full((2, 3), 2.0),
+                  GRAD_PREFIX + "bias": np.full(2, 6.0), BATCHES: 2}),
+    ]
+    new = method.aggregate(state, replies)
+    np.testing.assert_allclose(new["grad_mean"]["weight"], 0.9 * 1 + 0.1 * (8 / 4))  # Σ sums / Σ batches
+    np.testing.assert_allclose(new["grad_mean"]["bias"], 0.1 * 2.0)
+    np.testing.assert_allclose(new["weights"]["w/a"], 1.0)
+
+
+def test_zero_penalty_is_fedavg_and_a_positive_one_changes_training():
+    fed = toy_federation()
+    msg = {**weights_of(fed.model), "lr": 0.1, "round": 1}
+    state = FedIIR().server_init(fed.model, None)
+    iir_msg = {**msg, **FedIIR().client_config(state, 0, 1)}
+    avg, _ = FedAvg().client_update(fed.model, dict(msg), {}, client_context(fed, 0, 1))
+    zero, _ = FedIIR(FedIIRParams(penalty=0.0)).client_update(fed.model, dict(iir_msg), {}, client_context(fed, 0, 1))
+    big, _ = FedIIR(FedIIRParams(penalty=1.0)).client_update(fed.model, dict(iir_msg), {}, client_context(fed, 0, 1))
+    keys = [k for k in avg if k.startswith("w/")]
+    assert all(np.allclose(avg[k], zero[k], atol=1e-6) for k in keys)
+    assert max(float(np.abs(avg[k] - big[k]).max()) for k in keys) > 1e-3
+    assert set(zero) == {*keys, GRAD_PREFIX + "weight", GRAD_PREFIX + "bias", BATCHES, "num_examples", "train_loss"}
+    assert zero[GRAD_PREFIX + "weight"].shape == fed.model.classifier.weight.shape

@@ -1,0 +1,77 @@
+"""FedSR: representation, regularisers against closed forms, local reference, Monte-Carlo prediction."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributions import Normal, kl_divergence
+
+from feddg.algorithms.fedsr import FedSR, FedSRNet, FedSRParams, cmi_term, l2r_term
+from feddg.federation.client import client_context
+from feddg.messages import weights_of
+from feddg.models import create_model
+from toy import ToyNet, toy_federation
+
+
+def test_cmi_term_is_the_kl_to_the_class_conditional_reference():
+    g = torch.Generator().manual_seed(0)
+    mu, sigma = torch.randn(4, 3, generator=g), torch.rand(4, 3, generator=g) + 0.1
+    r_mu, r_sigma, scale = torch.randn(4, 3, generator=g), torch.rand(4, 3, generator=g) + 0.2, torch.tensor(1.7)
+    expected = kl_divergence(Normal(mu * scale, sigma * scale), Normal(r_mu, r_sigma)).sum(1)
+    torch.testing.assert_close(cmi_term(mu, sigma, scale, r_mu, r_sigma), expected)
+    assert float(cmi_term(r_mu, r_sigma, torch.tensor(1.0), r_mu, r_sigma).abs().max()) < 1e-6
+
+
+def test_l2r_term_is_the_euclidean_norm_of_z():
+    torch.testing.assert_close(l2r_term(torch.tensor([[3.0, 4.0], [0.0, -2.0]])), torch.tensor([5.0, 2.0]))
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet18", "alexnet"])
+def test_the_featurizer_outputs_mean_and_scale_of_z(name):
+    with torch.device("meta"):
+        base = create_model(name, num_classes=7, in_channels=3, image_size=32)
+        net = FedSRNet(base, z_dim=16)
+    linears = [m for m in net.net.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears[-1].out_features == 32  # [μ, s]
+    assert (net.classifier.in_features, net.classifier.out_features, net.feature_dim) == (16, 7, 16)
+
+
+def test_features_sample_in_training_and_return_the_mean_in_eval():
+    torch.manual_seed(0)
+    net = FedSRNet(ToyNet(), z_dim=5)
+    x = torch.randn(8, 1, 6, 6)
+    net.eval()
+    mu, sigma = net.distribution(x)
+    assert (sigma > 0).all()
+    torch.testing.assert_close(net.features(x), mu)
+    net.train()
+    assert not torch.allclose(net.features(x), net.features(x))
+
+
+def test_prediction_averages_softmax_over_monte_carlo_draws():
+    torch.manual_seed(0)
+    method = FedSR(FedSRParams(num_samples=20, z_dim=5))
+    net = method.prepare_model(ToyNet()).eval()
+    x = torch.randn(6, 1, 6, 6)
+    with torch.no_grad():
+        got = method.predict(net, x)
+        mu, sigma = net.distribution(x)
+        eps = torch.randn((20, 6, 5), generator=torch.Generator().manual_seed(0))
+        expected = F.softmax(net.classifier(mu + sigma * eps), dim=2).mean(0).log()
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(method.predict(net, x), got)  # deterministic
+        net.net.classifier.bias[5:] = -1e4  # σ -> 0: a single draw is exact
+        torch.testing.assert_close(method.predict(net, x), F.log_softmax(net(x), dim=1))
+
+
+def test_client_update_keeps_the_reference_local_and_sends_only_declared_keys():
+    fed = toy_federation("method.name=fedsr")
+    method = fed.method
+    msg = {**weights_of(fed.model), "lr": 0.1, "round": 1}
+    reply, state = method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    assert set(reply) == {*weights_of(fed.model), "num_examples", "train_loss", "l2r", "cmi"}
+    assert set(state) == {"ref/mu", "ref/sigma", "ref/scale"}
+    assert state["ref/mu"].shape == (4, 16) and np.abs(state["ref/mu"]).max() > 0  # trained
+    reply2, state2 = method.client_update(fed.model, msg, state, client_context(fed, 0, 2))
+    assert not np.array_equal(state2["ref/mu"], state["ref/mu"])  # continues from its own state
+    assert reply["l2r"] > 0 and reply["cmi"] > 0

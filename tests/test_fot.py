@@ -1,0 +1,125 @@
+"""FOT alignment, HFedATM eqs. 2–6, against hand-computed and closed-form values."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from feddg.aggregation.fot import (
+    align_to_reference,
+    cost_matrix,
+    group_costs,
+    match,
+    normalise_filters,
+    plan_to_permutation,
+    resize_filters,
+    sinkhorn_plan,
+)
+from feddg.models.permutation import Axis, PermGroup, PermutationSpec, apply_permutations
+
+
+def test_eq2_filters_are_flattened_to_unit_vectors_and_zero_stays_zero():
+    w = torch.zeros(3, 2, 1, 2)
+    w[0, 0, 0, 0], w[0, 1, 0, 1] = 3.0, 4.0  # norm 5
+    w[1, 1, 0, 0] = -2.0
+    out = normalise_filters(w)
+    assert out.shape == (3, 4)
+    torch.testing.assert_close(out[0], torch.tensor([0.6, 0.0, 0.0, 0.8]))
+    torch.testing.assert_close(out[1], torch.tensor([0.0, 0.0, -1.0, 0.0]))
+    torch.testing.assert_close(out[2], torch.zeros(4))
+    assert normalise_filters(torch.randn(5, 3, 2, 4, 4)).shape == (5, 3, 32)  # stacked over stations
+
+
+def test_eq3_cost_is_squared_euclidean_between_reference_rows_and_other_rows():
+    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+    other = torch.tensor([[0.0, 1.0], [0.6, 0.8], [1.0, 0.0]])
+    expected = torch.tensor(
+        [[2.0, 0.8, 0.0], [0.0, 0.4, 2.0], [0.4, 0.0, 0.8]]  # C[i, j] = ‖ref_i − other_j‖²
+    )
+    torch.testing.assert_close(cost_matrix(ref, other), expected)
+    batched = cost_matrix(ref, torch.stack([other, ref]))
+    torch.testing.assert_close(batched[0], expected)
+    torch.testing.assert_close(batched[1].diagonal(), torch.zeros(3))
+
+
+@pytest.mark.parametrize("reg", [0.5, 0.2, 0.001])
+def test_eq4_sinkhorn_plan_matches_the_2x2_closed_form(reg):
+    # Uniform marginals: plan [[a, ½−a], [½−a, a]] with a² / (½−a)² = exp((C12 + C21 − C11 − C22) / reg).
+    cost = np.array([[0.9, 1.0], [0.95, 0.8]])  # at reg 0.001 every exp(−C/reg) underflows to 0
+    a = 0.5 / (1.0 + np.exp(-(cost[0, 1] + cost[1, 0] - cost[0, 0] - cost[1, 1]) / (2 * reg)))
+    plan = sinkhorn_plan(cost, reg, iters=2000)
+    np.testing.assert_allclose(plan, [[a, 0.5 - a], [0.5 - a, a]], atol=1e-9)
+
+
+def test_eq4_default_sinkhorn_has_uniform_marginals_and_rounds_to_the_optimal_permutation():
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(6)
+    cost = 2.0 + rng.uniform(0, 0.3, size=(6, 6))
+    cost[np.arange(6), perm] = rng.uniform(0, 0.1, size=6)  # a clear optimum
+    plan = sinkhorn_plan(cost, 0.05, 25)
+    np.testing.assert_allclose(plan.sum(1), np.full(6, 1 / 6), atol=1e-6)
+    assert np.array_equal(plan_to_permutation(plan), perm)
+    assert np.array_equal(match(cost), perm)
+
+
+def test_hungarian_is_the_exact_assignment_by_brute_force():
+    cost = np.random.default_rng(1).uniform(size=(5, 5))
+    best = min(itertools.permutations(range(5)), key=lambda p: cost[np.arange(5), list(p)].sum())
+    assert np.array_equal(match(cost, "hungarian"), np.array(best))
+    with pytest.raises(ValueError, match="solver"):
+        match(cost, "greedy")
+
+
+def test_lemma2_ot_cost_is_invariant_to_a_common_permutation():
+    rng = np.random.default_rng(2)
+    a, b = torch.randn(7, 12), torch.randn(7, 12)
+    p = torch.from_numpy(rng.permutation(7))
+
+    def d_ot(x, y):
+        c = cost_matrix(normalise_filters(x), normalise_filters(y)).double().numpy()
+        return c[np.arange(7), match(c, "hungarian")].sum()
+
+    assert d_ot(a[p], b[p]) == pytest.approx(d_ot(a, b), rel=1e-6)
+
+
+def test_eq6_bilinear_resize_of_filters():
+    w = torch.tensor([[0.0, 1.0], [2.0, 3.0]]).reshape(1, 1, 2, 2)
+    # align_corners=False, 2 -> 4: source positions -0.25, 0.25, 0.75, 1.25 (clamped at the borders)
+    row = torch.tensor([0.0, 0.25, 0.75, 1.0])
+    expected = (row[None, :] + 2.0 * row[:, None]).reshape(1, 1, 4, 4)
+    torch.testing.assert_close(resize_filters(w, (4, 4)), expected)
+    const = torch.full((2, 3, 5, 5), 0.7)
+    torch.testing.assert_close(resize_filters(const, (3, 3)), torch.full((2, 3, 3, 3), 0.7))
+    assert resize_filters(w, (2, 2)) is w
+
+
+def test_group_cost_resizes_filters_of_another_size_to_the_reference():
+    group = PermGroup("c", 2, ("c.weight",), (Axis("c.weight", 0),))
+    small = {"c.weight": torch.tensor([[0.0, 1.0], [2.0, 3.0]]).reshape(1, 1, 2, 2).repeat(2, 1, 1, 1)}
+    small["c.weight"][1] *= -1
+    ref = {"c.weight": resize_filters(small["c.weight"], (4, 4))}  # the reference has 4×4 filters
+    cost = group_costs(ref, [small], group)[0]
+    assert cost.diagonal().abs().max() < 1e-6 and cost[0, 1] > 3.99  # same filters; opposite ones
+
+
+def _chain_spec():
+    """conv a (4 filters) -> conv b (3 filters) -> linear l (block 2)."""
+    ga = PermGroup("a", 4, ("a.weight",), (Axis("a.weight", 0), Axis("a.bias", 0), Axis("b.weight", 1)))
+    gb = PermGroup("b", 3, ("b.weight",), (Axis("b.weight", 0), Axis("l.weight", 1, 0, 2)))
+    return PermutationSpec((ga, gb))
+
+
+def test_alignment_undoes_a_known_permutation_and_reports_what_moved():
+    g = torch.Generator().manual_seed(0)
+    state = {"a.weight": torch.randn(4, 2, 3, 3, generator=g), "a.bias": torch.randn(4, generator=g),
+             "b.weight": torch.randn(3, 4, 3, 3, generator=g), "l.weight": torch.randn(5, 6, generator=g)}
+    spec = _chain_spec()
+    q = {"a": np.array([1, 0, 2, 3]), "b": np.array([0, 1, 2])}  # swaps two of four filters of a
+    al = align_to_reference(state, [apply_permutations(state, spec, q)], spec)
+    assert al.moved == {"a": 0.5, "b": 0.0}
+    assert np.array_equal(al.perms[0]["a"], [1, 0, 2, 3])
+    assert all(torch.equal(al.states[0][k], v) for k, v in state.items())
+    assert al.cost_after["a"] < 1e-6 < al.cost_before["a"] and al.passes == 1
+    same = align_to_reference(state, [state], spec)
+    assert same.moved == {"a": 0.0, "b": 0.0} and max(same.cost_before.values()) < 1e-6

@@ -1,0 +1,318 @@
+"""Hierarchy as a Method wrapper: topology, round schedule, Grams, merges, privacy audit, accounting."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from feddg.aggregation.dp import gaussian_sigma
+from feddg.algorithms import Reply
+from feddg.algorithms.base import ClientContext, OptimSettings
+from feddg.algorithms.fedavg import FedAvg
+from feddg.algorithms.hierarchy import (
+    GRAM_FLAG,
+    GramRecorder,
+    Hierarchical,
+    MergeParams,
+    Topology,
+    assign_stations,
+    build_hierarchy,
+    merge_stations,
+    overhead_table,
+    two_level_dirichlet,
+)
+from feddg.config import ConfigError, build_config
+from feddg.federation.client import client_context
+from feddg.federation.inprocess import run_inprocess, run_round
+from feddg.federation.server import Server
+from feddg.federation.setup import Federation
+from feddg.messages import WEIGHT_PREFIX, message_nbytes, weights_of
+from feddg.models.permutation import (
+    apply_permutations,
+    permutation_spec,
+    permute_grams,
+    random_permutations,
+    register_spec,
+    sequential_spec,
+)
+from toy import ToyNet, toy_federation
+
+register_spec(ToyNet, sequential_spec)  # conv -> bn -> flatten -> fc: a plain chain
+
+
+def hier_federation(*overrides: str) -> Federation:
+    """The toy federation (4 clients, 2 per source domain) under a hierarchy: 2 stations, N=2, R=2."""
+    base = ("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=2")
+    flat = toy_federation(*base, *overrides)
+    torch.manual_seed(0)
+    method = build_hierarchy(flat.method, flat.cfg.hierarchy, [c.domains for c in flat.clients])
+    model = method.prepare_model(ToyNet())
+    return Federation(flat.cfg, flat.dataset, flat.split, flat.clients, method, model, flat.device)
+
+
+def _run(tmp_path, *overrides, name="run"):
+    server = Server(hier_federation(*overrides), tmp_path / name)
+    return server, run_inprocess(server)
+
+
+# --- topology -----------------------------------------------------------------------------
+
+
+def test_engine_rounds_map_to_server_and_station_rounds():
+    topo = Topology(np.array([0, 0, 1, 1]), station_rounds=3)
+    assert [(topo.server_round(t), topo.station_round(t)) for t in range(1, 8)] == [
+        (1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1)
+    ]
+
+
+def test_station_assignments():
+    doms = [(2,), (0,), (1,), (0,), (2,), (1,)]
+    assert assign_stations("contiguous", 3, doms).tolist() == [0, 0, 1, 1, 2, 2]
+    assert assign_stations("round_robin", 3, doms).tolist() == [0, 1, 2, 0, 1, 2]
+    assert assign_stations("domain", 3, doms).tolist() == [2, 0, 1, 0, 2, 1]
+    with pytest.raises(ValueError, match="at least as many clients"):
+        assign_stations("contiguous", 7, doms)
+
+
+def test_station_and_client_sampling():
+    topo = Topology(np.repeat(np.arange(4), 3), station_rounds=2, station_fraction=0.5)
+    for t in (1, 3, 5):
+        a, b = topo.sample(t, 1.0, 0), topo.sample(t + 1, 1.0, 0)
+        assert a == b  # the same stations for the whole server round
+        assert len({int(topo.station_of[c]) for c in a}) == 2 and len(a) == 6
+    picked = topo.sample(1, 0.34, seed=0)  # one client of each of the two sampled stations
+    assert len(picked) == 2 and len({int(topo.station_of[c]) for c in picked}) == 2
+    assert Topology(np.repeat(np.arange(4), 3), 2).sample(1, 1.0, 0) == list(range(12))
+
+
+def test_two_level_dirichlet_partition():
+    domain_ids = np.repeat(np.arange(3), 200)
+    rng = np.random.default_rng(0)
+    part = two_level_dirichlet(np.arange(600), domain_ids, 6, 3, 1.0, 1.0, rng)
+    assert np.array_equal(np.sort(np.concatenate(part.client_indices)), np.arange(600))
+    concentrated = two_level_dirichlet(np.arange(600), domain_ids, 6, 3, 1e-3, 1e3, rng, max_tries=1000)
+    stations = [np.concatenate(concentrated.client_indices[2 * e : 2 * e + 2]) for e in range(3)]
+    for d in range(3):  # tiny α_station: each domain lives (almost) entirely at one station
+        share = [np.isin(np.flatnonzero(domain_ids == d), s).mean() for s in stations]
+        assert max(share) > 0.95
+    sizes = [len(c) for c in concentrated.client_indices]  # huge α_client: a station's clients are equal
+    assert all(abs(sizes[2 * e] - sizes[2 * e + 1]) <= 0.1 * (sizes[2 * e] + sizes[2 * e + 1]) for e in range(3))
+    with pytest.raises(ValueError, match="divisible"):
+        two_level_dirichlet(np.arange(600), domain_ids, 5, 3, 1.0, 1.0, rng)
+
+
+def test_hierarchy_config_is_validated():
+    with pytest.raises(ConfigError, match="hierarchy.params.alhpa"):
+        build_config({"hierarchy": {"params": {"alhpa": 0.5}}})
+    with pytest.raises(ConfigError, match="hierarchy.merge"):
+        build_config({"hierarchy": {"merge": "hfedavg"}})
+    with pytest.raises(ConfigError, match="multiple of hierarchy.stations"):
+        build_config({"partition": {"num_clients": 5}, "hierarchy": {"stations": 2, "assignment": "dirichlet"}})
+
+
+# --- the engine under a hierarchy ----------------------------------------------------------
+
+
+def test_rounds_evaluation_only_at_server_round_ends(tmp_path):
+    server, res = _run(tmp_path, "federation.rounds=3", "eval.every=2")
+    rows = server.metrics
+    assert server.rounds == 6 and [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [("ood_acc" in r) for r in rows] == [False, False, False, True, False, True]  # server rounds 2, 3
+    assert [r["hfl/station_round"] for r in rows] == [1, 2, 1, 2, 1, 2]
+    assert res["hierarchy"]["server_rounds"] == 3 and res["final"]["id_acc"] > 50
+
+
+def test_one_station_with_avg_is_exactly_flat_fedavg(tmp_path):
+    flat = Server(toy_federation(), tmp_path / "flat")
+    run_inprocess(flat)
+    hier, _ = _run(tmp_path, "hierarchy.stations=1", "hierarchy.station_rounds=1", "federation.rounds=3", name="h")
+    assert all(np.array_equal(flat.state["weights"][k], hier.state["weights"][k]) for k in flat.state["weights"])
+
+
+def test_client_pull_global_restarts_every_station_round_from_the_global_model():
+    fed = hier_federation("hierarchy.params.client_pull=global")
+    state = fed.method.server_init(fed.model, None)
+    state["stations"][0] = {**state["stations"][0], "weights": {k: v + 1 for k, v in state["weights"].items()}}
+    assert all(np.array_equal(v, state["weights"][k]) for k, v in fed.method.client_config(state, 0, 1).items())
+    fed.method.merge_params.__dict__["client_pull"] = "station"  # frozen model; only for this check
+    assert not np.array_equal(fed.method.client_config(state, 0, 1)["w/fc.weight"], state["weights"]["w/fc.weight"])
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsr", "fediir"])
+@pytest.mark.parametrize("merge", ["avg", "hfedatm", "hfedatm-no-fot", "hfedatm-no-regmean"])
+def test_every_client_method_runs_under_every_merge(tmp_path, method, merge):
+    over = (f"method.name={method}", f"hierarchy.merge={merge}", "federation.rounds=1", "hierarchy.station_rounds=1")
+    server, res = _run(tmp_path, *over)
+    assert res["hierarchy"]["client_method"] == method and res["hierarchy"]["merge"] == merge
+    keys = set(server.metrics[-1])
+    assert ("fot/moved" in keys) == (merge in ("hfedatm", "hfedatm-no-regmean"))
+    assert ("regmean/fallbacks" in keys) == (merge in ("hfedatm", "hfedatm-no-fot"))
+    assert np.isfinite(res["final"]["ood_acc"])
+
+
+def test_resume_is_bit_identical(tmp_path):
+    over = ("hierarchy.merge=hfedatm", "federation.rounds=2")
+    full, _ = _run(tmp_path, *over, name="full")
+    crashed = Server(hier_federation(*over), tmp_path / "crash")
+    crashed.mark_setup_done()
+    for t in (1, 2, 3):
+        run_round(crashed, t)
+    resumed = Server(hier_federation(*over), tmp_path / "crash", resume=True)
+    run_inprocess(resumed)
+    assert all(np.array_equal(full.state["weights"][k], resumed.state["weights"][k]) for k in full.state["weights"])
+
+
+# --- Grams on the client -------------------------------------------------------------------
+
+
+class _NoBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(36, 5), nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def _ctx(epochs=2):
+    fed = toy_federation()
+    c = client_context(fed, 0, 1)
+    return ClientContext(0, 1, fed.dataset, c.train_idx, 16, epochs, OptimSettings(), torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("gram_pass", ["last_epoch", "after"])
+def test_client_grams_are_the_inputs_gram_of_one_pass_over_its_data(gram_pass):
+    torch.manual_seed(0)
+    model, ctx = _NoBN(), _ctx(epochs=2)
+    method = Hierarchical(FedAvg(), Topology(np.zeros(4, dtype=int), 1), "hfedatm-no-fot", MergeParams(gram_pass=gram_pass))
+    msg = {**weights_of(model), "lr": 0.0, "round": 1, GRAM_FLAG: 1}  # lr 0: inputs are the same every epoch
+    reply, _ = method.client_update(model, msg, {}, ctx)
+    x = ctx.dataset.x[torch.from_numpy(ctx.train_idx)].flatten(1).double()
+    h = torch.relu(model.fc1(x.float())).double()
+    np.testing.assert_allclose(reply["gram/fc1"], (x.T @ x).numpy(), rtol=1e-5)  # one epoch, not two
+    np.testing.assert_allclose(reply["gram/fc2"], (h.T @ h).detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_second_forward_of_the_same_batch_is_not_counted_twice():
+    model = _NoBN()
+    rec = GramRecorder(model)
+    x = torch.randn(3, 36)
+    with rec:
+        rec.new_pass()
+        rec.new_batch()
+        model(x)
+        model(x)
+    torch.testing.assert_close(rec.grams()["fc1"], x.double().T @ x.double())
+
+
+# --- privacy audit: what leaves a client ----------------------------------------------------
+
+DECLARED = {"fedavg": set(), "fedprox": set(), "fedsr": {"l2r", "cmi"}, "fediir": {"grad_batches"}}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsr", "fediir"])
+def test_no_raw_activation_or_sample_leaves_a_client(method):
+    fed = hier_federation(f"method.name={method}", "hierarchy.merge=hfedatm")
+    h = fed.method
+    state = h.server_init(fed.model, None)
+    msg = {**h.client_config(state, 0, 2), "lr": 0.1, "round": 2}  # station round N: Grams requested
+    assert msg[GRAM_FLAG] == 1
+    reply, client_state = h.client_update(fed.model, msg, {}, client_context(fed, 0, 2))
+    linears = {n: m for n, m in fed.model.named_modules() if isinstance(m, nn.Linear)}
+    weights = set(weights_of(fed.model))
+    grams = {k for k in reply if k.startswith("gram/")}
+    classifier_grads = {k for k in reply if k.startswith("grad/")}
+    assert set(reply) == weights | grams | classifier_grads | {"num_examples", "train_loss"} | DECLARED[method]
+    assert grams == {f"gram/{n}" for n in linears}
+    for name, layer in linears.items():  # m × m second moments, never n × m activations
+        g = reply[f"gram/{name}"]
+        assert g.shape == (layer.in_features, layer.in_features) and np.allclose(g, g.T, rtol=1e-5, atol=1e-4)
+    params = dict(fed.model.classifier.named_parameters())
+    assert all(reply[k].shape == params[k[5:]].shape for k in classifier_grads)
+    assert all(not isinstance(v, np.ndarray) or v.ndim == 0 or v.shape[0] != fed.clients[0].train_idx.size
+               for v in reply.values())
+    assert not set(client_state) & set(reply)  # FedSR's reference stays on the client
+
+
+def test_dp_noises_the_grams_and_the_results_record_epsilon(tmp_path):
+    over = ("hierarchy.merge=hfedatm", "hierarchy.params.dp_epsilon=1.0", "hierarchy.params.dp_clip=2.0",
+            "federation.rounds=1")
+    fed = hier_federation(*over)
+    noiseless = hier_federation("hierarchy.merge=hfedatm", "federation.rounds=1").method
+    noiseless.merge_params.__dict__["dp_clip"] = 2.0
+    state = fed.method.server_init(fed.model, None)
+    msg = {**fed.method.client_config(state, 0, 2), "lr": 0.1, "round": 2}
+    noisy, _ = fed.method.client_update(fed.model, dict(msg), {}, client_context(fed, 0, 2))
+    recorder_clip = GramRecorder(fed.model, clip=2.0)  # the clipped, noiseless Gram of the same pass
+    with recorder_clip:
+        fed.method.inner.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {},
+                                       recorder_clip.track(client_context(fed, 0, 2)))
+    clean = recorder_clip.grams()["fc"].numpy()
+    sigma = gaussian_sigma(1.0, 1e-5, 4.0)
+    diff = noisy["gram/fc"] - clean
+    assert np.allclose(diff, diff.T, atol=1e-3) and diff[np.triu_indices(len(diff), 1)].std() == pytest.approx(sigma, rel=0.1)
+    server, res = _run(tmp_path, *over)
+    h = res["hierarchy"]
+    assert h["dp_epsilon"] == 1.0 and h["dp_sigma"] == pytest.approx(sigma) and h["dp_clip"] == 2.0
+    assert h["dp_gram_releases"] == 2 and h["dp_epsilon_total_basic"] == 2.0  # 1 server round × 2 linear layers
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["hierarchy"]["dp_epsilon"] == 1.0
+
+
+# --- merge, diagnostics, accounting ---------------------------------------------------------
+
+
+def test_hfedatm_merge_of_a_permuted_station_recovers_the_station_model():
+    torch.manual_seed(0)
+    model = ToyNet().eval()
+    spec = permutation_spec(model)
+    s1 = model.state_dict()
+    perms = random_permutations(spec, np.random.default_rng(0))
+    s2 = apply_permutations(s1, spec, perms)
+    x = torch.randn(300, 4 * 36, dtype=torch.float64)
+    g1 = (x.T @ x).numpy()
+    # the permuted station saw the same data through permuted channels: its Gram is permuted too
+    g2 = permute_grams({"fc": torch.from_numpy(g1)}, spec, perms)["fc"].numpy()
+    gc = np.eye(16) * 3.0
+    msgs = [{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in (s1, s2)]
+    grams = [{"fc": g1, "classifier": gc}, {"fc": g2, "classifier": gc}]
+    merged, metrics = merge_stations(msgs, grams, [2, 1], spec, MergeParams())
+    assert all(np.allclose(merged[WEIGHT_PREFIX + k], v.numpy(), atol=1e-5) for k, v in s1.items())
+    assert metrics["fot/conv/moved"] == 1.0 - (perms["conv"] == np.arange(4)).mean()
+    assert metrics["fot/conv/cost_after"] < 1e-6 < metrics["fot/conv/cost_before"]
+    assert metrics["regmean/fc/fallback"] == 0.0 and metrics["regmean/fc/cond"] >= 1.0
+    unaligned, _ = merge_stations(msgs, grams, [2, 1], None, MergeParams())  # hfedatm-no-fot
+    assert not np.allclose(unaligned["w/conv.weight"], s1["conv.weight"].numpy())
+
+
+def test_station_aggregation_then_merge_with_gamma_weights():
+    topo = Topology(np.array([0, 0, 0, 1]), 1)
+    method = Hierarchical(FedAvg(), topo, "avg")
+    w = lambda v: {"w/p": np.array([v], np.float32)}  # noqa: E731
+    state = {"weights": w(0.0), "stations": [{"weights": w(0.0)}, {"weights": w(0.0)}], "round": 0, "metrics": {}}
+    replies = [Reply(0, {**w(1.0), "num_examples": 10}), Reply(1, {**w(4.0), "num_examples": 30}),
+               Reply(3, {**w(9.0), "num_examples": 5})]
+    new = method.aggregate(state, replies)
+    # station 0: FedAvg by examples (1·10 + 4·30) / 40 = 3.25, γ=2; station 1: 9, γ=1
+    assert new["weights"]["w/p"][0] == pytest.approx((2 * 3.25 + 9.0) / 3)
+    assert all(s["weights"]["w/p"][0] == new["weights"]["w/p"][0] for s in new["stations"])
+    assert new["metrics"]["hfl/bytes_station_up"] == 2 * message_nbytes(w(0.0))
+    assert new["metrics"]["hfl/bytes_station_down"] == 2 * message_nbytes(w(0.0))
+
+
+def test_diagnostics_and_accounting_are_in_the_metrics_and_results(tmp_path):
+    server, res = _run(tmp_path, "hierarchy.merge=hfedatm")
+    merge_row, station_row = server.metrics[1], server.metrics[0]
+    for key in ("fot/conv/moved", "fot/conv/cost_before", "fot/conv/cost_after", "regmean/fc/cond",
+                "regmean/classifier/fallback", "hfl/time_fot_s", "hfl/time_regmean_s", "hfl/bytes_station_up"):
+        assert key in merge_row and key not in station_row, key
+    grams_up = merge_row["hfl/bytes_client_gram_up"]
+    assert grams_up == pytest.approx(4 * (4 * (144 * 144 + 16 * 16) + len("gram/fc") + len("gram/classifier")))
+    assert station_row["hfl/bytes_client_gram_up"] == 0
+    per = res["hierarchy"]["per_server_round"]
+    assert per["time_s"] >= per["time_local_training_s"] > 0 and per["time_fot_s"] > 0
+    assert per["bytes_client_gram_up"] == grams_up
+    table = overhead_table([res, {**res, "hierarchy": {**res["hierarchy"], "merge": "avg",
+                                                        "per_server_round": {"time_s": per["time_s"] / 2}}}])
+    assert "| fedavg |" in table and "| 100.0 |" in table
