@@ -1,0 +1,279 @@
+"""FedFA's server side (eqs. 6–7), the message contract, the variants, byte accounting and protocols."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from feddg.aggregation.fedfa_stats import add_noise, client_sharing_variance, t_modulation
+from feddg.algorithms import Reply, create_method
+from feddg.config import ConfigError, build_config
+from feddg.evaluation.accuracy import correct_by_domain
+from feddg.federation.client import run_client
+from feddg.federation.inprocess import run_inprocess
+from feddg.federation.server import Server
+from feddg.messages import load_weights, weights_of
+from feddg.models import create_model
+from feddg.sweep import load_sweep
+from toy import toy_federation
+
+TOY = ("method.name=fedfa", "method.params.stages=[conv, bn]")  # ToyNet has no conv-stage map
+
+
+def _fed(*over):
+    return toy_federation(*TOY, *over)
+
+
+# --- eqs. 6-7 -------------------------------------------------------------------------------
+def test_eq6_eq7_on_hand_made_client_statistics():
+    stats = np.array([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 2.0, 3.0]])  # M=3 clients, C=3 channels
+    var = client_sharing_variance(stats)
+    np.testing.assert_allclose(var, [0.0, 2 / 3, 2.0])  # per channel, 1/M
+    gamma = t_modulation(var)
+    q = np.array([0.0, (2 / 3) / (1 + 2 / 3), 2 / 3])  # (1 + 1/Σ²)^-1
+    np.testing.assert_allclose(gamma, 3 * q / q.sum())  # = [0, 1.125, 1.875]
+    np.testing.assert_allclose(gamma, [0.0, 1.125, 1.875])
+    assert gamma.sum() == pytest.approx(3.0) and gamma.argmin() == 0
+
+
+def test_eq7_sums_to_c_is_monotone_and_handles_all_zero_variance():
+    var = np.random.default_rng(0).exponential(size=64)
+    gamma = t_modulation(var)
+    assert gamma.sum() == pytest.approx(64.0)
+    assert (np.diff(gamma[np.argsort(var)]) >= 0).all()
+    np.testing.assert_array_equal(t_modulation(np.zeros(5)), np.ones(5))  # limit of equal variances
+    np.testing.assert_array_equal(client_sharing_variance(np.ones((1, 4))), np.zeros(4))  # one client
+
+
+def test_stat_noise():
+    rng = np.random.default_rng(0)
+    x = np.zeros(20000, dtype=np.float32)
+    assert add_noise(x, 0.0, rng) is x
+    noisy = add_noise(x, 0.2, rng)
+    assert noisy.dtype == np.float32 and noisy.std() == pytest.approx(0.2, rel=0.03)
+
+
+# --- the server half on hand-made replies ----------------------------------------------------
+def _reply(mu, sigma, hist=None, n=10):
+    msg = {"w/x": np.zeros(2, np.float32), "num_examples": n, "train_loss": 0.0,
+           "stat/1/mu_bar": np.array(mu, np.float32), "stat/1/sigma_bar": np.array(sigma, np.float32)}
+    if hist is not None:
+        msg["hist/pi"] = np.array(hist, np.float32)
+    return msg
+
+
+def _state():
+    return {"weights": {"w/x": np.zeros(2, np.float32)}, "stats": {}, "hists": {}, "broadcast": {}, "metrics": {}}
+
+
+def test_server_sends_per_layer_gamma_over_every_client_seen():
+    m = create_method("fedfa", {"lambda_h": 0.0})
+    s = m.aggregate(_state(), [Reply(0, _reply([1, 0, 0], [1, 1, 1])), Reply(1, _reply([1, 1, 0], [1, 2, 1]))])
+    np.testing.assert_allclose(s["broadcast"]["ffa/1/gamma_mu"], t_modulation(np.array([0, 0.25, 0])), rtol=1e-6)
+    # round 2: only client 2 reports; clients 0 and 1 keep their latest statistics
+    s = m.aggregate(s, [Reply(2, _reply([1, 2, 3], [1, 1, 1]))])
+    expected = t_modulation(client_sharing_variance([[1, 0, 0], [1, 1, 0], [1, 2, 3]]))
+    np.testing.assert_allclose(s["broadcast"]["ffa/1/gamma_mu"], expected, rtol=1e-6)
+    np.testing.assert_allclose(s["broadcast"]["ffa/1/gamma_sigma"], t_modulation(np.array([0, 2 / 9, 0])), rtol=1e-5)
+    assert sorted(s["broadcast"]) == ["ffa/1/gamma_mu", "ffa/1/gamma_sigma"]
+    assert m.client_config(s, 0, 3)["ffa/1/gamma_mu"] is s["broadcast"]["ffa/1/gamma_mu"]
+
+
+def test_direct_fusion_sends_the_raw_variance():
+    m = create_method("fedfa", {"variant": "direct", "lambda_h": 0.0})
+    s = m.aggregate(_state(), [Reply(0, _reply([0, 0], [1, 1])), Reply(1, _reply([0, 2], [1, 1]))])
+    np.testing.assert_allclose(s["broadcast"]["ffa/1/var_mu"], [0.0, 1.0])
+    assert "ffa/1/gamma_mu" not in s["broadcast"]
+
+
+@pytest.mark.parametrize("weighting, expected", [("uniform", [0.5, 0.5]), ("num_examples", [0.25, 0.75])])
+def test_global_histogram_is_the_average_of_the_client_histograms(weighting, expected):
+    m = create_method("fedfa", {"hist_weighting": weighting})
+    replies = [Reply(0, _reply([0], [1], [[1.0, 0.0]], n=10)), Reply(1, _reply([0], [1], [[0.0, 1.0]], n=30))]
+    s = m.aggregate(_state(), replies)
+    np.testing.assert_allclose(s["broadcast"]["hist/pi"], [expected], rtol=1e-6)
+
+
+# --- the client half and the message contract ------------------------------------------------
+def _round_replies(fed, rounds=2):
+    """Run ``rounds`` rounds (no evaluation, no run directory); the last round's messages and replies."""
+    method = fed.method
+    state = method.server_init(fed.model, None)
+    states: dict[int, dict] = {}
+    for r in range(1, rounds + 1):
+        sent = {cid: {**method.client_config(state, cid, r), "lr": 0.1, "round": r} for cid in range(len(fed.clients))}
+        replies = {}
+        for cid, msg in sent.items():
+            replies[cid] = run_client(fed, cid, r, msg, states.get(cid, {}))
+            states[cid] = replies[cid][1]
+        if r < rounds:
+            state = method.aggregate(state, [Reply(cid, rep) for cid, (rep, _) in replies.items()])
+    return state, sent, replies
+
+
+W_KEYS = {"num_examples", "train_loss"}
+
+
+@pytest.mark.parametrize(
+    "over, extra",
+    [
+        ((), {"stat/1/mu_bar", "stat/1/sigma_bar", "stat/2/mu_bar", "stat/2/sigma_bar", "hist/pi", "align_loss"}),
+        (("method.params.lambda_h=0",), {"stat/1/mu_bar", "stat/1/sigma_bar", "stat/2/mu_bar", "stat/2/sigma_bar"}),
+        (("method.params.layers=[2]", "method.params.lambda_h=0"), {"stat/2/mu_bar", "stat/2/sigma_bar"}),
+        (("method.params.variant=client", "method.params.lambda_h=0"), set()),
+        (("method.params.variant=random", "method.params.lambda_h=0"), set()),
+        (("method.params.variant=direct", "method.params.lambda_h=0"), {"stat/1/mu_bar", "stat/1/sigma_bar",
+                                                                         "stat/2/mu_bar", "stat/2/sigma_bar"}),
+    ],
+)
+def test_reply_keys_are_exactly_what_the_algorithm_uploads(over, extra):
+    fed = _fed(*over)
+    server, sent, replies = _round_replies(fed)
+    w_keys = {"w/" + k for k in fed.model.state_dict()}
+    for reply, state in replies.values():
+        assert set(reply) == w_keys | W_KEYS | extra
+        assert set(state) == {k.replace("stat/", "ffa/") for k in extra if k.startswith("stat/")}
+    down = set(next(iter(sent.values()))) - w_keys - {"lr", "round"}
+    expected_down = {k.replace("stat/", "ffa/").replace("_bar", "") for k in extra if k.startswith("stat/")}
+    tag = "var_" if "variant=direct" in " ".join(over) else "gamma_"
+    expected_down = {k.replace("/mu", f"/{tag}mu").replace("/sigma", f"/{tag}sigma") for k in expected_down}
+    assert down == expected_down | ({"hist/pi"} if "hist/pi" in extra else set())
+
+
+def test_ffa_statistics_never_enter_the_weights():
+    fed = _fed()
+    base = toy_federation()  # the same ToyNet without FFA
+    assert list(fed.model.state_dict()) == list(base.model.state_dict())
+
+
+def test_fedfa_without_augmentation_and_alignment_is_fedavg(tmp_path):
+    avg = Server(toy_federation("federation.rounds=2"), tmp_path / "avg")
+    fa = Server(_fed("federation.rounds=2", "method.params.p=0.0", "method.params.lambda_h=0"), tmp_path / "fa")
+    run_inprocess(avg), run_inprocess(fa)
+    w_avg, w_fa = avg.state["weights"], fa.state["weights"]
+    assert all(np.array_equal(w_avg[k], w_fa[k]) for k in w_avg)
+    aug = Server(_fed("federation.rounds=2", "method.params.lambda_h=0"), tmp_path / "aug")
+    run_inprocess(aug)
+    assert max(float(np.abs(w_avg[k] - aug.state["weights"][k]).max()) for k in w_avg) > 1e-4
+
+
+def test_two_rounds_statistics_persist_and_alignment_starts_in_round_two(tmp_path):
+    fed = _fed("federation.rounds=2")
+    server = Server(fed, tmp_path / "run")
+    run_inprocess(server)
+    assert "fedfa/align_loss" not in server.metrics[0] and server.metrics[1]["fedfa/align_loss"] > 0
+    for k, c in ((1, 4), (2, 4)):
+        gamma = server.state["broadcast"][f"ffa/{k}/gamma_mu"]
+        assert gamma.shape == (c,) and gamma.sum() == pytest.approx(c, rel=1e-5)
+    assert server.state["broadcast"]["hist/pi"].shape == (4, 8)
+    # μ̄ is kept across rounds (unlike Algorithm 1 line 3's reading, reset_stats=True)
+    reset = Server(_fed("federation.rounds=2", "method.params.reset_stats=true"), tmp_path / "reset")
+    run_inprocess(reset)
+    kept, fresh = server.client_states[0]["ffa/1/mu_bar"], reset.client_states[0]["ffa/1/mu_bar"]
+    assert np.abs(kept).sum() > np.abs(fresh).sum() > 0  # two rounds of momentum vs one
+    assert sorted(server.state["stats"]) == [0, 1, 2, 3]
+
+
+def test_alignment_changes_training_and_is_off_at_lambda_zero(tmp_path):
+    a = Server(_fed("federation.rounds=2", "method.params.lambda_h=0.0"), tmp_path / "a")
+    b = Server(_fed("federation.rounds=2", "method.params.lambda_h=1.0"), tmp_path / "b")
+    run_inprocess(a), run_inprocess(b)
+    assert a.metrics[0]["train_loss"] == b.metrics[0]["train_loss"]  # no π in round 1: identical
+    assert a.metrics[1]["train_loss"] != b.metrics[1]["train_loss"]
+
+
+def test_noise_is_added_to_the_uploaded_statistics_only():
+    _, _, replies = _round_replies(_fed("method.params.stat_noise=0.3", "method.params.lambda_h=0"))
+    reply, state = replies[0]
+    diff = reply["stat/1/mu_bar"] - state["ffa/1/mu_bar"]
+    assert 0.05 < diff.std() and not np.allclose(diff, 0)
+    _, _, clean = _round_replies(_fed("method.params.lambda_h=0"))
+    np.testing.assert_array_equal(clean[0][0]["stat/1/mu_bar"], clean[0][1]["ffa/1/mu_bar"])
+
+
+@pytest.mark.parametrize("samples, n", [("pooled", 1), ("spatial", 36)])
+def test_local_histogram_eq11(samples, n):
+    fed = _fed(f"method.params.hist_samples={samples}")
+    method, model = fed.method, fed.model
+    feats = torch.randn(5, 4, 6, 6)
+    assert method._samples(feats).shape == (5 * n, 4)
+    from feddg.federation.client import client_context
+
+    hist = method.local_histogram(model, client_context(fed, 0, 1))
+    assert hist.shape == (4, 8) and np.allclose(hist.sum(1), 1.0, atol=1e-5)
+
+
+def test_bad_configs_fail_early():
+    with pytest.raises(ConfigError, match="variant"):
+        toy_federation("method.name=fedfa", "method.params.variant=bogus")
+    with pytest.raises(ValueError, match="out of range"):
+        _fed("method.params.layers=[3]")
+
+
+# --- communication cost (§6.1) ----------------------------------------------------------------
+def test_alexnet_extra_bytes_match_the_papers_arithmetic():
+    method = create_method("fedfa", {"lambda_h": 0.1})
+    torch.manual_seed(0)
+    model = method.prepare_model(create_model("alexnet", num_classes=10, in_channels=3, image_size=32)).train()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))  # creates μ̄, σ̄ of the five FFA layers
+    assert model.fedfa.channels() == {1: 64, 2: 192, 3: 384, 4: 256, 5: 256}
+    stats = {k.replace("ffa/", "stat/"): v for k, v in method._ffa_state(model.fedfa).items()}
+    reply = {**weights_of(model), "num_examples": 2, "train_loss": 0.0, **stats,
+             "hist/pi": np.full((256, 8), 1 / 8, np.float32)}
+    state = method.server_init(model, None)
+    state = method.aggregate(state, [Reply(0, reply)])  # round 1: nothing extra was sent down
+    state = method.aggregate(state, [Reply(0, reply)])  # round 2: γ and π were sent down
+    m = method.round_metrics(state)
+    kb = 1024
+    # 4 × (64+192+384+256+256) × 4 B = 18 KB; 2 × 8 × 256 × 4 B = 16 KB (plus the key names)
+    assert 18 * kb < m["fedfa/bytes_stats_up"] + m["fedfa/bytes_stats_down"] < 18 * kb + 400  # 20 key names
+    assert 16 * kb < m["fedfa/bytes_hist_up"] + m["fedfa/bytes_hist_down"] < 16 * kb + 20
+    assert m["fedfa/bytes_stats_up"] == pytest.approx(m["fedfa/bytes_stats_down"], abs=40)
+    assert m["fedfa/bytes_extra"] < 1e-3 * m["fedfa/bytes_weights_up"]
+
+
+# --- evaluation protocols ------------------------------------------------------------------------
+def test_one_client_per_source_domain_makes_id_acc_the_per_client_test_accuracy(tmp_path):
+    # by_domain with one client per source domain: LODO = leave-one-client-out, and id_acc/<d> is
+    # the global model on client d's own held-out test set (the feature-shift FL protocol)
+    fed = _fed("partition.num_clients=2", "federation.rounds=1")
+    assert sorted(c.domains for c in fed.clients) == [(0,), (1,)]
+    server = Server(fed, tmp_path / "run")
+    res = run_inprocess(server)
+    load_weights(fed.model, server.state["weights"])
+    for client in fed.clients:
+        (d,) = client.domains
+        correct, total = correct_by_domain(fed.model, fed.dataset, client.holdout_idx, batch_size=64,
+                                           device=torch.device("cpu"))[d]
+        assert res["final"][f"id_acc/{fed.dataset.domains[d]}"] == pytest.approx(100.0 * correct / total)
+
+
+# --- the sweep configs --------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("configs/fedfa/*.yaml")), ids=lambda p: p.name)
+def test_sweep_configs_validate_every_variant(path):
+    spec, raw = load_sweep(path)
+    assert set(spec.variants) == {"FedAvg", "FedFA-R", "FedFA-C", "FedFA^l", "FedFA+"} and spec.seeds == [0, 1, 2]
+    for over in spec.variants.values():
+        cfg = build_config(raw, [f"{k}={v}" for k, v in over.items()])
+        if cfg.method.name == "fedfa":
+            params = create_method("fedfa", cfg.method.params).params
+            assert (params.lambda_h > 0) == (over.get("method.params.lambda_h") == 0.1)
+
+
+# --- composition with the hierarchy (HFedATM): FedFA as the client method inside stations ----------
+def test_fedfa_runs_inside_stations(tmp_path):
+    from feddg.algorithms.hierarchy import build_hierarchy
+
+    fed = _fed("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=1")
+    fed.method = build_hierarchy(fed.method, fed.cfg.hierarchy, [c.domains for c in fed.clients])
+    server = Server(fed, tmp_path / "run")
+    run_inprocess(server)
+    stations = server.state["stations"]
+    # each station computes eqs. 6-7 over its own clients' statistics and averages its own π
+    assert [sorted(s["stats"]) for s in stations] == [[0, 1], [2, 3]]
+    for s in stations:
+        assert s["broadcast"]["ffa/1/gamma_mu"].sum() == pytest.approx(4.0, rel=1e-5)
+        assert s["broadcast"]["hist/pi"].shape == (4, 8)
+    assert not np.allclose(stations[0]["broadcast"]["ffa/1/gamma_mu"], stations[1]["broadcast"]["ffa/1/gamma_mu"])
