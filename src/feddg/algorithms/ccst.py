@@ -1,0 +1,127 @@
+"""CCST (Chen et al., "Federated Domain Generalization for Image Recognition via Cross-Client
+Style Transfer", WACV 2023).
+
+Once, before training (setup exchange with every client): each client uploads its style —
+the *overall domain style* (eq. 2 style of all its ``E(x)``, one ``(μ, σ)``) or *single image
+styles* (the per-image ``(μ, σ)`` of ``images_per_client`` random images). The server keeps
+them as the style bank and sends every client the bank without its own entries.
+
+Each round: for every batch the client draws ``K`` distinct styles of the bank, builds
+``x̃_k = D(α·AdaIN(E(x), S_k) + (1 − α)·E(x))`` without gradient and minimises
+``CE(h(g(x)), y) + CE(h(g([x̃_1; …; x̃_K])), [y; …; y])``. FedAvg aggregation by ``n_k``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from feddg.algorithms.base import ClientContext, ClientState, Method, Reply, ServerState
+from feddg.algorithms.local import train_local
+from feddg.algorithms.style import (
+    ENCODER_PREFIX,
+    StyleParams,
+    client_moments,
+    make_codec,
+    pooled_style,
+    setup_codec,
+    std_from_moments,
+)
+from feddg.messages import WEIGHT_PREFIX, Message, load_weights, subset, weights_of
+
+logger = logging.getLogger(__name__)
+
+STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
+BANK_MEAN, BANK_STD = "bank/mean", "bank/std"
+
+
+class CCSTParams(StyleParams):
+    style_type: Literal["overall", "single"] = Field(
+        "overall", description="overall domain style or single image styles"
+    )
+    images_per_client: int = Field(1, ge=1, description="single: image styles each client shares")
+    k: int = Field(3, ge=1, description="augmentation level K: styles per batch (3 for PACS)")
+    alpha: float = Field(1.0, ge=0.0, le=1.0, description="AdaIN content/style blend (CCST: 1.0; PARDON's re-run: 0.5)")
+
+
+def draw_styles(bank_size: int, k: int, generator: torch.Generator | None = None) -> Tensor:
+    """``min(k, bank_size)`` distinct bank rows, uniformly."""
+    return torch.randperm(bank_size, generator=generator)[: min(k, bank_size)]
+
+
+class CCST(Method):
+    """Cross-client style transfer: a shared style bank, K stylised copies of every batch."""
+
+    name = "ccst"
+    Params = CCSTParams
+    search_space = {"k": [1, 2, 3], "alpha": [0.5, 1.0]}
+    params: CCSTParams
+
+    # --- setup exchange ------------------------------------------------------------------
+    def setup_request(self, state: ServerState) -> Message | None:
+        if self.params.style_path == "feature":
+            return dict(state["weights"])
+        return {"style/path": self.params.style_path}
+
+    def client_setup(
+        self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        """The client's style(s), rows ``[J, C]`` (J = 1 for the overall domain style)."""
+        if subset(msg, WEIGHT_PREFIX):
+            load_weights(model, msg)
+        first, _ = next(ctx.batches(shuffle=False, train=False))
+        codec, enc = setup_codec(self.params, model, first)
+        if ctx.client_id == 0:
+            logger.warning("%s: style path = %s", self.name, codec.describe())
+        mean, second = client_moments(codec, ctx.batches(shuffle=False, train=False))
+        if self.params.style_type == "overall":
+            mu, sigma = (t[None] for t in pooled_style(mean, second))
+        else:
+            pick = torch.randperm(len(mean), generator=ctx.generator)[: self.params.images_per_client]
+            mu, sigma = mean[pick], std_from_moments(mean[pick], second[pick])
+        reply = {STYLE_MEAN: mu.numpy().astype(np.float32), STYLE_STD: sigma.numpy().astype(np.float32)}
+        return reply, {**client_state, **enc}
+
+    def server_setup(self, state: ServerState, replies: list[Reply]) -> ServerState:
+        """The style bank: every client's rows, tagged with their owner."""
+        means = [np.asarray(r.message[STYLE_MEAN]) for r in replies]
+        stds = [np.asarray(r.message[STYLE_STD]) for r in replies]
+        owners = np.concatenate([np.full(len(m), r.client_id) for m, r in zip(means, replies, strict=True)])
+        return {**state, "bank": (np.concatenate(means), np.concatenate(stds), owners)}
+
+    # --- rounds --------------------------------------------------------------------------
+    def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
+        """The global weights and the style bank without the client's own styles."""
+        mean, std, owners = state["bank"]
+        others = owners != client_id
+        return {**state["weights"], BANK_MEAN: mean[others], BANK_STD: std[others]}
+
+    def client_update(
+        self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        load_weights(model, msg)
+        if self.params.style_path == "feature" and not subset(client_state, ENCODER_PREFIX):
+            raise KeyError(f"client {ctx.client_id} has no frozen style encoder: did the setup exchange run?")
+        codec = make_codec(self.params, model, client_state)
+        bank_mean = torch.as_tensor(np.asarray(msg[BANK_MEAN]))
+        bank_std = torch.as_tensor(np.asarray(msg[BANK_STD]))
+        k, alpha = self.params.k, self.params.alpha
+
+        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+            rows = draw_styles(len(bank_mean), k, ctx.generator)
+            if len(rows) == 0:  # a federation of one client has no other styles
+                return F.cross_entropy(m(x), y)
+            x_tilde = torch.cat([codec.transfer(x, bank_mean[r], bank_std[r], alpha) for r in rows.tolist()])
+            x_rep = x.repeat(len(rows), *([1] * (x.dim() - 1)))
+            f_tilde = codec.features(m, x_rep, x_tilde)
+            return F.cross_entropy(m(x), y) + F.cross_entropy(m.classifier(f_tilde), y.repeat(len(rows)))
+
+        loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
+        return {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": loss}, client_state
+

@@ -1,0 +1,158 @@
+"""FPL (Huang et al., "Rethinking Federated Learning with Domain Shift: A Prototype View", CVPR 2023).
+
+Each round the sampled clients upload, with their weights, one prototype per class they hold:
+the mean representation ``g(x)`` of that class over their last local epoch. For every class the
+server clusters the uploaded prototypes with FINCH (cosine, coarsest partition) and keeps the
+cluster means — the *cluster prototypes* — and their mean, the *unbiased prototype*. Clients of
+the next round add to CE, for every sample ``z`` of class ``y`` with prototypes:
+
+* cluster prototypes contrastive learning (CPCL):
+  ``−log( Σ_{c ∈ P_y} exp(cos(z, c)/τ) / Σ_{c ∈ P} exp(cos(z, c)/τ) )``, ``P_y`` the class-``y``
+  cluster prototypes, ``P`` all of them;
+* unbiased prototypes consistent regularisation (UPCR): ``‖z − u_y‖²`` (``mse``: averaged over
+  dimensions, as the authors' code; ``sum``: the squared norm of the paper).
+
+FedAvg aggregation of the weights by ``n_k``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from feddg.algorithms.base import ClientContext, ClientState, Method, Params, Reply, ServerState
+from feddg.algorithms.local import make_optimizer
+from feddg.algorithms.style import finch_labels
+from feddg.messages import Message, load_weights, weights_of
+
+PROTO_MEAN, PROTO_PRESENT = "proto/mean", "proto/present"
+CLUSTER, CLUSTER_CLASS, UNBIASED, HAS_UNBIASED = "proto/cluster", "proto/cluster_class", "proto/unbiased", "proto/has"
+
+
+class FPLParams(Params):
+    temperature: float = Field(0.02, gt=0, description="τ of CPCL (authors' code: 0.02)")
+    cpcl_weight: float = Field(1.0, ge=0.0, description="weight of the cluster-prototype contrastive term")
+    upcr_weight: float = Field(1.0, ge=0.0, description="weight of the unbiased-prototype consistency term")
+    upcr_reduction: Literal["mse", "sum"] = Field("mse", description="UPCR: mean over dimensions (code) or sum (paper)")
+
+
+def cluster_prototypes(
+    protos: np.ndarray, present: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From client prototypes ``[N, K, D]`` and presence ``[N, K]``: cluster prototypes ``[M, D]``,
+    their classes ``[M]``, unbiased prototypes ``[K, D]`` and which classes have them ``[K]``."""
+    n, num_classes, dim = protos.shape
+    clusters, classes = [], []
+    unbiased = np.zeros((num_classes, dim), dtype=np.float32)
+    has = np.zeros(num_classes, dtype=np.int64)
+    for k in range(num_classes):
+        rows = protos[present[:, k].astype(bool), k]
+        if len(rows) == 0:
+            continue
+        labels = finch_labels(rows, "coarsest")
+        means = np.stack([rows[labels == c].mean(0) for c in np.unique(labels)])
+        clusters.append(means)
+        classes += [k] * len(means)
+        unbiased[k], has[k] = means.mean(0), 1
+    if not clusters:
+        return np.zeros((0, dim), np.float32), np.zeros(0, np.int64), unbiased, has
+    return np.concatenate(clusters).astype(np.float32), np.asarray(classes, np.int64), unbiased, has
+
+
+def cpcl_loss(z: Tensor, y: Tensor, clusters: Tensor, cluster_class: Tensor, temperature: float) -> Tensor:
+    """Per-sample CPCL ``[B]``: ``logsumexp_P(s) − logsumexp_{P_y}(s)``, ``s = cos(z, c)/τ``."""
+    sims = F.cosine_similarity(z[:, None, :], clusters[None, :, :], dim=2) / temperature
+    positive = cluster_class[None, :] == y[:, None]
+    return torch.logsumexp(sims, dim=1) - torch.logsumexp(sims.masked_fill(~positive, float("-inf")), dim=1)
+
+
+def upcr_loss(z: Tensor, target: Tensor, reduction: Literal["mse", "sum"]) -> Tensor:
+    """Per-sample UPCR ``[B]``: squared distance to the class's unbiased prototype."""
+    sq = (z - target).pow(2)
+    return sq.mean(dim=1) if reduction == "mse" else sq.sum(dim=1)
+
+
+class FPL(Method):
+    """Federated prototype learning: FINCH cluster prototypes + unbiased prototypes."""
+
+    name = "fpl"
+    Params = FPLParams
+    search_space = {"temperature": [0.02, 0.07, 0.2], "upcr_weight": [0.1, 1.0, 10.0]}
+    params: FPLParams
+
+    def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
+        msg = dict(state["weights"])
+        if "protos" in state:
+            msg[CLUSTER], msg[CLUSTER_CLASS], msg[UNBIASED], msg[HAS_UNBIASED] = state["protos"]
+        return msg
+
+    def aggregate(self, state: ServerState, replies: list[Reply]) -> ServerState:
+        """FedAvg of the weights; cluster and unbiased prototypes of this round's uploads."""
+        state = super().aggregate(state, replies)
+        protos = np.stack([np.asarray(r.message[PROTO_MEAN]) for r in replies])
+        present = np.stack([np.asarray(r.message[PROTO_PRESENT]) for r in replies])
+        return {**state, "protos": cluster_prototypes(protos, present)}
+
+    def round_metrics(self, state: ServerState) -> dict[str, float]:
+        return {"proto_clusters": float(len(state["protos"][0]))} if "protos" in state else {}
+
+    def client_update(
+        self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        load_weights(model, msg)
+        protos = {k: torch.as_tensor(np.asarray(msg[k])) for k in (CLUSTER, CLUSTER_CLASS, UNBIASED, HAS_UNBIASED)
+                  if k in msg}
+        model.train()  # the loop of local.train_local, plus prototypes of the last epoch (authors' code)
+        opt = make_optimizer(model.parameters(), ctx.optim, float(msg["lr"]))
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        total, steps = 0.0, 0
+        sums: Tensor | None = None
+        counts: Tensor | None = None
+        for epoch in range(ctx.local_epochs):
+            last = epoch == ctx.local_epochs - 1
+            for x, y in ctx.batches():
+                if has_bn and len(y) < 2:
+                    continue
+                opt.zero_grad(set_to_none=True)
+                z = model.features(x)
+                logits = model.classifier(z)
+                loss = F.cross_entropy(logits, y) + self._proto_terms(z, y, protos)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach())
+                steps += 1
+                if last:
+                    if sums is None:
+                        sums = torch.zeros(logits.shape[1], z.shape[1])
+                        counts = torch.zeros(logits.shape[1])
+                    sums.index_add_(0, y.cpu(), z.detach().cpu())
+                    counts.index_add_(0, y.cpu(), torch.ones(len(y)))
+        assert sums is not None and counts is not None, "a client trained on no batch"
+        present = counts > 0
+        mean = torch.where(present[:, None], sums / counts.clamp_min(1)[:, None], torch.zeros_like(sums))
+        reply = {
+            **weights_of(model),
+            PROTO_MEAN: mean.numpy().astype(np.float32),
+            PROTO_PRESENT: present.numpy().astype(np.int8),
+            "num_examples": ctx.num_examples,
+            "train_loss": total / max(steps, 1),
+        }
+        return reply, client_state
+
+    def _proto_terms(self, z: Tensor, y: Tensor, protos: dict[str, Tensor]) -> Tensor:
+        """``mean_i [w_c·CPCL_i + w_u·UPCR_i]`` over samples whose class has global prototypes."""
+        if not protos:
+            return z.sum() * 0.0
+        has = protos[HAS_UNBIASED].to(z.device)[y].bool()
+        if not has.any():
+            return z.sum() * 0.0
+        zs, ys = z[has], y[has]
+        clusters = protos[CLUSTER].to(z)
+        cpcl = cpcl_loss(zs, ys, clusters, protos[CLUSTER_CLASS].to(z.device), self.params.temperature)
+        upcr = upcr_loss(zs, protos[UNBIASED].to(z)[ys], self.params.upcr_reduction)
+        return (self.params.cpcl_weight * cpcl + self.params.upcr_weight * upcr).mean()

@@ -1,0 +1,67 @@
+"""CCST: the style bank (overall / single image styles), K styles per batch, CE(x) + CE(x̃)."""
+
+import numpy as np
+import pytest
+import torch
+
+from feddg.algorithms import create_method
+from feddg.algorithms.ccst import draw_styles
+from feddg.algorithms.style import channel_stats
+from feddg.federation.client import client_context
+from feddg.federation.inprocess import run_inprocess, run_setup
+from feddg.federation.server import Server
+from toy import toy_federation
+
+
+def test_overall_style_is_the_pooled_style_of_the_client_and_the_bank_excludes_the_own(tmp_path):
+    fed = toy_federation("method.name=ccst", "method.params.style_path=pixel")
+    server = Server(fed, tmp_path)
+    run_setup(server)
+    mean, std, owners = server.state["bank"]
+    assert mean.shape == std.shape == (4, 1) and list(owners) == [0, 1, 2, 3]
+    for cid, client in enumerate(fed.clients):  # eq. 2 by hand over all the client's images and pixels
+        x = fed.dataset.x[torch.as_tensor(client.train_idx)].reshape(1, 1, -1, 1)
+        m, s = channel_stats(x)
+        assert np.allclose(mean[cid], m.numpy()[0], atol=1e-5) and np.allclose(std[cid], s.numpy()[0], atol=1e-4)
+    msg = fed.method.client_config(server.state, 2, 1)
+    assert np.array_equal(msg["bank/mean"], mean[[0, 1, 3]]) and np.array_equal(msg["bank/std"], std[[0, 1, 3]])
+
+
+def test_single_image_styles_are_per_image_statistics(tmp_path):
+    fed = toy_federation("method.name=ccst", "method.params.style_path=pixel", "method.params.style_type=single",
+                         "method.params.images_per_client=3")
+    reply, _ = fed.method.client_setup(fed.model, {"style/path": "pixel"}, {}, client_context(fed, 1, 0))
+    assert reply["style/mean"].shape == (3, 1)
+    images = fed.dataset.x[torch.as_tensor(fed.clients[1].train_idx)]
+    per_image = channel_stats(images)[0].numpy()[:, 0]
+    assert all(np.isclose(per_image, v, atol=1e-5).any() for v in reply["style/mean"][:, 0])
+
+
+def test_draw_styles_are_distinct_and_capped_by_the_bank():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        rows = draw_styles(5, 3, g)
+        assert len(rows) == 3 and len(set(rows.tolist())) == 3 and rows.max() < 5
+    assert sorted(draw_styles(2, 3, g).tolist()) == [0, 1]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_loss_is_ce_of_the_batch_plus_ce_of_its_k_stylised_copies(tmp_path, k):
+    """With α = 0 the pixel transfer is the identity, so (at lr 0) the loss is exactly 2·CE(x)."""
+    fed = toy_federation("method.name=ccst", "method.params.style_path=pixel", "method.params.alpha=0",
+                         f"method.params.k={k}")
+    server = Server(fed, tmp_path)
+    run_setup(server)
+    msg = {**fed.method.client_config(server.state, 0, 1), "lr": 0.0, "round": 1}
+    ccst = fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
+    avg = create_method("fedavg").client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
+    assert ccst == pytest.approx(2 * avg, rel=1e-5)
+
+
+def test_ccst_trains_on_the_feature_path(tmp_path):
+    fed = toy_federation("method.name=ccst", "method.params.style_path=feature", "method.params.style_layer=conv",
+                         "method.params.k=2")
+    server = Server(fed, tmp_path)
+    res = run_inprocess(server)
+    assert all(set(s) == {"enc/conv.weight", "enc/conv.bias"} for s in server.client_states.values())
+    assert server.metrics[-1]["train_loss"] < server.metrics[0]["train_loss"] and res["final"]["id_acc"] > 60

@@ -1,0 +1,78 @@
+"""FPL: FINCH cluster prototypes, unbiased prototypes, CPCL and UPCR, the prototype upload."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from feddg.algorithms.fpl import cluster_prototypes, cpcl_loss, upcr_loss
+from feddg.federation.client import client_context
+from feddg.federation.inprocess import run_inprocess
+from feddg.federation.server import Server
+from toy import toy_federation
+
+
+def test_cluster_and_unbiased_prototypes():
+    # class 0: 3 client prototypes near (1, 0), 2 near (0, 1); class 1 held by one client; class 2 by none
+    protos = np.zeros((5, 3, 2), np.float32)
+    protos[:, 0] = [[1.0, 0.0], [1.0, 0.1], [1.0, 0.2], [0.0, 1.0], [0.2, 1.0]]
+    protos[0, 1] = [3.0, 3.0]
+    present = np.zeros((5, 3), np.int8)
+    present[:, 0] = 1
+    present[0, 1] = 1
+    clusters, classes, unbiased, has = cluster_prototypes(protos, present)
+    # FINCH's first neighbour graph: two components for class 0; the coarsest partition keeps them
+    expected = sorted([(1.0, 0.1), (0.1, 1.0)])
+    assert sorted(map(tuple, np.round(clusters[classes == 0], 5))) == expected
+    assert np.allclose(unbiased[0], [0.55, 0.55])  # mean of cluster means, not of the 5 prototypes (0.64, 0.46)
+    assert np.allclose(clusters[classes == 1], [[3.0, 3.0]]) and np.allclose(unbiased[1], [3.0, 3.0])
+    assert list(has) == [1, 1, 0] and np.allclose(unbiased[2], 0)
+
+
+def test_cpcl_hand_value():
+    z = torch.tensor([[1.0, 0.0]])
+    clusters = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 0.0]])  # cosines 1, 0, -1
+    classes = torch.tensor([0, 0, 1])
+    tau = 0.5
+    expected = -math.log((math.exp(2) + math.exp(0)) / (math.exp(2) + math.exp(0) + math.exp(-2)))
+    assert cpcl_loss(z, torch.tensor([0]), clusters, classes, tau).item() == pytest.approx(expected, rel=1e-5)
+    expected1 = -math.log(math.exp(-2) / (math.exp(2) + math.exp(0) + math.exp(-2)))
+    assert cpcl_loss(z, torch.tensor([1]), clusters, classes, tau).item() == pytest.approx(expected1, rel=1e-5)
+
+
+def test_upcr_reductions():
+    z, u = torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[0.0, 0.0, 1.0]])
+    assert upcr_loss(z, u, "sum").item() == pytest.approx(9.0)
+    assert upcr_loss(z, u, "mse").item() == pytest.approx(3.0)
+
+
+def test_uploaded_prototypes_are_class_means_of_the_features():
+    fed = toy_federation("method.name=fpl")
+    msg = {**fed.method.client_config(fed.method.server_init(fed.model, None), 0, 1), "lr": 0.0, "round": 1}
+    reply, _ = fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    assert set(reply) == {f"w/{k}" for k in fed.model.state_dict()} | {
+        "proto/mean", "proto/present", "num_examples", "train_loss"}
+    # by hand: the same batches (same seed), the unchanged model in training mode
+    fed.model.train()
+    sums, counts = torch.zeros(4, 16), torch.zeros(4)
+    with torch.no_grad():
+        for x, y in client_context(fed, 0, 1).batches():
+            sums.index_add_(0, y, fed.model.features(x))
+            counts.index_add_(0, y, torch.ones(len(y)))
+    assert np.array_equal(reply["proto/present"], (counts > 0).numpy().astype(np.int8))
+    assert np.allclose(reply["proto/mean"], (sums / counts.clamp_min(1)[:, None]).numpy(), atol=1e-5)
+
+
+def test_prototype_terms_join_the_loss_from_round_two(tmp_path):
+    fed = toy_federation("method.name=fpl", "federation.rounds=2")
+    server = Server(fed, tmp_path)
+    run_inprocess(server)
+    assert "proto/cluster" not in fed.method.client_config({"weights": {}}, 0, 1)
+    msg = {**fed.method.client_config(server.state, 0, 3), "lr": 0.0, "round": 3}
+    assert {"proto/cluster", "proto/cluster_class", "proto/unbiased", "proto/has"} <= set(msg)
+    with_protos = fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 3))[0]["train_loss"]
+    plain = {k: v for k, v in msg.items() if not k.startswith("proto/")}
+    without = fed.method.client_update(fed.model, plain, {}, client_context(fed, 0, 3))[0]["train_loss"]
+    assert with_protos > without
+    assert server.metrics[-1]["proto_clusters"] >= 4  # at least one cluster prototype per class
