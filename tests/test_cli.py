@@ -60,13 +60,19 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = killed_dir / "metrics.jsonl"
     deadline = time.time() + 240
+    workers: list[int] = []
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            workers = _children(proc.pid)
             proc.send_signal(signal.SIGKILL)  # no chance to clean up
             break
         time.sleep(0.05)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    deadline = time.time() + 15
+    while time.time() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not [pid for pid in workers if _alive(pid)], "client workers outlived the killed run"
     done = len(_metrics(killed_dir))
     assert 2 <= done < 4
 
@@ -74,6 +80,27 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _metrics(killed_dir) == _metrics(tmp_path / "full")
     assert (killed_dir / "curves.png").is_file() and (killed_dir / "domains.png").is_file()
+
+
+def _children(pid: int) -> list[int]:
+    """Child pids of ``pid`` (from /proc; empty where there is none)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_report_and_datasets_commands(tmp_path, env, monkeypatch):

@@ -316,3 +316,22 @@ def test_diagnostics_and_accounting_are_in_the_metrics_and_results(tmp_path):
     table = overhead_table([res, {**res, "hierarchy": {**res["hierarchy"], "merge": "avg",
                                                         "per_server_round": {"time_s": per["time_s"] / 2}}}])
     assert "| fedavg |" in table and "| 100.0 |" in table
+
+
+class _CountingFedAvg(FedAvg):
+    """FedAvg that reports how many replies its (station) state last aggregated."""
+
+    def aggregate(self, state, replies):
+        return {**super().aggregate(state, replies), "seen": len(replies)}
+
+    def round_metrics(self, state):
+        return {"inner/seen": float(state.get("seen", 0))}
+
+
+def test_the_client_methods_own_metrics_are_passed_through_as_a_mean_over_stations():
+    fed = hier_federation()  # 4 clients, 2 stations of 2 (contiguous)
+    method = build_hierarchy(_CountingFedAvg(), fed.cfg.hierarchy, [c.domains for c in fed.clients])
+    state = method.server_init(fed.model, None)
+    reply = {**weights_of(fed.model), "num_examples": 10}
+    state = method.aggregate(state, [Reply(c, reply) for c in (0, 1, 2)])  # station 0: 2 replies, station 1: 1
+    assert method.round_metrics(state)["inner/seen"] == pytest.approx(1.5)

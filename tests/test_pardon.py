@@ -186,7 +186,7 @@ def test_messages_carry_one_style_vector_and_weights_only(tmp_path, path):
     # the global style travels in every round's message
     sent = server.configure(1)
     assert all(np.array_equal(m["style/mean"], server.state["style"][0]) for m in sent.values())
-    assert server.metrics[0]["style_dim"] == dim and server.metrics[0]["style_setup_s"] > 0
+    assert server.metrics[0]["style_dim"] == dim and server.metrics[0]["time_style_setup_s"] > 0
 
 
 def test_feature_path_keeps_the_initial_encoder_in_the_client_state(tmp_path):

@@ -72,12 +72,13 @@ def sweep(
     overrides: Overrides = None,
     out_dir: Annotated[Path | None, typer.Option(help="where runs and tables go")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
+    jobs: Annotated[int, typer.Option(help="runs at once, one torch thread each")] = 1,
 ) -> None:
     """Run variants × target domains × seeds and write a mean ± std table (Markdown and CSV)."""
     from feddg.sweep import run_sweep
 
     try:
-        res = run_sweep(config, overrides, out_dir, progress=not quiet)
+        res = run_sweep(config, overrides, out_dir, progress=not quiet, jobs=jobs)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         _fail(str(err))
     out.print(res["markdown"])

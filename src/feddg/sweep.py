@@ -10,13 +10,17 @@ A sweep file is an experiment config with one extra section::
         FedProx: {method.name: fedprox, method.params.mu: 0.01}
 
 Finished runs (with results.json) are skipped and interrupted ones resumed, so a killed
-sweep restarts where it stopped.
+sweep restarts where it stopped. ``jobs > 1`` runs that many cells at once in spawned processes
+(one torch thread and one client worker each); results agree with ``jobs=1`` up to float
+rounding (thread count and summation order differ).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from feddg.evaluation.tables import csv_table, markdown_table
 from feddg.experiment import console, run_experiment
 from feddg.federation.checkpoint import CHECKPOINT
 from feddg.federation.server import RESULTS
+from feddg.federation.workers import exit_with_parent
 
 
 class SweepSpec(Strict):
@@ -65,22 +70,28 @@ def _override(key: str, value: Any) -> str:
 
 
 def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str | Path | None = None,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, jobs: int = 1) -> dict[str, Any]:
     """Run every (variant, target, seed) cell and write table.md, table.csv and runs.jsonl."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     spec, raw = load_sweep(path, overrides)
     base = build_config(raw)
     out = Path(out_dir) if out_dir is not None else Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    cells = []
     for variant, extra in spec.variants.items():
         for label, split_over in _cells(spec, base):
             for seed in spec.seeds:
                 over = [_override(k, v) for k, v in extra.items()] + split_over + [f"seed={seed}"]
-                cfg = build_config(raw, over)
-                run_dir = out / _safe(variant) / _safe(label) / f"seed{seed}"
-                res = _run_or_load(cfg, run_dir, progress)
-                rows.append({"variant": variant, "target": label, "seed": seed, "run_dir": str(run_dir),
-                             **res["final"], "time_total_s": res["time_total_s"]})
+                build_config(raw, over)  # fail on a bad variant before anything runs
+                cells.append(({"variant": variant, "target": label, "seed": seed},
+                              over, out / _safe(variant) / _safe(label) / f"seed{seed}"))
+    if jobs == 1:
+        results = [_run_or_load(raw, over, run_dir, progress) for _, over, run_dir in cells]
+    else:
+        results = _run_parallel(raw, cells, jobs)
+    rows = [{**cell, "run_dir": str(run_dir), **res["final"], "time_total_s": res["time_total_s"]}
+            for (cell, _, run_dir), res in zip(cells, results)]
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tables = {m: markdown_table(rows, m) for m in spec.metrics}
     md = "\n\n".join(f"### {m} (mean ± std over seeds {spec.seeds})\n\n{t}" for m, t in tables.items())
@@ -90,7 +101,30 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     return {"out_dir": str(out), "rows": rows, "markdown": md}
 
 
-def _run_or_load(cfg: ExperimentConfig, run_dir: Path, progress: bool) -> dict[str, Any]:
+def _run_parallel(raw: dict[str, Any], cells: list[tuple[dict[str, Any], list[str], Path]],
+                  jobs: int) -> list[dict[str, Any]]:
+    """Cells in ``jobs`` spawned processes, a line as each finishes; results in cell order."""
+    ctx = multiprocessing.get_context("spawn")  # torch and fork do not mix
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_job) as pool:
+        futures = [pool.submit(_run_or_load, raw, over + ["federation.workers=1"], run_dir, False)
+                   for _, over, run_dir in cells]
+        for i, fut in enumerate(futures):
+            res = fut.result()
+            cell = cells[i][0]
+            console.print(f"[{i + 1}/{len(cells)}] {cell['variant']} · {cell['target']} · seed {cell['seed']}: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in res["final"].items() if k.endswith("acc")))
+        return [f.result() for f in futures]
+
+
+def _init_job() -> None:
+    import torch
+
+    exit_with_parent()
+    torch.set_num_threads(1)
+
+
+def _run_or_load(raw: dict[str, Any], over: list[str], run_dir: Path, progress: bool) -> dict[str, Any]:
+    cfg = build_config(raw, over)
     if (run_dir / RESULTS).is_file():
         console.print(f"[dim]done already: {run_dir}[/dim]")
         return json.loads((run_dir / RESULTS).read_text())

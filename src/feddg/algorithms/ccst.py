@@ -13,7 +13,6 @@ Each round: for every batch the client draws ``K`` distinct styles of the bank, 
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 import numpy as np
@@ -27,15 +26,13 @@ from feddg.algorithms.local import train_local
 from feddg.algorithms.style import (
     ENCODER_PREFIX,
     StyleParams,
-    client_moments,
+    local_moments,
     make_codec,
     pooled_style,
-    setup_codec,
     std_from_moments,
 )
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights, subset, weights_of
+from feddg.messages import Message, load_weights, subset, weights_of
 
-logger = logging.getLogger(__name__)
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 BANK_MEAN, BANK_STD = "bank/mean", "bank/std"
@@ -73,13 +70,7 @@ class CCST(Method):
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
         """The client's style(s), rows ``[J, C]`` (J = 1 for the overall domain style)."""
-        if subset(msg, WEIGHT_PREFIX):
-            load_weights(model, msg)
-        first, _ = next(ctx.batches(shuffle=False, train=False))
-        codec, enc = setup_codec(self.params, model, first)
-        if ctx.client_id == 0:
-            logger.warning("%s: style path = %s", self.name, codec.describe())
-        mean, second = client_moments(codec, ctx.batches(shuffle=False, train=False))
+        codec, enc, mean, second = local_moments(self.params, model, msg, ctx, self.name)
         if self.params.style_type == "overall":
             mu, sigma = (t[None] for t in pooled_style(mean, second))
         else:

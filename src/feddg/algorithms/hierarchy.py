@@ -388,6 +388,9 @@ class Hierarchical(Method):
             "hfl/time_station_agg_s": time.perf_counter() - t0,
             "hfl/bytes_client_gram_up": sum(_gram_nbytes(r.message) for r in replies),
         }
+        inner_metrics = [self.inner.round_metrics(stations[e]) for e in by_station]
+        for key in sorted(set().union(*inner_metrics)):  # the client method's own metrics, mean over stations
+            metrics[key] = float(np.mean([m[key] for m in inner_metrics if key in m]))
         new = {**state, "round": t, "stations": stations}
         if topo.station_round(t) == topo.station_rounds and by_station:
             new = self._merge(new, dict(sorted(by_station.items())), metrics)

@@ -21,7 +21,6 @@ Table V ablations: ``local_style=average`` (v1), ``global_style=average`` (v2),
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -39,18 +38,16 @@ from feddg.algorithms.style import (
     FinchLevel,
     StyleCodec,
     StyleParams,
-    client_moments,
+    local_moments,
     finch_labels,
     make_codec,
     pooled_style,
-    setup_codec,
     std_from_moments,
     style_vectors,
 )
 from feddg.data.transforms import BatchRandomCrop
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights, subset, weights_of
+from feddg.messages import Message, load_weights, subset, weights_of
 
-logger = logging.getLogger(__name__)
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 #: ``(model, x) -> g(x̃)``
@@ -197,13 +194,7 @@ class Pardon(Method):
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
         """Local style calculation: the reply is one ``(μ, σ)`` pair and nothing else."""
-        if subset(msg, WEIGHT_PREFIX):
-            load_weights(model, msg)
-        first, _ = next(ctx.batches(shuffle=False, train=False))
-        codec, enc = setup_codec(self.params, model, first)
-        if ctx.client_id == 0:
-            logger.warning("%s: style path = %s", self.name, codec.describe())
-        mean, second = client_moments(codec, ctx.batches(shuffle=False, train=False))
+        codec, enc, mean, second = local_moments(self.params, model, msg, ctx, self.name)
         labels = self._local_labels(codec, ctx, mean, second)
         mu, sigma = client_style(mean, second, labels, self.params.client_average)
         reply = {STYLE_MEAN: mu.numpy().astype(np.float32), STYLE_STD: sigma.numpy().astype(np.float32)}
@@ -228,7 +219,7 @@ class Pardon(Method):
             **state,
             "style": (mean.astype(np.float32), std.astype(np.float32)),
             "style_clusters": clusters,
-            "style_setup_s": time.perf_counter() - started if started is not None else float("nan"),
+            "time_style_setup_s": time.perf_counter() - started if started is not None else float("nan"),
         }
 
     # --- rounds --------------------------------------------------------------------------
@@ -242,7 +233,7 @@ class Pardon(Method):
         if "style" not in state:
             return {}
         return {
-            "style_setup_s": float(state["style_setup_s"]),
+            "time_style_setup_s": float(state["time_style_setup_s"]),
             "style_clusters": float(state["style_clusters"]),
             "style_dim": float(len(state["style"][0])),
         }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -35,13 +36,14 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from feddg.algorithms.base import Params
-from feddg.messages import Message, subset
+from feddg.algorithms.base import ClientContext, Params
+from feddg.messages import WEIGHT_PREFIX, Message, load_weights, subset
 
 with warnings.catch_warnings():  # finch-clust warns at import that the optional pynndescent is absent
     warnings.simplefilter("ignore")
     from finch import FINCH
 
+logger = logging.getLogger(__name__)
 EPS = 1e-5
 ENCODER_PREFIX = "enc/"
 StylePath = Literal["feature", "pixel", "adain-vgg"]
@@ -380,3 +382,19 @@ def client_moments(codec: StyleCodec, batches: Iterable[tuple[Tensor, Tensor]]) 
         means.append(m.cpu())
         seconds.append(s.cpu())
     return torch.cat(means), torch.cat(seconds)
+
+
+def local_moments(
+    params: StyleParams, model: nn.Module, msg: Message, ctx: ClientContext, method: str
+) -> tuple[StyleCodec, Message, Tensor, Tensor]:
+    """A client's setup step shared by PARDON and CCST: load the initial global weights if the
+    setup request carries them, build the codec, log its path (once, from client 0) and return it
+    with its client-state arrays and the per-sample moments of all local training data."""
+    if subset(msg, WEIGHT_PREFIX):
+        load_weights(model, msg)
+    first, _ = next(ctx.batches(shuffle=False, train=False))
+    codec, enc = setup_codec(params, model, first)
+    if ctx.client_id == 0:
+        logger.warning("%s: style path = %s", method, codec.describe())
+    mean, second = client_moments(codec, ctx.batches(shuffle=False, train=False))
+    return codec, enc, mean, second

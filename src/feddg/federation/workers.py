@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -28,8 +30,21 @@ from feddg.messages import Message
 _FED: Federation | None = None
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Make this worker exit when its parent dies (a SIGKILLed run must not leave orphans)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def _init_worker(cfg_tree: dict[str, Any]) -> None:
     global _FED
+    exit_with_parent()
     torch.set_num_threads(1)
     cfg = ExperimentConfig.model_validate(cfg_tree)
     _FED = build_federation(cfg.model_copy(update={"device": "cpu"}))
