@@ -122,3 +122,23 @@ def test_config_errors_are_one_line_with_the_key(tmp_path, env):
     assert res.returncode == 2
     assert "federation.rounds" in res.stdout
     assert "Traceback" not in res.stdout + res.stderr
+    res = _feddg(["run", "configs/demo.yaml", "--weights", str(tmp_path / "missing.pth")], env)
+    assert res.returncode == 2 and "missing.pth" in res.stdout and "Traceback" not in res.stdout + res.stderr
+
+
+def test_weights_option_starts_from_a_local_state_dict(tmp_path, env):
+    import torch
+    import yaml
+
+    from feddg.models import create_model
+
+    path = tmp_path / "lenet.pth"
+    torch.save(create_model("lenet", num_classes=10, in_channels=3, image_size=28).state_dict(), path)
+    res = _feddg(["run", "configs/demo.yaml", *TINY, "-o", "federation.rounds=1", "-o", "federation.workers=1",
+                  "--weights", str(path), "--run-dir", str(tmp_path / "r"), "--quiet"], env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["model"]["weights"] == str(path)
+    bad = tmp_path / "bad.pth"
+    torch.save(create_model("lenet", num_classes=4, in_channels=1, image_size=28).state_dict(), bad)
+    res = _feddg(["run", "configs/demo.yaml", *TINY, "--weights", str(bad), "--run-dir", str(tmp_path / "b")], env)
+    assert res.returncode == 2 and "bad.pth" in res.stdout and "Traceback" not in res.stdout + res.stderr

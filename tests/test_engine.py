@@ -61,6 +61,22 @@ def test_resume_after_a_crash_gives_the_uninterrupted_result(tmp_path):
     assert all(np.array_equal(final_full[k], final_resumed[k]) for k in final_full)
 
 
+def test_checkpoint_every_k_rounds_resumes_from_the_last_checkpoint(tmp_path):
+    over = ("federation.rounds=5", "federation.checkpoint_every=2")
+    full, _ = _run(tmp_path, *over, name="full")
+    crashed = Server(toy_federation(*over), tmp_path / "crash")
+    crashed.mark_setup_done()
+    for r in (1, 2, 3):
+        run_round(crashed, r)  # killed after round 3: round 2 was the last checkpoint
+    assert len((tmp_path / "crash" / "metrics.jsonl").read_text().splitlines()) == 3
+    resumed = Server(toy_federation(*over), tmp_path / "crash", resume=True)
+    assert resumed.round == 2
+    assert len((tmp_path / "crash" / "metrics.jsonl").read_text().splitlines()) == 2  # round 3 is redone
+    run_inprocess(resumed)
+    assert _without_times(resumed.metrics) == _without_times(full.metrics)
+    assert Server(toy_federation(*over), tmp_path / "full", resume=True).round == 5  # the last round is saved
+
+
 def test_fedprox_equals_fedavg_at_mu_zero_and_differs_otherwise(tmp_path):
     avg, _ = _run(tmp_path, name="avg")
     prox0, _ = _run(tmp_path, "method.name=fedprox", "method.params.mu=0.0", name="p0")

@@ -47,6 +47,7 @@ def run(
     run_dir: Annotated[Path | None, typer.Option(help="run directory (default: output_dir/name-...)")] = None,
     resume: Annotated[Path | None, typer.Option(help="continue a killed run from its checkpoint")] = None,
     engine: Annotated[str | None, typer.Option(help="inprocess | flower")] = None,
+    weights: Annotated[Path | None, typer.Option(help="local .pth state_dict to start from (= -o model.weights=)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
     """Train one experiment and print its per-domain accuracy."""
@@ -58,7 +59,10 @@ def run(
         else:
             if config is None:
                 _fail("give a config file, or --resume RUN_DIR")
+            if weights is not None and not weights.is_file():
+                _fail(f"--weights: no such file: {weights}")
             extra = list(overrides or []) + ([f"federation.engine={engine}"] if engine else [])
+            extra += [f"model.weights={json.dumps(str(weights))}"] if weights is not None else []
             results = run_experiment(load_config(config, extra), run_dir, progress=not quiet)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         _fail(str(err))

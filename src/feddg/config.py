@@ -75,6 +75,10 @@ class FederationConfig(Strict):
     workers: int | Literal["auto"] = Field(
         1, description="in-process engine: warm client worker processes (1 = sequential; auto = one per core)"
     )
+    checkpoint_every: int = Field(
+        1, ge=1, description="write checkpoint.pt every k rounds and after the last (a crash loses < k rounds); "
+        "k > 1 saves disk time when the server state is large (hFedF's hypernetwork and Adam state)"
+    )
 
 
 class HierarchyConfig(Strict):

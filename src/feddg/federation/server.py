@@ -124,7 +124,8 @@ class Server:
         self.round = round
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
-        self.checkpoint()
+        if round % self.fed.cfg.federation.checkpoint_every == 0 or round == self.rounds:
+            self.checkpoint()
         return row
 
     # --- evaluation --------------------------------------------------------------------
