@@ -16,13 +16,11 @@ from feddg.algorithms.hierarchy import (
     GramRecorder,
     Hierarchical,
     MergeParams,
-    Topology,
-    assign_stations,
     build_hierarchy,
     merge_stations,
     overhead_table,
-    two_level_dirichlet,
 )
+from feddg.algorithms.stations import Topology, assign_stations, two_level_dirichlet
 from feddg.config import ConfigError, build_config
 from feddg.federation.client import client_context
 from feddg.federation.inprocess import run_inprocess, run_round

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from feddg.algorithms import Method, OptimSettings, create_method
-from feddg.algorithms.hierarchy import build_hierarchy, two_level_dirichlet
+from feddg.algorithms.hierarchy import build_hierarchy
+from feddg.algorithms.stations import two_level_dirichlet
 from feddg.config import ExperimentConfig
 from feddg.data import load_dataset
 from feddg.data.base import DomainDataset
