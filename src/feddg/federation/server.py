@@ -119,7 +119,8 @@ class Server:
             t1 = time.perf_counter()
             row.update(self.evaluate())
             row["time_eval_s"] = time.perf_counter() - t1
-        row["time_round_s"] = sum(v for k, v in row.items() if k.startswith("time_") and k != "time_round_s")
+        engine_times = (*timings, "time_aggregate_s", "time_eval_s")  # a method's own time_* metrics are not summed
+        row["time_round_s"] = sum(row[k] for k in engine_times if k in row)
         self.metrics.append(row)
         self.round = round
         with open(self.run_dir / METRICS, "a") as f:
