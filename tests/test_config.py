@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from feddg.config import ConfigError, build_config, dump_config, load_config
@@ -36,3 +38,19 @@ def test_yaml_round_trip(tmp_path):
     assert load_config(path) == cfg
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parent.parent / "configs").glob("**/*.yaml")), ids=lambda p: str(p.parent.name + "/" + p.name)
+)
+def test_every_shipped_config_and_sweep_variant_validates(path):
+    """A typo in a shipped config fails here, not an hour into a sweep."""
+    from feddg.sweep import _cells, _override, load_sweep
+
+    spec, raw = load_sweep(path)
+    base = build_config(raw)
+    if base.data.dataset != "digits-dg":  # folder datasets: the cells need the user's data root
+        return
+    for extra in spec.variants.values():
+        for _, split in _cells(spec, base):
+            build_config(raw, [_override(k, v) for k, v in extra.items()] + split)
