@@ -1,5 +1,6 @@
 """PARDON: client and global styles (eqs. 1-5), triplet loss (eq. 7), loss weights, messages, engine."""
 
+import json
 import math
 from pathlib import Path
 
@@ -187,6 +188,7 @@ def test_messages_carry_one_style_vector_and_weights_only(tmp_path, path):
     sent = server.configure(1)
     assert all(np.array_equal(m["style/mean"], server.state["style"][0]) for m in sent.values())
     assert server.metrics[0]["style_dim"] == dim and server.metrics[0]["time_style_setup_s"] > 0
+    assert json.loads((tmp_path / "results.json").read_text())["method_params"]["style_path"] == path
     for row in server.metrics:  # the one-time setup is reported, not added to every round's time
         engine = sum(row.get(k, 0.0) for k in ("time_train_s", "time_aggregate_s", "time_eval_s"))
         assert row["time_round_s"] == pytest.approx(engine)

@@ -185,6 +185,7 @@ class Server:
         fed = self.fed
         results = {
             "method": fed.method.name,
+            "method_params": getattr(fed.method, "inner", fed.method).params.model_dump(mode="json"),
             "dataset": fed.dataset.name,
             "target": [fed.dataset.domains[d] for d in fed.split.test_domains],
             "val_domain": [fed.dataset.domains[d] for d in fed.split.val_domains],
