@@ -30,6 +30,7 @@ from feddg.algorithms.style import (
     make_codec,
     pooled_style,
     std_from_moments,
+    style_setup_request,
 )
 from feddg.messages import Message, load_weights, subset, weights_of
 
@@ -62,9 +63,7 @@ class CCST(Method):
 
     # --- setup exchange ------------------------------------------------------------------
     def setup_request(self, state: ServerState) -> Message | None:
-        if self.params.style_path == "feature":
-            return dict(state["weights"])
-        return {"style/path": self.params.style_path}
+        return style_setup_request(self.params, state["weights"])
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

@@ -43,6 +43,7 @@ from feddg.algorithms.style import (
     make_codec,
     pooled_style,
     std_from_moments,
+    style_setup_request,
     style_vectors,
 )
 from feddg.data.transforms import BatchRandomCrop
@@ -186,9 +187,7 @@ class Pardon(Method):
         if not self.uses_style:
             return None
         state["setup_started"] = time.perf_counter()
-        if self.params.style_path == "feature":
-            return dict(state["weights"])
-        return {"style/path": self.params.style_path}
+        return style_setup_request(self.params, state["weights"])
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

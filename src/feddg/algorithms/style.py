@@ -398,3 +398,9 @@ def local_moments(
         logger.warning("%s: style path = %s", method, codec.describe())
     mean, second = client_moments(codec, ctx.batches(shuffle=False, train=False))
     return codec, enc, mean, second
+
+
+def style_setup_request(params: StyleParams, weights: Message) -> Message:
+    """The setup request of a style method: the initial weights on the feature path (its frozen
+    encoder), else just the path's name."""
+    return dict(weights) if params.style_path == "feature" else {"style/path": params.style_path}
