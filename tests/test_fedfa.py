@@ -1,13 +1,21 @@
 """FedFA's server side (eqs. 6–7), the message contract, the variants, byte accounting and protocols."""
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
+from toy import toy_federation
 
-from feddg.aggregation.fedfa_stats import add_noise, client_sharing_variance, t_modulation
+from feddg.aggregation.fedfa_stats import (
+    add_noise,
+    client_sharing_variance,
+    t_modulation,
+)
 from feddg.algorithms import Reply, create_method
+from feddg.cli import communication_table
 from feddg.config import ConfigError, build_config
 from feddg.evaluation.accuracy import correct_by_domain
 from feddg.federation.client import run_client
@@ -16,7 +24,6 @@ from feddg.federation.server import Server
 from feddg.messages import load_weights, weights_of
 from feddg.models import create_model
 from feddg.sweep import load_sweep
-from toy import toy_federation
 
 TOY = ("method.name=fedfa", "method.params.stages=[conv, bn]")  # ToyNet has no conv-stage map
 
@@ -173,6 +180,15 @@ def test_two_rounds_statistics_persist_and_alignment_starts_in_round_two(tmp_pat
     kept, fresh = server.client_states[0]["ffa/1/mu_bar"], reset.client_states[0]["ffa/1/mu_bar"]
     assert np.abs(kept).sum() > np.abs(fresh).sum() > 0  # two rounds of momentum vs one
     assert sorted(server.state["stats"]) == [0, 1, 2, 3]
+    # the run reports the extra bytes next to the weights' (results.json, and `feddg run` prints them)
+    per_round = json.loads((tmp_path / "run" / "results.json").read_text())["bytes_per_round"]
+    up = [m["fedfa/bytes_stats_up"] for m in server.metrics]
+    assert per_round["fedfa/bytes_stats_up"] == pytest.approx(np.mean(up)) and up[0] > 0
+    assert per_round["bytes_up"] == pytest.approx(np.mean([m["bytes_up"] for m in server.metrics]))
+    console = Console(record=True, width=120)
+    console.print(communication_table({"bytes_per_round": per_round}))
+    text = console.export_text()
+    assert "fedfa/bytes_hist_up" in text and "fedfa/bytes_weights_up" in text
 
 
 def test_alignment_changes_training_and_is_off_at_lambda_zero(tmp_path):

@@ -40,6 +40,16 @@ def results_table(results: dict) -> Table:
     return t
 
 
+def communication_table(results: dict) -> Table:
+    """Mean bytes per round: all clients together (engine) and each method's own per-client counts."""
+    t = Table(title="communication per round (mean over rounds)")
+    t.add_column("what")
+    t.add_column("KB", justify="right")
+    for key, val in results.get("bytes_per_round", {}).items():
+        t.add_row(key, f"{val / 1024:,.2f}")
+    return t
+
+
 @app.command()
 def run(
     config: Annotated[Path | None, typer.Argument(help="experiment YAML")] = None,
@@ -67,6 +77,7 @@ def run(
     except (ConfigError, FileNotFoundError, ValueError) as err:
         _fail(str(err))
     out.print(results_table(results))
+    out.print(communication_table(results))
     out.print(f"run directory: {results['run_dir']}")
 
 

@@ -197,8 +197,16 @@ class Server:
             "bytes_up_total": int(sum(m["bytes_up"] for m in self.metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in self.metrics)),
             "time_total_s": float(sum(m.get("time_round_s", 0.0) for m in self.metrics)),
+            "bytes_per_round": _mean_bytes(self.metrics),
         }
         if fed.cfg.hierarchy is not None:  # topology, cost per server round, DP ε (algorithms/hierarchy.py)
             results["hierarchy"] = fed.method.summary(self.metrics)  # type: ignore[attr-defined]
         (self.run_dir / RESULTS).write_text(json.dumps(results, indent=2))
         return results
+
+
+def _mean_bytes(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean over rounds of every byte count in the metrics (engine totals and methods' own, e.g.
+    ``fedfa/bytes_stats_up`` per client), for the run's communication summary."""
+    keys = sorted({k for r in rows for k in r if "bytes" in k})
+    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
