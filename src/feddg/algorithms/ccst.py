@@ -34,7 +34,6 @@ from feddg.algorithms.style import (
 )
 from feddg.messages import Message, load_weights, subset, weights_of
 
-
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 BANK_MEAN, BANK_STD = "bank/mean", "bank/std"
 

@@ -38,8 +38,8 @@ from feddg.algorithms.style import (
     FinchLevel,
     StyleCodec,
     StyleParams,
-    local_moments,
     finch_labels,
+    local_moments,
     make_codec,
     pooled_style,
     std_from_moments,
@@ -48,7 +48,6 @@ from feddg.algorithms.style import (
 )
 from feddg.data.transforms import BatchRandomCrop
 from feddg.messages import Message, load_weights, subset, weights_of
-
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 #: ``(model, x) -> g(x̃)``
