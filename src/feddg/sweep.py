@@ -83,13 +83,13 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
         for label, split_over in _cells(spec, base):
             for seed in spec.seeds:
                 over = [_override(k, v) for k, v in extra.items()] + split_over + [f"seed={seed}"]
-                build_config(raw, over)  # fail on a bad variant before anything runs
+                cfg = build_config(raw, over)  # every cell validated before anything runs
                 cells.append(({"variant": variant, "target": label, "seed": seed},
-                              over, out / _safe(variant) / _safe(label) / f"seed{seed}"))
+                              cfg, out / _safe(variant) / _safe(label) / f"seed{seed}"))
     if jobs == 1:
-        results = [_run_or_load(raw, over, run_dir, progress) for _, over, run_dir in cells]
+        results = [_run_or_load(cfg, run_dir, progress) for _, cfg, run_dir in cells]
     else:
-        results = _run_parallel(raw, cells, jobs)
+        results = _run_parallel(cells, jobs)
     rows = [{**cell, "run_dir": str(run_dir), **res["final"], "time_total_s": res["time_total_s"]}
             for (cell, _, run_dir), res in zip(cells, results)]
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -101,13 +101,11 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     return {"out_dir": str(out), "rows": rows, "markdown": md}
 
 
-def _run_parallel(raw: dict[str, Any], cells: list[tuple[dict[str, Any], list[str], Path]],
-                  jobs: int) -> list[dict[str, Any]]:
+def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jobs: int) -> list[dict[str, Any]]:
     """Cells in ``jobs`` spawned processes, a line as each finishes; results in cell order."""
     ctx = multiprocessing.get_context("spawn")  # torch and fork do not mix
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_job) as pool:
-        futures = [pool.submit(_run_or_load, raw, over + ["federation.workers=1"], run_dir, False)
-                   for _, over, run_dir in cells]
+        futures = [pool.submit(_run_or_load, _one_worker(cfg), run_dir, False) for _, cfg, run_dir in cells]
         for i, fut in enumerate(futures):
             res = fut.result()
             cell = cells[i][0]
@@ -123,8 +121,12 @@ def _init_job() -> None:
     torch.set_num_threads(1)
 
 
-def _run_or_load(raw: dict[str, Any], over: list[str], run_dir: Path, progress: bool) -> dict[str, Any]:
-    cfg = build_config(raw, over)
+def _one_worker(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with its clients run sequentially: a parallel sweep already fills the cores."""
+    return cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"workers": 1})})
+
+
+def _run_or_load(cfg: ExperimentConfig, run_dir: Path, progress: bool) -> dict[str, Any]:
     if (run_dir / RESULTS).is_file():
         console.print(f"[dim]done already: {run_dir}[/dim]")
         return json.loads((run_dir / RESULTS).read_text())
