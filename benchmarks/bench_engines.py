@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import torch
 
 from feddg.config import ExperimentConfig, build_config
 from feddg.experiment import run_experiment
-from feddg.federation.flower_local import LocalDeployment
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.flower_local import LocalDeployment  # noqa: E402  (the loopback deployment harness of the tests)
 
 
 def bench_config(rounds: int, clients: int, max_per_domain: int, engine: str) -> ExperimentConfig:

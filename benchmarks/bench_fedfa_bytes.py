@@ -17,7 +17,7 @@ import tempfile
 import torch
 
 from feddg.config import build_config
-from feddg.federation.inprocess import run_inprocess
+from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from feddg.federation.setup import build_federation
 

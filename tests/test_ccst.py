@@ -6,9 +6,9 @@ import torch
 
 from feddg.algorithms import create_method
 from feddg.algorithms.ccst import draw_styles
-from feddg.algorithms.style import channel_stats
+from feddg.algorithms.components.style import channel_stats
 from feddg.federation.client import client_context
-from feddg.federation.inprocess import run_inprocess, run_setup
+from feddg.engines.inprocess import run_inprocess, run_setup
 from feddg.federation.server import Server
 from toy import toy_federation
 

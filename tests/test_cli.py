@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from feddg.cli import app
@@ -32,7 +33,7 @@ def env(tmp_path, cache_dir):
 
 def _feddg(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "feddg", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -142,3 +143,80 @@ def test_weights_option_starts_from_a_local_state_dict(tmp_path, env):
     torch.save(create_model("lenet", num_classes=4, in_channels=1, image_size=28).state_dict(), bad)
     res = _feddg(["run", "configs/demo.yaml", *TINY, "--weights", str(bad), "--run-dir", str(tmp_path / "b")], env)
     assert res.returncode == 2 and "bad.pth" in res.stdout and "Traceback" not in res.stdout + res.stderr
+
+
+def _invoke(*args: str):
+    res = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in res.output, res.output
+    return res
+
+
+def _one_line_error(res, *words: str) -> str:
+    lines = res.stdout.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.output
+    assert all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def test_a_finished_run_is_never_overwritten_and_resumes_change_only_safe_keys(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    run_dir = tmp_path / "r"
+    args = ["run", "configs/demo.yaml", *TINY, "-o", "data.max_per_domain=60", "-o", "federation.rounds=1",
+            "-o", "optim.schedule=constant", "-o", "federation.workers=1", "--run-dir", str(run_dir), "--quiet"]
+    assert _invoke(*args).exit_code == 0
+    _one_line_error(_invoke(*args), "not empty", "--overwrite", "--resume")
+    (run_dir / "stale.txt").write_text("from the first run")
+    assert _invoke(*args, "--overwrite").exit_code == 0 and not (run_dir / "stale.txt").exists()
+    foreign = tmp_path / "mine"
+    (foreign / "notes.txt").parent.mkdir()
+    (foreign / "notes.txt").write_text("not a run")
+    _one_line_error(_invoke(*args[:-3], "--run-dir", str(foreign), "--overwrite"), "not a feddg run directory")
+    assert (foreign / "notes.txt").exists()
+
+    _one_line_error(_invoke("run", "--resume", str(run_dir), "-o", "seed=1"), "seed: cannot change on resume")
+    _one_line_error(_invoke("run", "--resume", str(run_dir), "-o", "federation.rounds=0"), "federation.rounds")
+    _one_line_error(_invoke("run", "--resume", str(run_dir), "configs/demo.yaml"), "drop CONFIG")
+    res = _invoke("run", "--resume", str(run_dir), "-o", "federation.rounds=3", "-o", "eval.every=3", "--quiet")
+    assert res.exit_code == 0, res.output
+    rows = _metrics(run_dir)
+    assert len(rows) == 3 and "ood_acc" not in rows[1] and "ood_acc" in rows[2]  # eval.every=3 applied
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["federation"]["rounds"] == 3 and saved["eval"]["every"] == 3
+
+
+def test_a_resume_cannot_stretch_a_cosine_schedule(tmp_path):
+    from feddg.config import ConfigError, build_config, dump_config
+    from feddg.experiment import resume_experiment
+
+    (tmp_path / "config.yaml").write_text(dump_config(build_config({}, ["optim.schedule=cosine"])))
+    with pytest.raises(ConfigError, match="federation.rounds: cannot change on resume with optim.schedule=cosine"):
+        resume_experiment(tmp_path, ["federation.rounds=20"])
+
+
+def test_user_errors_are_one_line_without_a_traceback(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nfederation: {rounds: 2\n")
+    _one_line_error(_invoke("run", str(bad)), f"{bad}:3:1:")
+    _one_line_error(_invoke("run", "configs/demo.yaml", "-o", "device=gpu"), "device: 'gpu' is not a device")
+    _one_line_error(_invoke("run", "configs/demo.yaml", "-o", "rounds"), "key.sub=value")
+    _one_line_error(_invoke("run", str(tmp_path / "missing.yaml")), "not found", "missing.yaml")
+    _one_line_error(_invoke("sweep", str(bad)), f"{bad}:3:1:")
+    _one_line_error(_invoke("report", str(tmp_path / "nowhere")), "nowhere")
+
+    from feddg.config import build_config, dump_config
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(dump_config(build_config({}, [t for t in TINY if t != "-o"])))
+    (run_dir / "checkpoint.pt").write_bytes(b"PK\x03\x04 cut short")
+    (run_dir / "checkpoint.prev.pt").write_bytes(b"")
+    _one_line_error(_invoke("run", "--resume", str(run_dir), "--quiet"), "no readable checkpoint",
+                    str(run_dir / "checkpoint.pt"), str(run_dir / "checkpoint.prev.pt"))
+
+
+def test_debug_shows_the_traceback(tmp_path, env):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1,\n")
+    res = _feddg(["--debug", "run", str(bad)], env)
+    assert res.returncode != 0 and "Traceback" in res.stderr and "ConfigError" in res.stderr

@@ -54,3 +54,40 @@ def test_every_shipped_config_and_sweep_variant_validates(path):
     for extra in spec.variants.values():
         for _, split in _cells(spec, base):
             build_config(raw, [_override(k, v) for k, v in extra.items()] + split)
+
+
+def test_yaml_syntax_errors_are_one_line_with_file_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("federation:\n  rounds: 3\n  batch_size: [1,\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}:4:1: ") and "\n" not in str(err.value)
+    path.write_text("federation:\n  rounds: 3\nfederation:\n  batch_size: 8\n")  # last-one-wins would drop rounds
+    with pytest.raises(ConfigError, match=r":3:1: duplicate key 'federation'"):
+        load_config(path)
+    path.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path)
+
+
+def test_bad_override_values_and_keys_are_one_line():
+    with pytest.raises(ConfigError, match=r"override 'federation.rounds=\[1,': invalid YAML value"):
+        build_config({}, ["federation.rounds=[1,"])
+    with pytest.raises(ConfigError, match="empty part"):
+        build_config({}, ["federation..rounds=1"])
+
+
+def test_device_is_checked_at_load(monkeypatch):
+    import torch
+
+    assert build_config({}).device == "auto" and build_config({}, ["device=cpu"]).device == "cpu"
+    with pytest.raises(ConfigError, match="device: 'gpu' is not a device; use auto, cpu, cuda or cuda:k"):
+        build_config({}, ["device=gpu"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device: cuda requested but torch has no CUDA"):
+        build_config({}, ["device=cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert build_config({}, ["device=cuda:0"]).device == "cuda:0"
+    with pytest.raises(ConfigError, match="cuda:1 requested but torch sees 1 CUDA device"):
+        build_config({}, ["device=cuda:1"])

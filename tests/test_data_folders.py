@@ -8,12 +8,21 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from typer.testing import CliRunner
 
+from feddg.cli import app
 from feddg.data import dataset_info, load_dataset
 from feddg.data.folders import PRESETS, FolderDomainDataset
+from feddg.data.inspect import check_dataset
 
 LAYOUT = "root/<domain>/<class>/<image>"
 PACS = PRESETS["pacs"]
+
+
+@pytest.fixture(autouse=True)
+def _image_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folder datasets cache their decoded images under $FEDDG_CACHE: keep each test's apart."""
+    monkeypatch.setenv("FEDDG_CACHE", str(tmp_path / "cache"))
 
 
 def _png(path: Path, colour: tuple[int, int, int], size: int = 8) -> None:
@@ -153,17 +162,73 @@ def test_error_unknown_class_folder(tmp_path: Path) -> None:
     _one_line_error(exc, str(root / "cartoon" / "dogs"), "unknown class folder")
 
 
-def test_error_corrupt_image_names_file(tmp_path: Path) -> None:
-    root = make_tree(tmp_path / "data", ["a"], ["x"], per_class=2)
-    bad = root / "a" / "x" / "broken.png"
+def test_error_corrupt_image_names_file_at_load(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "data", ["a", "b"], ["x"], per_class=2)
+    bad = root / "b" / "x" / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not really a png")
-    ds = load_dataset("folder", root=str(root))
-    pos = ds.files.index(bad)
-    ds.get_batch(np.array([i for i in range(len(ds)) if i != pos]), train=False)
-    for train in (False, True):
-        with pytest.raises(ValueError) as exc:
-            ds.get_batch(np.array([pos]), train=train)
-        _one_line_error(exc, str(bad), "cannot read image")
+    with pytest.raises(ValueError) as exc:
+        load_dataset("folder", root=str(root))
+    _one_line_error(exc, str(bad), "cannot read image", "--check")
+    assert not list((tmp_path / "cache").rglob("*.npy")), "no cache is left behind by a failed build"
+
+
+def test_error_misspelled_class_folder_in_discovered_classes(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "data", ["a", "b", "c"], ["cat", "dog"], per_class=1)
+    (root / "b" / "dog").rename(root / "b" / "dgo")
+    with pytest.raises(ValueError) as exc:
+        load_dataset("folder", root=str(root))
+    _one_line_error(exc, str(root / "b" / "dgo"), "misspelling of dog", "1 more")
+
+
+def test_error_unknown_class_folder_suggests_the_preset_name(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "PACS", PACS.domains, ["dog", "horse"], per_class=1)
+    (root / "cartoon" / "dog").rename(root / "cartoon" / "dgo")
+    with pytest.raises(ValueError) as exc:
+        load_dataset("pacs", root=str(root))
+    _one_line_error(exc, str(root / "cartoon" / "dgo"), "did you mean dog?")
+
+
+def test_error_class_missing_from_one_domain_and_empty_class(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "data", ["a", "b"], ["cat", "zebra"], per_class=1)
+    for p in (root / "b" / "zebra").iterdir():
+        p.unlink()
+    (root / "b" / "zebra").rmdir()
+    with pytest.raises(ValueError) as exc:
+        load_dataset("folder", root=str(root))
+    _one_line_error(exc, str(root / "b" / "zebra"), "missing")
+    (root / "b" / "zebra").mkdir()
+    with pytest.raises(ValueError) as exc:
+        load_dataset("folder", root=str(root))
+    _one_line_error(exc, str(root / "b" / "zebra"), "has no images")
+
+
+def test_check_lists_every_problem(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "data", ["a", "b", "c"], ["cat", "dog"], per_class=2)
+    (root / "b" / "dog").rename(root / "b" / "dgo")
+    bad = [root / "c" / "cat" / "broken.png", root / "a" / "dog" / "cut.png"]
+    bad[0].write_bytes(b"not an image at all")
+    _png(bad[1], (1, 2, 3), size=64)
+    bad[1].write_bytes(bad[1].read_bytes()[:60])  # truncated: the header opens, the pixels do not
+    problems = check_dataset("folder", root=str(root))
+    assert len(problems) == 4, problems
+    assert any("b/dgo" in p and "misspelling of dog" in p for p in problems)
+    assert any(str(root / "b" / "dog") in p and "missing" in p for p in problems)
+    for path in bad:
+        assert any(p.startswith(f"cannot read image {path}") for p in problems), (path, problems)
+    assert check_dataset("folder", root=str(make_tree(tmp_path / "ok", ["a"], ["x"]))) == []
+
+
+def test_cli_check_exit_codes_and_image_size(tmp_path: Path) -> None:
+    runner = CliRunner()
+    root = make_tree(tmp_path / "data", ["a", "b"], ["cat", "dog"], per_class=2)
+    ok = runner.invoke(app, ["datasets", "folder", "--root", str(root), "--check", "--image-size", "64"])
+    assert ok.exit_code == 0, ok.output
+    assert "no problems" in ok.output and "shape (3, 64, 64)" in ok.output
+    assert "shape (3, 224, 224)" in runner.invoke(app, ["datasets", "folder", "--root", str(root)]).output
+    (root / "a" / "cat" / "0.png").write_bytes(b"garbage")
+    bad = runner.invoke(app, ["datasets", "folder", "--root", str(root), "--check"])
+    assert bad.exit_code == 1 and f"cannot read image {root / 'a' / 'cat' / '0.png'}" in bad.output, bad.output
+    assert not list((tmp_path / "cache").rglob("*.npy")), "datasets NAME scans, it does not decode"
 
 
 def test_error_unknown_domain_and_missing_root_argument(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Gaussian mechanism on Gram matrices: clipping, calibration, symmetric noise."""
+"""Gaussian mechanism on Gram matrices (clipping, calibration, symmetric noise), client-level DP of a shared
+statistic (joint clipping, noise) and the run's ε from dp-accounting."""
 
 import math
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 from scipy.stats import norm
 
+from feddg.aggregation.accounting import gaussian_epsilon, privacy_record, statistic_privacy
 from feddg.aggregation.dp import (
+    StatisticDP,
     analytic_delta,
     analytic_sigma,
     basic_composition,
@@ -15,9 +18,11 @@ from feddg.aggregation.dp import (
     clip_rows,
     gaussian_sigma,
     gram_sensitivity,
+    privatize,
     privatize_gram,
     symmetric_noise,
 )
+from feddg.config import ConfigError, build_config
 
 
 def test_rows_are_clipped_to_the_norm_bound():
@@ -65,3 +70,103 @@ def test_gram_noise_is_symmetric_with_variance_sigma_squared_per_entry():
 
 def test_basic_composition():
     assert basic_composition(1.0, 1e-5, 6) == (6.0, pytest.approx(6e-5))
+
+
+# --- client-level DP of a statistic -----------------------------------------------------------
+
+
+def test_statistic_dp_sigma_from_noise_multiplier_or_per_release_epsilon():
+    assert StatisticDP(clip=3.0, noise_multiplier=1.5).sigma() == 1.5 * 6.0  # σ = z · Δ, Δ = 2C
+    dp = StatisticDP(clip=2.0, epsilon=1.0, delta=1e-6)
+    assert dp.sensitivity == 4.0 and dp.sigma() == pytest.approx(analytic_sigma(1.0, 1e-6, 4.0))
+    assert analytic_delta(dp.sigma(), 1.0, 4.0) == pytest.approx(1e-6, rel=1e-6)  # one release is (1, 1e-6)-DP
+
+
+@pytest.mark.parametrize(("over", "says"), [
+    (["method.params.dp.clip=1"], "method.params.dp: .*exactly one of dp.noise_multiplier or dp.epsilon"),
+    (["method.params.dp.epsilon=1", "method.params.dp.noise_multiplier=1"], "exactly one of"),
+    (["method.params.dp.epsilon=1", "method.params.dp.sigma=1"], r"method\.params\.dp\.sigma"),
+    (["method.params.dp.epsilon=-1"], r"method\.params\.dp\.epsilon"),
+    (["method.params.dp.epsilon=1", "method.params.dp.accountant=moments"], r"method\.params\.dp\.accountant"),
+])
+def test_dp_block_mistakes_are_one_line_errors_naming_the_key(over, says):
+    with pytest.raises(ConfigError, match=says) as err:
+        build_config({"method": {"name": "fpl"}}, over)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("method", "over", "says"), [
+    ("fedfa", ["method.params.variant=random", "method.params.lambda_h=0"], "uploads no statistic"),
+    ("pardon", ["method.params.objective=augment-triplet"], "uploads no style"),
+])
+def test_dp_on_a_method_that_shares_nothing_is_an_error(method, over, says):
+    with pytest.raises(ConfigError, match=says):
+        build_config({"method": {"name": method}}, [*over, "method.params.dp.epsilon=1"])
+
+
+def test_privatize_clips_all_arrays_as_one_vector_and_adds_the_generators_noise():
+    arrays = {"a": np.array([3.0, 0.0], np.float32), "b": np.array([[4.0]], np.float32)}  # joint norm 5
+    clipped = privatize(arrays, 1.0, 0.0, torch.Generator().manual_seed(0))
+    assert np.allclose(clipped["a"], [0.6, 0.0]) and np.allclose(clipped["b"], [[0.8]]) and clipped["b"].shape == (1, 1)
+    assert privatize(arrays, 10.0, 0.0, torch.Generator())["a"].tolist() == [3.0, 0.0]  # inside the ball: untouched
+    noisy = privatize(arrays, 1.0, 2.0, torch.Generator().manual_seed(7))
+    z = torch.randn(3, generator=torch.Generator().manual_seed(7), dtype=torch.float64).numpy() * 2.0
+    assert np.allclose(noisy["a"], [0.6 + z[0], z[1]], atol=1e-6) and np.allclose(noisy["b"], [[0.8 + z[2]]], atol=1e-6)
+    assert noisy["a"].dtype == np.float32
+
+
+def test_privatize_noise_has_std_sigma_and_two_clipped_statistics_are_at_most_2c_apart():
+    big = {"s": np.full(20_000, 5.0)}
+    out = privatize(big, 1.0, 3.0, torch.Generator().manual_seed(1))["s"]
+    assert out.std() == pytest.approx(3.0, rel=0.02) and out.mean() == pytest.approx(1.0 / np.sqrt(20_000), abs=0.05)
+    a = privatize({"s": np.array([9.0, 0.0])}, 1.5, 0.0, torch.Generator())["s"]
+    b = privatize({"s": np.array([-4.0, 0.0])}, 1.5, 0.0, torch.Generator())["s"]
+    assert np.linalg.norm(a - b) == pytest.approx(3.0) == StatisticDP(clip=1.5, epsilon=1).sensitivity
+
+
+# --- the accountant -------------------------------------------------------------------------
+
+
+RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]  # the package's
+
+
+def _rdp_closed_form(z: float, k: int, delta: float) -> float:
+    """RDP of the Gaussian, k α / (2 z²) (Mironov 2017, Prop. 7 + composition), to (ε, δ) by Canonne et al. 2020
+    (Prop. 12): min_α [ε(α) + log(1 − 1/α) − log(δ α)/(α − 1)]."""
+    return min(k * a / (2 * z * z) + math.log1p(-1 / a) - math.log(delta * a) / (a - 1) for a in RDP_ORDERS if a > 1.01)
+
+
+@pytest.mark.parametrize(("z", "k"), [(1.0, 1), (1.1, 10), (4.0, 100), (0.8, 3)])
+def test_rdp_epsilon_is_the_closed_form_of_k_gaussian_releases(z, k):
+    assert gaussian_epsilon(z, k, 1e-5, "rdp") == pytest.approx(_rdp_closed_form(z, k, 1e-5), rel=1e-9)
+
+
+def test_epsilon_matches_the_packages_documented_gaussian_example():
+    # dp-accounting's rdp test: noise multiplier 4.530877117 is exactly (1, 1e-6)-DP for one release (fine orders)
+    assert gaussian_epsilon(4.530877117, 1, 1e-6, "rdp") == pytest.approx(1.0, rel=1e-3)
+    # PLD is exact for the Gaussian: one release is the analytic Gaussian mechanism (Balle & Wang 2018)
+    eps = gaussian_epsilon(4.530877117, 1, 1e-6, "pld")
+    assert analytic_delta(4.530877117, eps, 1.0) == pytest.approx(1e-6, rel=1e-3)
+
+
+def test_pld_composition_of_k_gaussians_is_one_gaussian_with_noise_z_over_root_k():
+    eps = gaussian_epsilon(2.0, 16, 1e-5, "pld")  # 16 releases at z = 2 ≡ one at z = 0.5 (Dong et al. 2019, GDP)
+    assert analytic_delta(0.5, eps, 1.0) == pytest.approx(1e-5, rel=1e-2)
+    assert eps < gaussian_epsilon(2.0, 16, 1e-5, "rdp") < basic_composition(eps, 1e-5, 16)[0]
+
+
+def test_epsilon_edge_cases():
+    assert gaussian_epsilon(1.0, 0, 1e-5) == 0.0
+    assert gaussian_epsilon(1.0, 4, 1e-5) < gaussian_epsilon(1.0, 8, 1e-5)
+    with pytest.raises(ValueError, match="noise_multiplier > 0"):
+        gaussian_epsilon(0.0, 1, 1e-5)
+    with pytest.raises(ValueError, match="accountant"):
+        gaussian_epsilon(1.0, 1, 1e-5, "moments")
+
+
+def test_privacy_record_carries_the_run_epsilon_and_its_ingredients():
+    rec = statistic_privacy(StatisticDP(clip=0.5, noise_multiplier=2.0, delta=1e-6, accountant="rdp"), 7)
+    assert rec == {"epsilon": pytest.approx(_rdp_closed_form(2.0, 7, 1e-6)), "delta": 1e-6, "sigma": 2.0, "clip": 0.5,
+                   "sensitivity": 1.0, "noise_multiplier": 2.0, "releases": 7, "accountant": "rdp", "unit": "client"}
+    gram = privacy_record(sigma=8.0, sensitivity=4.0, clip=2.0, releases=3, delta=1e-5, accountant="rdp", unit="sample")
+    assert gram["noise_multiplier"] == 2.0 and gram["epsilon"] == pytest.approx(_rdp_closed_form(2.0, 3, 1e-5))

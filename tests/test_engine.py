@@ -2,10 +2,11 @@ import json
 
 import numpy as np
 import pytest
-
-from feddg.federation.inprocess import run_inprocess, run_round
-from feddg.federation.server import Server
 from toy import toy_federation
+
+from feddg.engines.inprocess import run_inprocess, run_round
+from feddg.federation.server import Server
+from feddg.federation.validation import RunStopped
 
 
 def _run(tmp_path, *over, name="run"):
@@ -19,7 +20,7 @@ def _without_times(rows):
 
 
 def test_training_learns_and_writes_the_run_directory(tmp_path):
-    server, res = _run(tmp_path, "federation.rounds=4")
+    _, res = _run(tmp_path, "federation.rounds=4")
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
@@ -102,7 +103,7 @@ def test_a_reply_that_breaks_the_contract_is_rejected(tmp_path):
         return {**reply, "raw": torch.zeros(1)}, st
 
     fed.method.client_update = leaky
-    with pytest.raises(TypeError, match="raw"):
+    with pytest.raises(RunStopped, match=r"round 1: 0 of 4 clients .*client 0: TypeError: reply of client 0\['raw'\]"):
         run_inprocess(Server(fed, tmp_path / "x"))
 
 

@@ -19,7 +19,7 @@ from feddg.cli import communication_table
 from feddg.config import ConfigError, build_config
 from feddg.evaluation.accuracy import correct_by_domain
 from feddg.federation.client import run_client
-from feddg.federation.inprocess import run_inprocess
+from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from feddg.messages import load_weights, weights_of
 from feddg.models import create_model
@@ -76,10 +76,10 @@ def _state():
 
 def test_server_sends_per_layer_gamma_over_every_client_seen():
     m = create_method("fedfa", {"lambda_h": 0.0})
-    s = m.aggregate(_state(), [Reply(0, _reply([1, 0, 0], [1, 1, 1])), Reply(1, _reply([1, 1, 0], [1, 2, 1]))])
+    s, _ = m.aggregate(_state(), [Reply(0, _reply([1, 0, 0], [1, 1, 1])), Reply(1, _reply([1, 1, 0], [1, 2, 1]))])
     np.testing.assert_allclose(s["broadcast"]["ffa/1/gamma_mu"], t_modulation(np.array([0, 0.25, 0])), rtol=1e-6)
     # round 2: only client 2 reports; clients 0 and 1 keep their latest statistics
-    s = m.aggregate(s, [Reply(2, _reply([1, 2, 3], [1, 1, 1]))])
+    s, _ = m.aggregate(s, [Reply(2, _reply([1, 2, 3], [1, 1, 1]))])
     expected = t_modulation(client_sharing_variance([[1, 0, 0], [1, 1, 0], [1, 2, 3]]))
     np.testing.assert_allclose(s["broadcast"]["ffa/1/gamma_mu"], expected, rtol=1e-6)
     np.testing.assert_allclose(s["broadcast"]["ffa/1/gamma_sigma"], t_modulation(np.array([0, 2 / 9, 0])), rtol=1e-5)
@@ -89,7 +89,7 @@ def test_server_sends_per_layer_gamma_over_every_client_seen():
 
 def test_direct_fusion_sends_the_raw_variance():
     m = create_method("fedfa", {"variant": "direct", "lambda_h": 0.0})
-    s = m.aggregate(_state(), [Reply(0, _reply([0, 0], [1, 1])), Reply(1, _reply([0, 2], [1, 1]))])
+    s, _ = m.aggregate(_state(), [Reply(0, _reply([0, 0], [1, 1])), Reply(1, _reply([0, 2], [1, 1]))])
     np.testing.assert_allclose(s["broadcast"]["ffa/1/var_mu"], [0.0, 1.0])
     assert "ffa/1/gamma_mu" not in s["broadcast"]
 
@@ -98,7 +98,7 @@ def test_direct_fusion_sends_the_raw_variance():
 def test_global_histogram_is_the_average_of_the_client_histograms(weighting, expected):
     m = create_method("fedfa", {"hist_weighting": weighting})
     replies = [Reply(0, _reply([0], [1], [[1.0, 0.0]], n=10)), Reply(1, _reply([0], [1], [[0.0, 1.0]], n=30))]
-    s = m.aggregate(_state(), replies)
+    s, _ = m.aggregate(_state(), replies)
     np.testing.assert_allclose(s["broadcast"]["hist/pi"], [expected], rtol=1e-6)
 
 
@@ -115,7 +115,7 @@ def _round_replies(fed, rounds=2):
             replies[cid] = run_client(fed, cid, r, msg, states.get(cid, {}))
             states[cid] = replies[cid][1]
         if r < rounds:
-            state = method.aggregate(state, [Reply(cid, rep) for cid, (rep, _) in replies.items()])
+            state, _ = method.aggregate(state, [Reply(cid, rep) for cid, (rep, _) in replies.items()])
     return state, sent, replies
 
 
@@ -239,9 +239,8 @@ def test_alexnet_extra_bytes_match_the_papers_arithmetic():
     reply = {**weights_of(model), "num_examples": 2, "train_loss": 0.0, **stats,
              "hist/pi": np.full((256, 8), 1 / 8, np.float32)}
     state = method.server_init(model, None)
-    state = method.aggregate(state, [Reply(0, reply)])  # round 1: nothing extra was sent down
-    state = method.aggregate(state, [Reply(0, reply)])  # round 2: γ and π were sent down
-    m = method.round_metrics(state)
+    state, _ = method.aggregate(state, [Reply(0, reply)])  # round 1: nothing extra was sent down
+    state, m = method.aggregate(state, [Reply(0, reply)])  # round 2: γ and π were sent down
     kb = 1024
     # 4 × (64+192+384+256+256) × 4 B = 18 KB; 2 × 8 × 256 × 4 B = 16 KB (plus the key names)
     assert 18 * kb < m["fedfa/bytes_stats_up"] + m["fedfa/bytes_stats_down"] < 18 * kb + 400  # 20 key names
@@ -280,10 +279,7 @@ def test_sweep_configs_validate_every_variant(path):
 
 # --- composition with the hierarchy (HFedATM): FedFA as the client method inside stations ----------
 def test_fedfa_runs_inside_stations(tmp_path):
-    from feddg.algorithms.hierarchy import build_hierarchy
-
     fed = _fed("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=1")
-    fed.method = build_hierarchy(fed.method, fed.cfg.hierarchy, [c.domains for c in fed.clients])
     server = Server(fed, tmp_path / "run")
     run_inprocess(server)
     stations = server.state["stations"]
@@ -293,3 +289,24 @@ def test_fedfa_runs_inside_stations(tmp_path):
         assert s["broadcast"]["ffa/1/gamma_mu"].sum() == pytest.approx(4.0, rel=1e-5)
         assert s["broadcast"]["hist/pi"].shape == (4, 8)
     assert not np.allclose(stations[0]["broadcast"]["ffa/1/gamma_mu"], stations[1]["broadcast"]["ffa/1/gamma_mu"])
+
+
+# --- the last FFA stage ----------------------------------------------------------------------------
+
+def test_global_average_pool_of_the_last_ffa_layer_is_mean_plus_noise():
+    from feddg.algorithms.components.ffa import channel_stats, ffa_transform
+
+    x = torch.tensor([[[[1.0, 3.0], [5.0, 7.0]]]])  # one sample, one channel: μ = 4, σ = √5
+    mu, sigma = channel_stats(x)
+    eps_mu, eps_sigma = torch.tensor([[0.5]]), torch.tensor([[-2.0]])
+    out = ffa_transform(x, mu, sigma, 2.0, 3.0, eps_mu, eps_sigma)
+    # pooled: μ̂ = μ + ε_μ Σ̂_μ = 4 + 0.5 · 2 = 5, whatever σ̂ is
+    assert out.mean(dim=(2, 3)).item() == pytest.approx(5.0, abs=1e-5)
+
+
+def test_last_stage_false_drops_only_the_last_ffa_layer():
+    assert [k for k, _ in create_method("fedfa").prepare_model(create_model("cnn", 10)).fedfa.items()] == [1, 2, 3, 4]
+    att = create_method("fedfa", {"last_stage": False}).prepare_model(create_model("cnn", 10)).fedfa
+    assert [k for k, _ in att.items()] == [1, 2, 3] and att.tap_stage == 4
+    chosen = create_method("fedfa", {"last_stage": False, "layers": [1, 4]}).prepare_model(create_model("cnn", 10))
+    assert [k for k, _ in chosen.fedfa.items()] == [1]

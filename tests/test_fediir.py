@@ -60,7 +60,7 @@ def test_server_folds_batch_weighted_client_gradients_into_the_ema():
         Reply(1, {"w/a": np.ones(1, np.float32), "num_examples": 30, GRAD_PREFIX + "weight": np.full((2, 3), 2.0),
                   GRAD_PREFIX + "bias": np.full(2, 6.0), BATCHES: 2}),
     ]
-    new = method.aggregate(state, replies)
+    new, _ = method.aggregate(state, replies)
     np.testing.assert_allclose(new["grad_mean"]["weight"], 0.9 * 1 + 0.1 * (8 / 4))  # Σ sums / Σ batches
     np.testing.assert_allclose(new["grad_mean"]["bias"], 0.1 * 2.0)
     np.testing.assert_allclose(new["weights"]["w/a"], 1.0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from feddg.algorithms.ffa import (
+from feddg.algorithms.components.ffa import (
     FFALayer,
     attach_ffa,
     batch_variance,

@@ -23,24 +23,25 @@ from flwr.common.serde import (
 )
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+from toy import ToyDomains, ToyNet
 
 from feddg.aggregation.mean import weighted_mean_messages
 from feddg.algorithms import create_method
-from feddg.algorithms.registry import list_methods
 from feddg.algorithms.fedavg import FedAvg
+from feddg.algorithms.registry import list_methods
 from feddg.config import build_config, dump_config
+from feddg.engines.flower.app import run_config_toml
+from feddg.engines.flower.client import config_from_text, make_client_app, pending_prefix
+from feddg.engines.flower.records import get_message, message_records, put_message
+from feddg.engines.flower.server import run_on_grid
+from feddg.engines.flower.simulation import run_flower
+from feddg.engines.inprocess import run_inprocess, run_round
 from feddg.experiment import run_experiment
 from feddg.federation.checkpoint import load_checkpoint
-from feddg.federation.flower_app import run_config_toml
-from feddg.federation.flower_client import config_from_text, make_client_app
-from feddg.federation.flower_engine import run_flower
-from feddg.federation.flower_records import get_message, message_records, put_message
-from feddg.federation.flower_server import run_on_grid
-from feddg.federation.inprocess import run_inprocess, run_round
 from feddg.federation.server import Server
-from feddg.federation.setup import Federation, build_federation, make_clients, make_split
+from feddg.federation.setup import Federation, build_federation, make_clients, make_split, make_topology
+from feddg.federation.validation import RunStopped
 from feddg.messages import load_weights, weights_of
-from toy import ToyDomains, ToyNet
 
 
 # --- a method with extra payloads, per-client messages, client state and a setup exchange -----
@@ -82,12 +83,16 @@ class PayloadProbe(FedAvg):
         new_state = {**client_state, "visits": visits, "momentum": momentum, "last": f"round {msg['round']}"}
         return reply, new_state
 
-    def aggregate(self, state, replies):
-        state = super().aggregate(state, replies)
+    def keep(self, reply):
+        return {k: v for k, v in reply.message.items() if k.startswith("stat/") or k in ("visits", "echo", "num_examples")}
+
+    def finish(self, state, acc):
+        state, metrics = super().finish(state, acc)
+        replies = acc.kept
         stats = weighted_mean_messages([r.message for r in replies], [r.num_examples for r in replies], "stat/")
         visits = {**state.get("visits", {}), **{r.client_id: r.message["visits"] for r in replies}}
         echoes = [r.message["echo"] for r in replies]
-        return {**state, "stats": stats, "visits": visits, "echoes": echoes}
+        return {**state, "stats": stats, "visits": visits, "echoes": echoes}, metrics
 
 
 def toy_federation_of(cfg, method=None) -> Federation:
@@ -97,7 +102,8 @@ def toy_federation_of(cfg, method=None) -> Federation:
     clients = make_clients(ds, split, cfg)
     torch.manual_seed(cfg.seed)
     method = method or create_method(cfg.method.name, cfg.method.params)
-    return Federation(cfg, ds, split, clients, method, method.prepare_model(ToyNet()), torch.device("cpu"))
+    model = method.prepare_model(ToyNet())
+    return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))
 
 
 def probe_federation(cfg) -> Federation:
@@ -137,7 +143,7 @@ class LoopbackGrid(Grid):
             ctx = context_from_proto(self.contexts[node])
             try:
                 reply = self.app(message_from_proto(message_to_proto(msg)), ctx)
-            except Exception as err:  # a SuperNode reports a ClientApp exception as an Error reply
+            except Exception as err:  # noqa: BLE001 - a SuperNode reports a ClientApp exception as an Error reply
                 reply = Message(Error(code=0, reason=repr(err)), reply_to=msg)
             self.contexts[node] = context_to_proto(ctx)
             replies.append(message_from_proto(message_to_proto(reply)))
@@ -244,13 +250,18 @@ def _untimed(rows):
 NEEDS_CNN = {"fedfa"}
 
 
+#: what a method needs of the toy config (central pools the data into one client; SCAFFOLD's option II: plain SGD)
+METHOD_OVERRIDES = {"central": ["partition.kind=iid", "partition.num_clients=1"], "scaffold": ["optim.momentum=0"]}
+
+
 @pytest.mark.parametrize("method", sorted(set(list_methods()) - NEEDS_CNN))
 def test_every_method_runs_the_same_over_the_flower_protocol(tmp_path, task_identity, method):
-    cfg = toy_config(f"method.name={method}", "federation.rounds=2")
+    cfg = toy_config(f"method.name={method}", "federation.rounds=2", *METHOD_OVERRIDES.get(method, []))
     ref = Server(toy_federation_of(cfg), tmp_path / "ref")
     run_inprocess(ref)
     server = Server(toy_federation_of(cfg), tmp_path / "flower")
-    run_on_grid(server, LoopbackGrid(make_client_app(server_config_text(server), factory=toy_federation_of), 4))
+    nodes = len(server.fed.clients)
+    run_on_grid(server, LoopbackGrid(make_client_app(server_config_text(server), factory=toy_federation_of), nodes))
     assert _untimed(server.metrics) == _untimed(ref.metrics) and len(ref.metrics) == 2
 
 
@@ -311,8 +322,23 @@ def test_a_client_error_reaches_the_server_with_its_reason(tmp_path, task_identi
 
     server = Server(toy_federation_of(toy_config()), tmp_path / "x")
     grid = LoopbackGrid(make_client_app(server_config_text(server), factory=leaky_federation), 4)
-    with pytest.raises(RuntimeError, match=r"client 0 .*raw"):
+    with pytest.raises(RunStopped, match=r"round 1: 0 of 4 clients .*client 0: node 1000: TypeError.*raw"):
         run_on_grid(server, grid)
+    assert load_checkpoint(tmp_path / "x") is None and not (tmp_path / "x" / "results.json").exists()
+
+
+def test_a_dropped_reply_leaves_the_client_state_on_its_node_as_it_was(tmp_path, task_identity):
+    """A node keeps a client's new state aside until the server says it folded the reply in."""
+    from support.faults import toy_federation_of as faulty_federation
+
+    cfg = toy_config("method.name=faulty", 'method.params.faults={"1:1": nan, "2:2": raise}')
+    server = Server(faulty_federation(cfg), tmp_path / "x")
+    grid = LoopbackGrid(make_client_app(server_config_text(server), factory=faulty_federation), 4)
+    run_on_grid(server, grid)
+    assert [sorted(r.get("clients_failed_reasons", {})) for r in server.metrics] == [["1"], ["2"], []]
+    states = {p: context_from_proto(grid.contexts[1000 + p]).state for p in range(4)}
+    # the last round's state waits under pending/: the updates the server accepted before it, plus one
+    assert {p: get_message(s, pending_prefix(p))["updates"] for p, s in states.items()} == {0: 3, 1: 2, 2: 2, 3: 3}
 
 
 def test_missing_partitions_time_out(tmp_path, task_identity):

@@ -19,7 +19,7 @@ import torch
 from feddg.config import build_config
 from feddg.experiment import run_experiment
 from feddg.federation.checkpoint import load_checkpoint
-from feddg.federation.flower_local import LocalDeployment
+from support.flower_local import LocalDeployment
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

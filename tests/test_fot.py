@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from feddg.aggregation.fot import (
+    MAX_PASSES,
     align_to_reference,
+    assignment,
     cost_matrix,
     group_costs,
     match,
@@ -16,7 +18,15 @@ from feddg.aggregation.fot import (
     resize_filters,
     sinkhorn_plan,
 )
-from feddg.models.permutation import Axis, PermGroup, PermutationSpec, apply_permutations
+from feddg.models import create_model
+from feddg.models.permutation import (
+    Axis,
+    PermGroup,
+    PermutationSpec,
+    apply_permutations,
+    permutation_spec,
+    random_permutations,
+)
 
 
 def test_eq2_filters_are_flattened_to_unit_vectors_and_zero_stays_zero():
@@ -63,12 +73,38 @@ def test_eq4_default_sinkhorn_has_uniform_marginals_and_rounds_to_the_optimal_pe
     assert np.array_equal(match(cost), perm)
 
 
+def test_sinkhorn_iterations_are_pots_to_the_bit():
+    ot = pytest.importorskip("ot")
+    rng = np.random.default_rng(3)
+    for c in (2, 7, 64):
+        cost = rng.uniform(0, 4, size=(c, c))
+        a = np.full(c, 1.0 / c)
+        for iters in (1, 25):
+            expected = ot.sinkhorn(a, a, cost, 0.05, numItermax=iters, stopThr=0.0, warn=False)
+            assert np.array_equal(sinkhorn_plan(cost, 0.05, iters), expected)
+
+
 def test_hungarian_is_the_exact_assignment_by_brute_force():
     cost = np.random.default_rng(1).uniform(size=(5, 5))
     best = min(itertools.permutations(range(5)), key=lambda p: cost[np.arange(5), list(p)].sum())
     assert np.array_equal(match(cost, "hungarian"), np.array(best))
     with pytest.raises(ValueError, match="solver"):
         match(cost, "greedy")
+
+
+def test_assignment_takes_the_row_optima_only_when_they_are_the_unique_optimum(monkeypatch):
+    import scipy.optimize
+
+    calls = []
+    solver = scipy.optimize.linear_sum_assignment
+    monkeypatch.setattr(scipy.optimize, "linear_sum_assignment", lambda *a, **k: calls.append(1) or solver(*a, **k))
+    cost = np.array([[0.1, 0.5, 0.9], [0.8, 0.7, 0.2], [0.3, 0.1, 0.6]])  # row minima in distinct columns
+    assert assignment(cost).tolist() == [0, 2, 1] and assignment(-cost, maximize=True).tolist() == [0, 2, 1]
+    assert not calls
+    clash = np.array([[0.1, 0.2, 0.9], [0.15, 0.9, 0.9], [0.9, 0.9, 0.1]])  # rows 0 and 1 both want column 0
+    assert assignment(clash).tolist() == [1, 0, 2] and len(calls) == 1  # 0.2 + 0.15 + 0.1 beats 0.1 + 0.9 + 0.1
+    tie = np.array([[0.1, 0.1], [0.5, 0.2]])  # row 0's best is not unique
+    assert assignment(tie).tolist() == [0, 1] and len(calls) == 2
 
 
 def test_lemma2_ot_cost_is_invariant_to_a_common_permutation():
@@ -123,3 +159,95 @@ def test_alignment_undoes_a_known_permutation_and_reports_what_moved():
     assert al.cost_after["a"] < 1e-6 < al.cost_before["a"] and al.passes == 1
     same = align_to_reference(state, [state], spec)
     assert same.moved == {"a": 0.0, "b": 0.0} and max(same.cost_before.values()) < 1e-6
+
+
+# --- the fast path: one GEMM per producer and station, same permutations as the plain algorithm ----------
+
+
+def _perturbed_permuted_copies(model, spec, n, noise, seed):
+    """``n`` copies of ``model``'s state with Gaussian noise (``noise`` × each tensor's std) and random
+    channel permutations: what a merge of diverged, independently initialised stations looks like."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    state = model.state_dict()
+    copies = []
+    for _ in range(n):
+        noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.numel() > 1
+                 else v for k, v in state.items()}
+        copies.append(apply_permutations(noisy, spec, random_permutations(spec, rng)))
+    return state, copies
+
+
+def _reference_alignment(ref, others, spec, solver):
+    """The plain algorithm (before the fast path) in float64: sweeps over every group with every
+    producer, costs rebuilt from the permuted weights, until a sweep changes no permutation."""
+
+    def unit(w):
+        flat = w.double().flatten(1)
+        return flat / flat.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+    states = [dict(o) for o in others]
+    total = [{g.name: np.arange(g.size) for g in spec.groups} for _ in others]
+    for _ in range(MAX_PASSES):
+        changed = False
+        for g in spec.groups:
+            for e, s in enumerate(states):
+                cost = sum(cost_matrix(unit(ref[k]), unit(s[k])).numpy() for k in g.producers) / len(g.producers)
+                perm = match(cost, solver)
+                if (perm != np.arange(g.size)).any():
+                    changed = True
+                    states[e] = apply_permutations(s, PermutationSpec((g,)), {g.name: perm})
+                    total[e][g.name] = total[e][g.name][perm]
+        if not changed:
+            break
+    return total
+
+
+@pytest.mark.parametrize("solver", ["sinkhorn", "hungarian"])
+def test_float32_fast_path_chooses_the_permutations_of_the_float64_plain_algorithm(solver):
+    # realistic filters: EfficientNet-Lite0's ImageNet weights up to block 7 (three residual streams,
+    # depthwise convs, up to 480 channels), two stations perturbed by 0.5 std and randomly permuted
+    torch.manual_seed(0)
+    model = create_model("efficientnet_lite0", num_classes=10, pretrained=True)
+    spec = PermutationSpec(permutation_spec(model).groups[:12])
+    assert spec.groups[-1].name == "_blocks.7._expand_conv" and not spec.acyclic
+    ref, others = _perturbed_permuted_copies(model, spec, 2, 0.5, seed=1)
+    fast = align_to_reference(ref, others, spec, solver=solver)
+    slow = _reference_alignment(ref, others, spec, solver)
+    for e in range(2):
+        for g in spec.groups:
+            assert np.array_equal(fast.perms[e][g.name], slow[e][g.name]), (e, g.name)
+    assert min(fast.moved.values()) > 0.5 and fast.passes >= 2
+
+
+def test_each_producer_is_multiplied_once_per_station_and_unpermuted_stations_stay(monkeypatch):
+    torch.manual_seed(0)
+    model = create_model("resnet18", num_classes=5, image_size=32)
+    spec = permutation_spec(model)
+    ref, others = _perturbed_permuted_copies(model, spec, 2, 0.1, seed=2)
+    calls = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: calls.append(a.shape) or mm(a, b, **kw))
+    al = align_to_reference(ref, others, spec, solver="hungarian")
+    producers = sum(len(g.producers) for g in spec.groups)
+    # streams wait for their blocks' inner convs in sweep 1 and are matched with all producers in sweep 2
+    assert len(calls) == 2 * producers == 40 and al.passes == 2
+    assert min(al.moved.values()) > 0.5 and max(al.cost_after.values()) < min(al.cost_before.values())
+    calls.clear()
+    same = align_to_reference(ref, [ref], spec, solver="hungarian")
+    assert len(calls) == producers and max(same.moved.values()) == 0.0 and same.passes == 2
+    assert all(same.states[0][k] is v for k, v in ref.items())  # nothing moved: nothing copied
+
+
+def test_cost_before_counts_every_producer_even_those_matched_later():
+    # the first stream of a ResNet is matched in sweep 1 on the stem alone (its blocks' conv2 inputs are
+    # not aligned yet); its identity cost still averages all three producers, as eq. 3 defines it
+    torch.manual_seed(0)
+    model = create_model("resnet18", num_classes=5, image_size=32)
+    spec = permutation_spec(model)
+    ref, (other,) = _perturbed_permuted_copies(model, spec, 1, 0.1, seed=3)
+    stream = spec.groups[0]
+    assert len(stream.producers) == 3
+    al = align_to_reference(ref, [other], spec)
+    expected = np.diag(group_costs(ref, [other], stream)[0].double().numpy()).mean()
+    assert al.cost_before[stream.name] == pytest.approx(expected, rel=1e-5)

@@ -8,7 +8,7 @@ import torch
 
 from feddg.algorithms.fpl import cluster_prototypes, cpcl_loss, upcr_loss
 from feddg.federation.client import client_context
-from feddg.federation.inprocess import run_inprocess
+from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from toy import toy_federation
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from feddg.algorithms import Reply, ServerContext, create_method
 from feddg.algorithms.hfedf import DELTA_PREFIX, EMB_KEY, buffer_names, ema_step, gradalign
-from feddg.algorithms.hypernetwork import hypernetwork_vjp
+from feddg.algorithms.components.hypernetwork import hypernetwork_vjp
 from feddg.federation.client import client_context
-from feddg.federation.inprocess import run_inprocess, run_round
+from feddg.engines.inprocess import run_inprocess, run_round
 from feddg.federation.server import Server
 from feddg.messages import load_weights
 from feddg.sweep import load_sweep
@@ -89,9 +89,9 @@ def _theta(state) -> torch.Tensor:
 def test_aggregate_applies_ema_as_algorithm_4_after_the_warm_up(t):
     fed, state, replies = _state_and_replies("method.params.ema_alpha=0.8", "method.params.ema_warmup=1")
     state["t"] = t
-    on = fed.method.aggregate(copy.deepcopy(state), replies)
+    on, _ = fed.method.aggregate(copy.deepcopy(state), replies)
     off_method = create_method("hfedf", {"ema_alpha": 0.8, "ema_warmup": 1, "ema": False})
-    off = off_method.aggregate(copy.deepcopy(state), replies)
+    off, _ = off_method.aggregate(copy.deepcopy(state), replies)
     before, nu_before = _theta(state), state["hnet"].embeddings.weight.detach()
     if t <= 1:  # up to and including the warm-up round the update is not smoothed
         assert torch.equal(_theta(on), _theta(off))
@@ -106,8 +106,8 @@ def test_polyak_ema_trains_raw_theta_and_evaluates_the_smoothed_one():
     raw = create_method("hfedf", {"ema": False})
     s_poly, s_raw = copy.deepcopy(state), copy.deepcopy(state)
     for _ in range(3):
-        s_poly = fed.method.aggregate(s_poly, replies)
-        s_raw = raw.aggregate(s_raw, replies)
+        s_poly, _ = fed.method.aggregate(s_poly, replies)
+        s_raw, _ = raw.aggregate(s_raw, replies)
     assert torch.equal(_theta(s_poly), _theta(s_raw))  # the optimiser's θ is not overwritten
     shadow = s_poly["ema_shadow"]
     assert set(shadow) == {n for n, _ in s_poly["hnet"].named_parameters()}  # θ and ν, by name
@@ -157,9 +157,9 @@ def test_the_server_step_descends_and_the_literal_box_sign_would_ascend():
     fed, state, replies = _state_and_replies(*over, clients=1)
     method = fed.method
     base = _client_loss(fed, method, state, 0)
-    down = method.aggregate(copy.deepcopy(state), replies)
+    down, _ = method.aggregate(copy.deepcopy(state), replies)
     flipped = {k: (-v if k.startswith(DELTA_PREFIX) else v) for k, v in replies[0].message.items()}
-    up = method.aggregate(copy.deepcopy(state), [Reply(0, flipped)])
+    up, _ = method.aggregate(copy.deepcopy(state), [Reply(0, flipped)])
     assert _client_loss(fed, method, down, 0) < base - 0.01
     assert _client_loss(fed, method, up, 0) > base + 0.01
 
@@ -183,11 +183,10 @@ def test_aggregate_is_one_step_along_the_gradalign_weighted_vjps(align):
     expect_theta = _theta(state) - lr * sum(float(w) * g for w, g in zip(w_theta, g_theta, strict=True))
     nu0 = hnet.embeddings.weight.detach().flatten()
     expect_nu = nu0 - lr * sum(float(w) * g for w, g in zip(w_nu, g_nu, strict=True))
-    new = fed.method.aggregate(copy.deepcopy(state), replies)
+    new, metrics = fed.method.aggregate(copy.deepcopy(state), replies)
     assert torch.allclose(_theta(new), expect_theta, atol=1e-6)
     assert torch.allclose(new["hnet"].embeddings.weight.detach().flatten(), expect_nu, atol=1e-6)
     if align:
-        metrics = fed.method.round_metrics(new)
         assert np.allclose([metrics[f"gradalign_theta/{c}"] for c in range(3)], w_theta.numpy())
 
 
@@ -199,14 +198,14 @@ def test_pfedhn_is_the_same_hypernetwork_without_gradalign_and_ema():
     fed_p, state_p, replies = _state_and_replies("method.name=pfedhn")
     fed_h, state_h, _ = _state_and_replies("method.params.gradalign=false", "method.params.ema=false",
                                            "method.params.server_lr=0.01", "method.params.server_weight_decay=0.001")
-    a = fed_p.method.aggregate(state_p, replies)
-    b = fed_h.method.aggregate(state_h, replies)
+    a, _ = fed_p.method.aggregate(state_p, replies)
+    b, _ = fed_h.method.aggregate(state_h, replies)
     assert torch.equal(_theta(a), _theta(b))
 
 
 def test_buffers_stay_per_client_and_the_global_model_uses_their_weighted_mean():
     fed, state, replies = _state_and_replies()
-    new = fed.method.aggregate(state, replies)
+    new, _ = fed.method.aggregate(state, replies)
     key = "bn.running_mean"
     for r in replies:
         assert np.array_equal(fed.method.client_config(new, r.client_id, 2)[f"w/{key}"], r.message[f"w/{key}"])
@@ -228,12 +227,12 @@ def test_random_embeddings_are_redrawn_after_every_update_and_never_trained():
     nu = state["hnet"].embeddings.weight
     assert not nu.requires_grad
     assert all(id(nu) != id(p) for g in state["opt"].param_groups for p in g["params"])
-    s1 = fed.method.aggregate(copy.deepcopy(state), replies)
-    s2 = fed.method.aggregate(copy.deepcopy(s1), replies)
+    s1, _ = fed.method.aggregate(copy.deepcopy(state), replies)
+    s2, _ = fed.method.aggregate(copy.deepcopy(s1), replies)
     n0, n1, n2 = (s["hnet"].embeddings.weight.detach() for s in (state, s1, s2))
     assert not torch.equal(n0, n1) and not torch.equal(n1, n2)
     # same seed and round: the same draw (reproducible), whatever the gradients were
-    again = fed.method.aggregate(copy.deepcopy(state), [replies[0]])
+    again, _ = fed.method.aggregate(copy.deepcopy(state), [replies[0]])
     assert torch.equal(again["hnet"].embeddings.weight.detach(), n1)
     assert set(replies[0].message) == set(_state_and_replies()[2][0].message)  # same upload as learned
 

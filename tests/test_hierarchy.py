@@ -1,4 +1,4 @@
-"""Hierarchy as a Method wrapper: topology, round schedule, Grams, merges, privacy audit, accounting."""
+"""The station topology (HFedATM): round schedule, sampling, Grams, merges, privacy audit, accounting."""
 
 import json
 
@@ -6,26 +6,20 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from toy import ToyNet, toy_federation
 
 from feddg.aggregation.dp import gaussian_sigma
-from feddg.algorithms import Reply
-from feddg.algorithms.base import ClientContext, OptimSettings
+from feddg.aggregation.merges import merge_stations
+from feddg.algorithms.base import ClientContext, OptimSettings, Reply
 from feddg.algorithms.fedavg import FedAvg
-from feddg.algorithms.hierarchy import (
-    GRAM_FLAG,
-    GramRecorder,
-    Hierarchical,
-    MergeParams,
-    build_hierarchy,
-    merge_stations,
-    overhead_table,
-)
-from feddg.algorithms.stations import Topology, assign_stations, two_level_dirichlet
+from feddg.algorithms.hfedatm import GRAM_FLAG, GramRecorder, HFedATMParams, update_with_grams
 from feddg.config import ConfigError, build_config
+from feddg.data.partition import make_partition
+from feddg.engines.inprocess import run_inprocess, run_round
 from feddg.federation.client import client_context
-from feddg.federation.inprocess import run_inprocess, run_round
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation
+from feddg.federation.topology import StationTopology, assign_stations
 from feddg.messages import WEIGHT_PREFIX, message_nbytes, weights_of
 from feddg.models.permutation import (
     apply_permutations,
@@ -35,19 +29,26 @@ from feddg.models.permutation import (
     register_spec,
     sequential_spec,
 )
-from toy import ToyNet, toy_federation
+from feddg.reports.overhead import overhead_table
 
 register_spec(ToyNet, sequential_spec)  # conv -> bn -> flatten -> fc: a plain chain
 
 
 def hier_federation(*overrides: str) -> Federation:
     """The toy federation (4 clients, 2 per source domain) under a hierarchy: 2 stations, N=2, R=2."""
-    base = ("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=2")
-    flat = toy_federation(*base, *overrides)
-    torch.manual_seed(0)
-    method = build_hierarchy(flat.method, flat.cfg.hierarchy, [c.domains for c in flat.clients])
-    model = method.prepare_model(ToyNet())
-    return Federation(flat.cfg, flat.dataset, flat.split, flat.clients, method, model, flat.device)
+    return toy_federation("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=2", *overrides)
+
+
+def stations(station_of, station_rounds=1, station_fraction=1.0, merge="avg", **params) -> StationTopology:
+    return StationTopology(np.asarray(station_of), station_rounds, station_fraction, merge, HFedATMParams(**params), None)
+
+
+def fold(topo, method, state, replies, round=1):
+    """One station round of ``replies`` through the topology's fold."""
+    acc = topo.start(method, {r.client_id: r.num_examples for r in replies})
+    for r in replies:
+        acc = topo.accumulate(method, acc, r)
+    return topo.finish(method, state, acc, round)
 
 
 def _run(tmp_path, *overrides, name="run"):
@@ -59,7 +60,7 @@ def _run(tmp_path, *overrides, name="run"):
 
 
 def test_engine_rounds_map_to_server_and_station_rounds():
-    topo = Topology(np.array([0, 0, 1, 1]), station_rounds=3)
+    topo = stations([0, 0, 1, 1], station_rounds=3)
     assert [(topo.server_round(t), topo.station_round(t)) for t in range(1, 8)] == [
         (1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1)
     ]
@@ -75,19 +76,25 @@ def test_station_assignments():
 
 
 def test_station_and_client_sampling():
-    topo = Topology(np.repeat(np.arange(4), 3), station_rounds=2, station_fraction=0.5)
+    topo = stations(np.repeat(np.arange(4), 3), station_rounds=2, station_fraction=0.5)
     for t in (1, 3, 5):
         a, b = topo.sample(t, 1.0, 0), topo.sample(t + 1, 1.0, 0)
         assert a == b  # the same stations for the whole server round
-        assert len({int(topo.station_of[c]) for c in a}) == 2 and len(a) == 6
+        assert len({topo.station_of(c) for c in a}) == 2 and len(a) == 6
     picked = topo.sample(1, 0.34, seed=0)  # one client of each of the two sampled stations
-    assert len(picked) == 2 and len({int(topo.station_of[c]) for c in picked}) == 2
-    assert Topology(np.repeat(np.arange(4), 3), 2).sample(1, 1.0, 0) == list(range(12))
+    assert len(picked) == 2 and len({topo.station_of(c) for c in picked}) == 2
+    assert stations(np.repeat(np.arange(4), 3), 2).sample(1, 1.0, 0) == list(range(12))
 
 
 def test_two_level_dirichlet_partition():
     domain_ids = np.repeat(np.arange(3), 200)
     rng = np.random.default_rng(0)
+    labels = np.zeros(600, dtype=np.int64)
+
+    def two_level_dirichlet(idx, doms, clients, groups, a_group, a_client, rng, **kw):
+        return make_partition("two_level_dirichlet", idx, doms, labels, clients, rng, groups=groups,
+                              alpha_group=a_group, alpha_client=a_client, **kw)
+
     part = two_level_dirichlet(np.arange(600), domain_ids, 6, 3, 1.0, 1.0, rng)
     assert np.array_equal(np.sort(np.concatenate(part.client_indices)), np.arange(600))
     concentrated = two_level_dirichlet(np.arange(600), domain_ids, 6, 3, 1e-3, 1e3, rng, max_tries=1000)
@@ -97,7 +104,7 @@ def test_two_level_dirichlet_partition():
         assert max(share) > 0.95
     sizes = [len(c) for c in concentrated.client_indices]  # huge α_client: a station's clients are equal
     assert all(abs(sizes[2 * e] - sizes[2 * e + 1]) <= 0.1 * (sizes[2 * e] + sizes[2 * e + 1]) for e in range(3))
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match="multiple of groups"):
         two_level_dirichlet(np.arange(600), domain_ids, 5, 3, 1.0, 1.0, rng)
 
 
@@ -106,8 +113,9 @@ def test_hierarchy_config_is_validated():
         build_config({"hierarchy": {"params": {"alhpa": 0.5}}})
     with pytest.raises(ConfigError, match="hierarchy.merge"):
         build_config({"hierarchy": {"merge": "hfedavg"}})
-    with pytest.raises(ConfigError, match="multiple of hierarchy.stations"):
-        build_config({"partition": {"num_clients": 5}, "hierarchy": {"stations": 2, "assignment": "dirichlet"}})
+    with pytest.raises(ConfigError, match="partition.params.groups"):
+        build_config({"partition": {"num_clients": 6, "kind": "two_level_dirichlet", "params": {"groups": 3}},
+                      "hierarchy": {"stations": 2}})
 
 
 # --- the engine under a hierarchy ----------------------------------------------------------
@@ -131,11 +139,12 @@ def test_one_station_with_avg_is_exactly_flat_fedavg(tmp_path):
 
 def test_client_pull_global_restarts_every_station_round_from_the_global_model():
     fed = hier_federation("hierarchy.params.client_pull=global")
-    state = fed.method.server_init(fed.model, None)
+    topo = fed.topology
+    state = topo.init(fed.method, fed.model, None)
     state["stations"][0] = {**state["stations"][0], "weights": {k: v + 1 for k, v in state["weights"].items()}}
-    assert all(np.array_equal(v, state["weights"][k]) for k, v in fed.method.client_config(state, 0, 1).items())
-    fed.method.merge_params.__dict__["client_pull"] = "station"  # frozen model; only for this check
-    assert not np.array_equal(fed.method.client_config(state, 0, 1)["w/fc.weight"], state["weights"]["w/fc.weight"])
+    assert all(np.array_equal(v, state["weights"][k]) for k, v in topo.client_config(fed.method, state, 0, 1).items())
+    topo.params.__dict__["client_pull"] = "station"  # frozen model; only for this check
+    assert not np.array_equal(topo.client_config(fed.method, state, 0, 1)["w/fc.weight"], state["weights"]["w/fc.weight"])
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsr", "fediir"])
@@ -184,9 +193,8 @@ def _ctx(epochs=2):
 def test_client_grams_are_the_inputs_gram_of_one_pass_over_its_data(gram_pass):
     torch.manual_seed(0)
     model, ctx = _NoBN(), _ctx(epochs=2)
-    method = Hierarchical(FedAvg(), Topology(np.zeros(4, dtype=int), 1), "hfedatm-no-fot", MergeParams(gram_pass=gram_pass))
     msg = {**weights_of(model), "lr": 0.0, "round": 1, GRAM_FLAG: 1}  # lr 0: inputs are the same every epoch
-    reply, _ = method.client_update(model, msg, {}, ctx)
+    reply, _ = update_with_grams(FedAvg(), model, msg, {}, ctx, HFedATMParams(gram_pass=gram_pass))
     x = ctx.dataset.x[torch.from_numpy(ctx.train_idx)].flatten(1).double()
     h = torch.relu(model.fc1(x.float())).double()
     np.testing.assert_allclose(reply["gram/fc1"], (x.T @ x).numpy(), rtol=1e-5)  # one epoch, not two
@@ -213,11 +221,11 @@ DECLARED = {"fedavg": set(), "fedprox": set(), "fedsr": {"l2r", "cmi"}, "fediir"
 @pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsr", "fediir"])
 def test_no_raw_activation_or_sample_leaves_a_client(method):
     fed = hier_federation(f"method.name={method}", "hierarchy.merge=hfedatm")
-    h = fed.method
-    state = h.server_init(fed.model, None)
-    msg = {**h.client_config(state, 0, 2), "lr": 0.1, "round": 2}  # station round N: Grams requested
+    topo = fed.topology
+    state = topo.init(fed.method, fed.model, None)
+    msg = {**topo.client_config(fed.method, state, 0, 2), "lr": 0.1, "round": 2}  # station round N: Grams requested
     assert msg[GRAM_FLAG] == 1
-    reply, client_state = h.client_update(fed.model, msg, {}, client_context(fed, 0, 2))
+    reply, client_state = topo.client_update(fed.method, fed.model, msg, {}, client_context(fed, 0, 2))
     linears = {n: m for n, m in fed.model.named_modules() if isinstance(m, nn.Linear)}
     weights = set(weights_of(fed.model))
     grams = {k for k in reply if k.startswith("gram/")}
@@ -238,15 +246,14 @@ def test_dp_noises_the_grams_and_the_results_record_epsilon(tmp_path):
     over = ("hierarchy.merge=hfedatm", "hierarchy.params.dp_epsilon=1.0", "hierarchy.params.dp_clip=2.0",
             "federation.rounds=1")
     fed = hier_federation(*over)
-    noiseless = hier_federation("hierarchy.merge=hfedatm", "federation.rounds=1").method
-    noiseless.merge_params.__dict__["dp_clip"] = 2.0
-    state = fed.method.server_init(fed.model, None)
-    msg = {**fed.method.client_config(state, 0, 2), "lr": 0.1, "round": 2}
-    noisy, _ = fed.method.client_update(fed.model, dict(msg), {}, client_context(fed, 0, 2))
+    topo = fed.topology
+    state = topo.init(fed.method, fed.model, None)
+    msg = {**topo.client_config(fed.method, state, 0, 2), "lr": 0.1, "round": 2}
+    noisy, _ = topo.client_update(fed.method, fed.model, dict(msg), {}, client_context(fed, 0, 2))
     recorder_clip = GramRecorder(fed.model, clip=2.0)  # the clipped, noiseless Gram of the same pass
     with recorder_clip:
-        fed.method.inner.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {},
-                                       recorder_clip.track(client_context(fed, 0, 2)))
+        fed.method.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {},
+                                 recorder_clip.track(client_context(fed, 0, 2)))
     clean = recorder_clip.grams()["fc"].numpy()
     sigma = gaussian_sigma(1.0, 1e-5, 4.0)
     diff = noisy["gram/fc"] - clean
@@ -275,28 +282,27 @@ def test_hfedatm_merge_of_a_permuted_station_recovers_the_station_model():
     gc = np.eye(16) * 3.0
     msgs = [{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in (s1, s2)]
     grams = [{"fc": g1, "classifier": gc}, {"fc": g2, "classifier": gc}]
-    merged, metrics = merge_stations(msgs, grams, [2, 1], spec, MergeParams())
+    merged, metrics = merge_stations(msgs, grams, [2, 1], spec)
     assert all(np.allclose(merged[WEIGHT_PREFIX + k], v.numpy(), atol=1e-5) for k, v in s1.items())
     assert metrics["fot/conv/moved"] == 1.0 - (perms["conv"] == np.arange(4)).mean()
     assert metrics["fot/conv/cost_after"] < 1e-6 < metrics["fot/conv/cost_before"]
     assert metrics["regmean/fc/fallback"] == 0.0 and metrics["regmean/fc/cond"] >= 1.0
-    unaligned, _ = merge_stations(msgs, grams, [2, 1], None, MergeParams())  # hfedatm-no-fot
+    unaligned, _ = merge_stations(msgs, grams, [2, 1], None)  # hfedatm-no-fot
     assert not np.allclose(unaligned["w/conv.weight"], s1["conv.weight"].numpy())
 
 
 def test_station_aggregation_then_merge_with_gamma_weights():
-    topo = Topology(np.array([0, 0, 0, 1]), 1)
-    method = Hierarchical(FedAvg(), topo, "avg")
+    topo = stations([0, 0, 0, 1])
     w = lambda v: {"w/p": np.array([v], np.float32)}  # noqa: E731
-    state = {"weights": w(0.0), "stations": [{"weights": w(0.0)}, {"weights": w(0.0)}], "round": 0, "metrics": {}}
+    state = {"weights": w(0.0), "stations": [{"weights": w(0.0)}, {"weights": w(0.0)}], "round": 0}
     replies = [Reply(0, {**w(1.0), "num_examples": 10}), Reply(1, {**w(4.0), "num_examples": 30}),
                Reply(3, {**w(9.0), "num_examples": 5})]
-    new = method.aggregate(state, replies)
+    new, metrics = fold(topo, FedAvg(), state, replies)
     # station 0: FedAvg by examples (1·10 + 4·30) / 40 = 3.25, γ=2; station 1: 9, γ=1
     assert new["weights"]["w/p"][0] == pytest.approx((2 * 3.25 + 9.0) / 3)
     assert all(s["weights"]["w/p"][0] == new["weights"]["w/p"][0] for s in new["stations"])
-    assert new["metrics"]["hfl/bytes_station_up"] == 2 * message_nbytes(w(0.0))
-    assert new["metrics"]["hfl/bytes_station_down"] == 2 * message_nbytes(w(0.0))
+    assert metrics["hfl/bytes_station_up"] == 2 * message_nbytes(w(0.0))
+    assert metrics["hfl/bytes_station_down"] == 2 * message_nbytes(w(0.0))
 
 
 def test_diagnostics_and_accounting_are_in_the_metrics_and_results(tmp_path):
@@ -317,19 +323,20 @@ def test_diagnostics_and_accounting_are_in_the_metrics_and_results(tmp_path):
 
 
 class _CountingFedAvg(FedAvg):
-    """FedAvg that reports how many replies its (station) state last aggregated."""
+    """FedAvg that reports how many replies its (station) fold saw."""
 
-    def aggregate(self, state, replies):
-        return {**super().aggregate(state, replies), "seen": len(replies)}
+    def keep(self, reply):
+        return {}
 
-    def round_metrics(self, state):
-        return {"inner/seen": float(state.get("seen", 0))}
+    def finish(self, state, acc):
+        state, _ = super().finish(state, acc)
+        return state, {"inner/seen": float(len(acc.kept))}
 
 
 def test_the_client_methods_own_metrics_are_passed_through_as_a_mean_over_stations():
     fed = hier_federation()  # 4 clients, 2 stations of 2 (contiguous)
-    method = build_hierarchy(_CountingFedAvg(), fed.cfg.hierarchy, [c.domains for c in fed.clients])
-    state = method.server_init(fed.model, None)
+    method = _CountingFedAvg()
+    state = fed.topology.init(method, fed.model, None)
     reply = {**weights_of(fed.model), "num_examples": 10}
-    state = method.aggregate(state, [Reply(c, reply) for c in (0, 1, 2)])  # station 0: 2 replies, station 1: 1
-    assert method.round_metrics(state)["inner/seen"] == pytest.approx(1.5)
+    _, metrics = fold(fed.topology, method, state, [Reply(c, reply) for c in (0, 1, 2)])  # station 0: 2, station 1: 1
+    assert metrics["inner/seen"] == pytest.approx(1.5)

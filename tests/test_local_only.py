@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from feddg.federation.client import client_context
-from feddg.federation.inprocess import run_inprocess
+from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from feddg.messages import load_weights, weights_of
 from toy import toy_federation

@@ -195,11 +195,15 @@ SHAPE_CASES: list[tuple[str, int, int, dict[str, Any]]] = [
     ("vgg11", 28, 1, {"reduced_head": True}),
     ("vgg11_bn", 28, 3, {"reduced_head": True}),
     ("vgg11_bn", 32, 1, {"reduced_head": True}),
+    ("efficientnet_lite0", 28, 1, {}),
+    ("efficientnet_lite0", 32, 3, {}),
 ]
 
 
 def test_registry_lists_every_model() -> None:
-    assert list_models() == ["alexnet", "cnn", "hfedf-cnn", "lenet", "resnet18", "resnet50", "vgg11", "vgg11_bn"]
+    assert list_models() == [
+        "alexnet", "cnn", "efficientnet_lite0", "hfedf-cnn", "lenet", "resnet18", "resnet50", "vgg11", "vgg11_bn"
+    ]
     assert {name for name, *_ in SHAPE_CASES} == set(list_models())
 
 
@@ -258,7 +262,7 @@ def test_resnet50_state_dict_is_torchvision() -> None:
         "fc.bias": [1000],
     }
     assert {k: list(state[k].shape) for k in expected} == expected
-    assert (list(state)[0], list(state)[-1]) == ("conv1.weight", "fc.bias")
+    assert (next(iter(state)), list(state)[-1]) == ("conv1.weight", "fc.bias")
     # v1.5: the stride of a downsampling bottleneck sits on its 3×3 convolution.
     assert model.layer2[0].conv1.stride == (1, 1) and model.layer2[0].conv2.stride == (2, 2)
 
@@ -310,7 +314,7 @@ def test_hfedf_cnn_parameter_count_follows_table_9() -> None:
     assert not list(model.buffers())  # no BatchNorm: a hypernetwork generates the whole state
 
 
-@pytest.mark.parametrize("name", ["lenet", "cnn", "hfedf-cnn", "alexnet", "resnet18"])
+@pytest.mark.parametrize("name", ["lenet", "cnn", "hfedf-cnn", "alexnet", "resnet18", "efficientnet_lite0"])
 def test_save_and_load_round_trip(name: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     source = create_model(name, num_classes=4, in_channels=3, image_size=32)
@@ -324,7 +328,10 @@ def test_save_and_load_round_trip(name: str, tmp_path: Path) -> None:
         assert torch.equal(source.eval()(x), loaded.eval()(x))
 
 
-@pytest.mark.parametrize(("name", "head"), [("resnet18", ["fc.weight", "fc.bias"]), ("alexnet", ["classifier.fc3"])])
+@pytest.mark.parametrize(
+    ("name", "head"),
+    [("resnet18", ["fc.weight", "fc.bias"]), ("alexnet", ["classifier.fc3"]), ("efficientnet_lite0", ["_fc."])],
+)
 def test_head_size_mismatch_loads_trunk_and_keeps_a_fresh_head(
     name: str, head: list[str], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -17,10 +17,10 @@ from feddg.algorithms.pardon import (
     sample_negatives,
     triplet_loss,
 )
-from feddg.algorithms.style import channel_moments, channel_stats
+from feddg.algorithms.components.style import channel_moments, channel_stats
 from feddg.config import build_config
 from feddg.federation.client import client_context
-from feddg.federation.inprocess import run_inprocess, run_round, run_setup
+from feddg.engines.inprocess import run_inprocess, run_round, run_setup
 from feddg.federation.server import Server
 from feddg.sweep import _cells, load_sweep
 from toy import toy_federation
@@ -255,16 +255,16 @@ def test_shipped_sweeps_validate(path):
 
 def test_report_draws_the_style_grid_for_style_methods_only(tmp_path, cache_dir):
     from feddg.config import dump_config
-    from feddg.evaluation.plots import report
-    from feddg.evaluation.style_grid import style_grid
+    from feddg.reports.run import report
+    from feddg.reports.style_grid import style_grid
     from feddg.experiment import run_experiment
 
     over = ["data.max_per_domain=40", "partition.num_clients=6", "federation.rounds=1", f"data.cache_dir={cache_dir}",
             "model.name=cnn", "device=cpu"]
     cfg = build_config({"name": "grid"}, over + ["method.name=pardon", "method.params.style_path=feature"])
     run_experiment(cfg, tmp_path / "pardon", progress=False)
-    assert (tmp_path / "pardon" / "styles.png").is_file()
     assert tmp_path / "pardon" / "styles.png" in report(tmp_path / "pardon")
+    assert (tmp_path / "pardon" / "styles.png").is_file()
     (tmp_path / "avg").mkdir()
     (tmp_path / "avg" / "config.yaml").write_text(dump_config(build_config({}, over)))
     assert style_grid(tmp_path / "avg") is None

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from feddg.aggregation.fot import align_to_reference
-from feddg.algorithms.hierarchy import MergeParams, merge_stations
+from feddg.aggregation.merges import merge_stations
 from feddg.messages import WEIGHT_PREFIX
 from feddg.models import create_model
 from feddg.models.permutation import (
@@ -25,6 +25,7 @@ ZOO = [
     ("alexnet", {"hidden_dim": 64}, 28),
     ("resnet18", {}, 32),
     ("vgg11", {"reduced_head": True}, 32),
+    ("efficientnet_lite0", {}, 32),
 ]
 
 
@@ -72,7 +73,7 @@ def test_a_randomly_permuted_copy_is_exactly_realigned_and_merges_to_the_origina
     assert al.moved and min(al.moved.values()) > 0.5
     assert max(al.cost_after.values()) < 1e-5 < min(al.cost_before.values())
     msgs = [{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in (original, copy)]
-    merged, _ = merge_stations(msgs, None, [1, 1], spec, MergeParams())
+    merged, _ = merge_stations(msgs, None, [1, 1], spec)
     assert all(np.array_equal(merged[WEIGHT_PREFIX + k], v.numpy()) for k, v in original.items())
 
 

@@ -2,7 +2,13 @@ import math
 
 import pytest
 
-from feddg.federation.rounds import client_generator, derived_seed, learning_rate, sample_clients
+from feddg.federation.rounds import client_generator, learning_rate
+from feddg.federation.topology import Topology
+from feddg.seeds import derived_seed
+
+
+def sample_clients(num_clients, fraction, seed, round):
+    return Topology(num_clients).sample(round, fraction, seed)
 
 
 def test_sampling_is_seeded_sized_and_distinct():
@@ -28,3 +34,8 @@ def test_learning_rate_schedules():
     assert learning_rate(0.1, "step", 11, 30, step_size=10, gamma=0.5) == pytest.approx(0.05)
     with pytest.raises(ValueError):
         learning_rate(0.1, "warmup", 1, 10)
+
+
+def test_31_bit_seeds_fit_and_differ_from_63_bit_ones():
+    assert 0 <= derived_seed(4, 2, bits=31) < 2**31 and derived_seed(4, 2, bits=31) != derived_seed(4, 2)
+    assert 2**31 <= max(derived_seed(k) for k in range(8)) < 2**63

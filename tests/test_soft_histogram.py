@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from feddg.algorithms.soft_histogram import (
+from feddg.algorithms.components.soft_histogram import (
     binning_weights,
     cut_points,
     kl_divergence,

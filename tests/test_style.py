@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from feddg.algorithms import style
-from feddg.algorithms.style import (
+from feddg.algorithms.components import style
+from feddg.algorithms.components.style import (
     AdainVGGStyle,
     FeatureStyle,
     PixelStyle,

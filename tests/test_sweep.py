@@ -65,3 +65,42 @@ def test_a_bad_variant_fails_before_any_run(sweep_file, tmp_path):
     assert not list((tmp_path / "out").glob("*/*/seed0/results.json"))
     with pytest.raises(ValueError, match="jobs"):
         run_sweep(sweep_file, out_dir=tmp_path / "out", progress=False, jobs=0)
+
+
+def test_a_changed_config_reruns_its_cells_and_an_unchanged_one_does_not(sweep_file, tmp_path, capsys):
+    one = {**SWEEP, "sweep": {"targets": ["uci"], "seeds": [0], "variants": {"FedAvg": {}}}}
+    sweep_file.write_text(yaml.safe_dump(one))
+    out, cell = tmp_path / "out", tmp_path / "out" / "FedAvg" / "uci" / "seed0"
+    first = run_sweep(sweep_file, out_dir=out, progress=False)
+    stamp = (cell / "results.json").stat().st_mtime_ns
+    capsys.readouterr()
+
+    again = run_sweep(sweep_file, out_dir=out, progress=False)
+    assert (cell / "results.json").stat().st_mtime_ns == stamp and "done already" in capsys.readouterr().err
+    assert again["rows"] == first["rows"]
+
+    changed = run_sweep(sweep_file, ["optim.lr=0.05"], out_dir=out, progress=False)
+    err = capsys.readouterr().err
+    assert (cell / "results.json").stat().st_mtime_ns != stamp
+    assert f"rerunning {cell} from scratch: its config changed" in err.replace("\n", "")
+    assert changed["rows"][0]["config_hash"] != first["rows"][0]["config_hash"]
+    assert yaml.safe_load((cell / "config.yaml").read_text())["optim"]["lr"] == 0.05
+
+    (cell / "results.json").unlink()  # interrupted after its last checkpoint: resumed, not rerun
+    resumed = run_sweep(sweep_file, ["optim.lr=0.05"], out_dir=out, progress=False)
+    assert "rerunning" not in capsys.readouterr().err
+    assert resumed["rows"][0]["ood_acc"] == changed["rows"][0]["ood_acc"]
+
+
+def test_tables_use_the_sample_std_and_a_student_t_interval():
+    from feddg.evaluation.tables import csv_table, markdown_table
+
+    rows = [{"variant": "A", "target": t, "seed": s, "ood_acc": v}
+            for t, vals in (("x", [10.0, 20.0, 30.0]), ("y", [50.0, 50.0, 50.0])) for s, v in enumerate(vals)]
+    rows.append({"variant": "B", "target": "x", "seed": 0, "ood_acc": 42.0})
+    md = markdown_table(rows, "ood_acc")
+    assert "| A | 20.0 ± 10.0 | 50.0 ± 0.0 | 35.0 ± 5.0 | [22.6, 47.4] |" in md  # t(0.975, 2) = 4.303
+    assert "| B | 42.0 ± – | – | – | – |" in md  # one seed: no std, never 0
+    lines = csv_table(rows, "ood_acc").splitlines()
+    assert lines[0] == "method,target,mean,std_ddof1,ci95_low,ci95_high,n"
+    assert "A,x,20.000,10.000,-4.841,44.841,3" in lines and "B,x,42.000,,,,1" in lines

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from feddg.algorithms import create_method
 from feddg.config import build_config
 from feddg.data.base import DomainDataset
-from feddg.federation.setup import Federation, make_clients, make_split
+from feddg.federation.setup import Federation, make_clients, make_split, make_topology
 from feddg.models.base import FedModel
 
 
@@ -65,4 +65,4 @@ def toy_federation(*overrides: str) -> Federation:
     torch.manual_seed(cfg.seed)
     method = create_method(cfg.method.name, cfg.method.params)
     model = method.prepare_model(ToyNet())
-    return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"))
+    return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))

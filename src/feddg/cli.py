@@ -1,26 +1,81 @@
-"""``feddg`` command line: run | sweep | report | datasets | methods | models."""
+"""``feddg`` command line: run | sweep | report | eval | datasets | methods | models."""
 
 from __future__ import annotations
 
 import json
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
+import typer.core
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from feddg.config import ConfigError, load_config
+from feddg.config import ConfigError, load_config, one_line
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated domain generalization.")
+
+def _keep_argument_help() -> None:
+    """Typer <= 0.20 sets an argument's ``help`` and then calls ``click.Argument.__init__``, which since
+    click 8.5 takes a ``help`` of its own and resets it to ``None``: argument help vanished from ``--help``
+    (pallets/click#3473). Set it again after the call (a no-op with older click)."""
+    init = typer.core.TyperArgument.__init__
+    if getattr(init, "keeps_help", False):
+        return
+
+    def init_keeping_help(self: typer.core.TyperArgument, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        init(self, *args, help=help, **kwargs)
+        self.help = help
+
+    init_keeping_help.keeps_help = True  # type: ignore[attr-defined]
+    typer.core.TyperArgument.__init__ = init_keeping_help  # type: ignore[method-assign]
+
+
+_keep_argument_help()
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated domain generalization.",
+                  pretty_exceptions_enable=False)  # --debug shows a plain traceback, without local variables
 out = Console()
+_DEBUG = {"on": False}
 
-Overrides = Annotated[list[str] | None, typer.Option("--set", "-o", help="override a key: -o federation.rounds=5")]
+Overrides = Annotated[list[str] | None, typer.Option(
+    "--set", "-o", help="override a config key, repeatable; the value is YAML: -o federation.rounds=5 -o method.name=fedprox")]
+
+
+@app.callback()
+def main(debug: Annotated[bool, typer.Option("--debug", help="show the full traceback of an error")] = False) -> None:
+    """Federated domain generalization."""
+    _DEBUG["on"] = debug
+    if not debug:
+        warnings.formatwarning = _one_line_warning
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      line: str | None = None) -> str:
+    return f"warning: {one_line(str(message))}\n"
 
 
 def _fail(msg: str) -> NoReturn:
-    out.print(f"[red]error:[/red] {msg}")
+    """``error: msg`` on one line and exit code 2; with ``--debug``, re-raise the error being handled instead."""
+    err = sys.exc_info()[1]
+    if _DEBUG["on"] and err is not None:
+        raise err
+    out.print(f"[red]error:[/red] {escape(one_line(msg))}", soft_wrap=True, highlight=False)
     raise typer.Exit(2)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """User mistakes (config, run directory, checkpoint, missing or unreadable files) end in :func:`_fail`."""
+    from feddg.federation.checkpoint import CheckpointError  # imports torch: only commands that train need it
+
+    try:
+        yield
+    except (ConfigError, CheckpointError, OSError, ValueError) as err:
+        _fail(str(err))
 
 
 def results_table(results: dict) -> Table:
@@ -30,11 +85,12 @@ def results_table(results: dict) -> Table:
     t.add_column("role")
     t.add_column("accuracy (%)", justify="right")
     final = results["final"]
+    extra_means = [k for k in final if k.startswith("extra/") and k.count("/") == 1]  # extra/<name>_acc
     for key, val in final.items():
-        if "/" in key:
-            kind, dom = key.split("/", 1)
+        if "/" in key and key not in extra_means:
+            kind, dom = key.rsplit("/", 1)
             t.add_row(dom, kind.removesuffix("_acc"), f"{val:.2f}")
-    for key in ("id_acc", "val_acc", "ood_acc", "global_ood_acc"):
+    for key in ("id_acc", "val_acc", "ood_acc", "global_ood_acc", *extra_means):
         if key in final:
             t.add_row("[bold]mean[/bold]", key.removesuffix("_acc"), f"[bold]{final[key]:.2f}[/bold]")
     return t
@@ -50,22 +106,39 @@ def communication_table(results: dict) -> Table:
     return t
 
 
+def privacy_line(what: str, rec: dict) -> str:
+    """One line of a results.json ``privacy`` record (docs/privacy.md)."""
+    return (f"privacy of the {what}: ε = {rec['epsilon']:.4g} at δ = {rec['delta']:g} over {rec['releases']} "
+            f"release(s) ({rec['accountant']} accountant, per {rec['unit']}, σ = {rec['sigma']:.4g}, "
+            f"clip {rec['clip']:g})")
+
+
 @app.command()
 def run(
-    config: Annotated[Path | None, typer.Argument(help="experiment YAML")] = None,
+    config: Annotated[Path | None, typer.Argument(
+        help="experiment YAML (configs/...; a sweep file runs its base config)")] = None,
     overrides: Overrides = None,
     run_dir: Annotated[Path | None, typer.Option(help="run directory (default: output_dir/name-...)")] = None,
-    resume: Annotated[Path | None, typer.Option(help="continue a killed run from its checkpoint")] = None,
-    engine: Annotated[str | None, typer.Option(help="inprocess | flower")] = None,
+    resume: Annotated[Path | None, typer.Option(help="continue a killed (or extend a finished) run")] = None,
+    overwrite: Annotated[bool, typer.Option(help="clear a non-empty --run-dir holding another run")] = False,
+    engine: Annotated[Literal["inprocess", "flower"] | None, typer.Option(
+        help="where clients train: inprocess (this machine) or flower (Flower simulation) (= -o federation.engine=)")] = None,
     weights: Annotated[Path | None, typer.Option(help="local .pth state_dict to start from (= -o model.weights=)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
     """Train one experiment and print its per-domain accuracy."""
     from feddg.experiment import resume_experiment, run_experiment
+    from feddg.reports.run import method_figures
 
-    try:
+    with _user_errors():
         if resume is not None:
-            results = resume_experiment(resume, progress=not quiet)
+            extra = [name for name, given in (("CONFIG", config), ("--run-dir", run_dir), ("--engine", engine),
+                                              ("--weights", weights), ("--overwrite", overwrite or None))
+                     if given is not None]
+            if extra:
+                _fail(f"--resume continues a run with its own config.yaml: drop {', '.join(extra)} "
+                      "(-o changes the keys a resume may change)")
+            results = resume_experiment(resume, list(overrides or []), progress=not quiet)
         else:
             if config is None:
                 _fail("give a config file, or --resume RUN_DIR")
@@ -73,11 +146,14 @@ def run(
                 _fail(f"--weights: no such file: {weights}")
             extra = list(overrides or []) + ([f"federation.engine={engine}"] if engine else [])
             extra += [f"model.weights={json.dumps(str(weights))}"] if weights is not None else []
-            results = run_experiment(load_config(config, extra), run_dir, progress=not quiet)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        _fail(str(err))
+            results = run_experiment(load_config(config, extra), run_dir, overwrite=overwrite, progress=not quiet)
+        method_figures(results["run_dir"])
     out.print(results_table(results))
     out.print(communication_table(results))
+    for what, rec in (("shared statistics", results.get("privacy")),
+                      ("Gram matrices", results.get("hierarchy", {}).get("privacy"))):
+        if rec:
+            out.print(privacy_line(what, rec), soft_wrap=True, highlight=False)
     out.print(f"run directory: {results['run_dir']}")
 
 
@@ -85,45 +161,82 @@ def run(
 def sweep(
     config: Annotated[Path, typer.Argument(help="sweep YAML (an experiment config with a 'sweep:' section)")],
     overrides: Overrides = None,
-    out_dir: Annotated[Path | None, typer.Option(help="where runs and tables go")] = None,
+    out_dir: Annotated[Path | None, typer.Option(help="where runs and tables go (default: output_dir/name)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
     jobs: Annotated[int, typer.Option(help="runs at once, one torch thread each")] = 1,
 ) -> None:
-    """Run variants × target domains × seeds and write a mean ± std table (Markdown and CSV)."""
+    """Run variants × target domains × seeds and write a mean ± std table with 95 % CIs (Markdown and CSV)."""
     from feddg.sweep import run_sweep
 
-    try:
+    with _user_errors():
         res = run_sweep(config, overrides, out_dir, progress=not quiet, jobs=jobs)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        _fail(str(err))
     out.print(res["markdown"])
     out.print(f"tables and runs in: {res['out_dir']}")
 
 
 @app.command()
-def report(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
-    """Draw accuracy-per-round curves and a per-domain bar chart (PNG) into RUN_DIR."""
-    from feddg.evaluation.plots import report as make_report
+def report(
+    directory: Annotated[Path, typer.Argument(help="a run directory (metrics.jsonl) or a sweep directory (runs.jsonl)")],
+) -> None:
+    """Write DIRECTORY/report.html: one self-contained page (figures embedded) for a run or a sweep."""
+    from feddg.reports.run import report as make_report
 
-    try:
-        paths = make_report(run_dir)
-    except (FileNotFoundError, ValueError) as err:
-        _fail(str(err))
-    results = run_dir / "results.json"
-    if results.is_file():
-        out.print(results_table(json.loads(results.read_text())))
-    for p in paths:
+    with _user_errors():
+        if not directory.is_dir():
+            _fail(f"no such run or sweep directory: {directory}")
+        paths = make_report(directory)
+        results = directory / "results.json"
+        summary = json.loads(results.read_text()) if results.is_file() else None
+    if summary is not None:
+        out.print(results_table(summary))
+    for p in paths[1:]:
         out.print(f"wrote {p}")
+    out.print(f"report: {paths[0].resolve().as_uri()}")
+
+
+@app.command("eval")
+def eval_run(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory (config.yaml and checkpoint.pt)")],
+    dataset: Annotated[str, typer.Option(help="a dataset with the run's classes (feddg datasets)")],
+    root: Annotated[Path | None, typer.Option(help="its folder, for a folder dataset")] = None,
+    domains: Annotated[list[str] | None, typer.Option(help="only these of its domains: repeat or comma-separate")] = None,
+    max_per_domain: Annotated[int | None, typer.Option(help="at most this many samples of each domain")] = None,
+    device: Annotated[str | None, typer.Option(help="evaluate on this device (default: the run's own)")] = None,
+) -> None:
+    """Evaluate a run's last checkpoint on another dataset with the same classes (as eval.extra does during
+    a run) and print the accuracy per domain."""
+    from feddg.config import ExtraEvalConfig
+    from feddg.federation.extra_eval import evaluate_run
+
+    chosen = [d for item in domains or [] for d in item.split(",") if d] or None
+    with _user_errors():
+        spec = ExtraEvalConfig(name=dataset, dataset=dataset, root=str(root) if root else None, domains=chosen,
+                               max_per_domain=max_per_domain)
+        metrics, target, round = evaluate_run(run_dir, spec, device)
+    personal = f"extra/{dataset}_global_acc" in metrics
+    t = Table(title=f"{run_dir.name} (round {round}) on {dataset}")
+    t.add_column("domain")
+    t.add_column("clients' models, mean (%)" if personal else "accuracy (%)", justify="right")
+    if personal:
+        t.add_column("global model (%)", justify="right")
+    for dom, suffix in [(d, f"/{d}") for d in target.dataset.domains] + [("[bold]mean[/bold]", "")]:
+        keys = [f"extra/{dataset}_acc{suffix}"] + ([f"extra/{dataset}_global_acc{suffix}"] if personal else [])
+        t.add_row(dom, *(f"{metrics[k]:.2f}" for k in keys))
+    out.print(t)
 
 
 @app.command()
 def datasets(
-    name: Annotated[str | None, typer.Argument(help="show domains, classes and counts of one dataset")] = None,
-    root: Annotated[Path | None, typer.Option(help="folder of a real dataset")] = None,
+    name: Annotated[str | None, typer.Argument(
+        help="a dataset of the list (digits-dg, pacs, ...): show its domains, classes and counts")] = None,
+    root: Annotated[Path | None, typer.Option(help="folder of a real dataset: root/<domain>/<class>/<image>")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="cache for built-in datasets")] = None,
+    image_size: Annotated[int | None, typer.Option(help="image side (= data.image_size)")] = None,
+    check: Annotated[bool, typer.Option(help="decode every image and list every problem; exit 1 on any")] = False,
 ) -> None:
-    """List datasets; with NAME, its domains, classes and sample counts."""
-    from feddg.data import dataset_info, list_datasets, load_dataset
+    """List datasets; with NAME, its domains, classes and sample counts (a folder is scanned, not decoded)."""
+    from feddg.data import dataset_info, list_datasets
+    from feddg.data.inspect import check_dataset, describe_dataset
 
     if name is None:
         t = Table(title="datasets")
@@ -135,38 +248,80 @@ def datasets(
                       "yes" if info["needs_root"] else "no")
         out.print(t)
         return
+    folder = str(root) if root else None
     try:
-        ds = load_dataset(name, root=str(root) if root else None, cache_dir=str(cache_dir) if cache_dir else None)
+        if check:
+            problems = check_dataset(name, root=folder)
+            for p in problems:
+                out.print(f"problem: {p}", soft_wrap=True, markup=False, highlight=False)
+            if problems:
+                out.print(f"[red]{len(problems)} problem(s)[/red] in {name} at {root}")
+                raise typer.Exit(1)
+            out.print(f"[green]no problems[/green]: every image of {name} decodes, every domain has every class")
+        s = describe_dataset(name, root=folder, cache_dir=str(cache_dir) if cache_dir else None, image_size=image_size)
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
-    counts = ds.counts()
-    t = Table(title=f"{name}: {len(ds)} images, {ds.num_classes} classes, shape {tuple(ds.image_shape)}")
+    t = Table()
     t.add_column("class")
-    for d in ds.domains:
+    for d in s.domains:
         t.add_column(d, justify="right")
-    for c in ds.classes:
-        t.add_row(c, *(str(counts[d][c]) for d in ds.domains))
-    t.add_row("[bold]total[/bold]", *(f"[bold]{sum(counts[d].values())}[/bold]" for d in ds.domains))
+    for c in s.classes:
+        t.add_row(c, *(str(s.counts[d][c]) for d in s.domains))
+    t.add_row("[bold]total[/bold]", *(f"[bold]{sum(s.counts[d].values())}[/bold]" for d in s.domains))
+    out.print(f"{name}: {s.total} images, {len(s.classes)} classes, shape {s.image_shape}", soft_wrap=True)
     out.print(t)
+    out.print(f"training transforms: {s.transforms.describe()}", soft_wrap=True, markup=False)
+
+
+@app.command()
+def export(
+    dataset: Annotated[str, typer.Argument(help="a built-in dataset, e.g. digits-dg")],
+    out_dir: Annotated[Path, typer.Argument(help="new or empty folder to write root/<domain>/<class>/<i>.png into")],
+    cache_dir: Annotated[Path | None, typer.Option(help="cache for built-in datasets")] = None,
+    image_size: Annotated[int | None, typer.Option(help="image side (default: the dataset's native one)")] = None,
+    max_per_domain: Annotated[int | None, typer.Option(help="export at most this many images per domain")] = None,
+) -> None:
+    """Write a built-in dataset to DomainBed folders (lossless PNG) plus a feddg.json of its defaults."""
+    from feddg.data.export import export_dataset
+
+    try:
+        count = export_dataset(dataset, out_dir, cache_dir=str(cache_dir) if cache_dir else None,
+                               image_size=image_size, max_per_domain=max_per_domain)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        _fail(str(err))
+    out.print(f"wrote {count} PNGs to {out_dir}; use -o data.dataset=folder -o data.root={out_dir}")
 
 
 @app.command()
 def methods() -> None:
     """List methods with their hyper-parameters and defaults."""
-    from feddg.algorithms import METHODS
+    from feddg.aggregation.merges import MERGES
+    from feddg.algorithms.hfedatm import HFedATMParams
+    from feddg.algorithms.registry import list_methods, method_class
 
-    t = Table(title="methods")
+    t = Table(title="client methods (method.name)")
     t.add_column("name")
     t.add_column("hyper-parameters (default)")
-    for name, cls in sorted(METHODS.items()):
-        params = ", ".join(f"{k}={f.default}" for k, f in cls.Params.model_fields.items())
+    for name in list_methods():
+        params = ", ".join(f"{k}={f.default}" for k, f in method_class(name).Params.model_fields.items())
         t.add_row(name, params or "–")
     out.print(t)
+    merges = Table(title="station merges (hierarchy.merge; any client method trains inside the stations)")
+    merges.add_column("name")
+    merges.add_column("what")
+    for name, merge in sorted(MERGES.items()):
+        parts = ["FOT alignment (eqs. 2–6)"] * merge.uses_alignment + ["RegMean of linear layers (eqs. 8–12)"] * (
+            merge.uses_grams
+        )
+        merges.add_row(name, " + ".join(parts) or "γ-weighted mean of the station models (HFedAvg)")
+    out.print(merges)
+    params = ", ".join(f"{k}={f.default}" for k, f in HFedATMParams.model_fields.items())
+    out.print(f"hfedatm parameters (hierarchy.params): {params}")
 
 
 @app.command()
 def models() -> None:
-    """List the model zoo."""
+    """List the model zoo: the names model.name accepts."""
     from feddg.models import list_models
 
     out.print(", ".join(list_models()))
@@ -185,7 +340,7 @@ def bench_models(
     """Training throughput (images/s, batch 32, SGD) of zoo models on this machine's CPU."""
     import torch
 
-    from feddg.bench import train_images_per_second
+    from feddg.bench.throughput import train_images_per_second
 
     torch.set_num_threads(threads)
     t = Table(title=f"training throughput, batch 32, {threads} torch threads")
@@ -205,7 +360,7 @@ def bench_engine(
     engines: Annotated[str, typer.Option(help="comma-separated: sequential, workers, flower")] = "sequential,workers",
 ) -> None:
     """Wall time per round of the same config on several engines."""
-    from feddg.bench import engine_seconds_per_round
+    from feddg.bench.throughput import engine_seconds_per_round
 
     variants = {
         "sequential": ["federation.engine=inprocess", "federation.workers=1"],
@@ -223,3 +378,111 @@ def bench_engine(
         t.add_row(engine, str(r["rounds"]), f"{r['mean_round_s']:.2f}", f"{r['min_round_s']:.2f}",
                   f"{r['overhead_s']:.1f}", f"{r['total_s']:.1f}")
     out.print(t)
+
+
+@bench_app.command("data")
+def bench_data(
+    images: Annotated[int, typer.Option(help="JPEGs in the generated folder (4 domains × 7 classes)")] = 2100,
+    size: Annotated[int, typer.Option(help="training resolution (px)")] = 224,
+    repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant")] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads")] = 1,
+    loader_workers: Annotated[int, typer.Option(help="also time epochs 2+ with this many DataLoader workers")] = 0,
+    digits: Annotated[bool, typer.Option(help="also FedAvg on Digits-DG: built-in vs exported folders")] = True,
+    digits_rounds: Annotated[int, typer.Option(help="rounds of each Digits-DG run")] = 3,
+    digits_max_per_domain: Annotated[int, typer.Option(help="Digits-DG images per domain")] = 1000,
+    digits_seeds: Annotated[int, typer.Option(help="experiment seeds of each Digits-DG variant")] = 2,
+) -> None:
+    """Folder data: images/s of epoch 1 (cache build) and epochs 2+ vs decoding every epoch; Digits-DG per round."""
+    import statistics
+
+    import torch
+
+    from feddg.bench.data import digits_rounds as run_digits
+    from feddg.bench.data import folder_throughput, load_average
+
+    torch.set_num_threads(threads)
+    out.print(f"load average before: {load_average()}")
+    times = folder_throughput(images, size, repeats, loader_workers)
+    count = times.pop("images")[0]
+    t = Table(title=f"{int(count)} JPEGs at {size}px, batch 32, {threads} torch thread(s), "
+              f"{repeats} interleaved rounds")
+    for col in ("variant", "min s", "median s", "img/s (best)", "× decode every epoch"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    yardstick = min(times["decode every epoch"])
+    for name, secs in times.items():
+        t.add_row(name, f"{min(secs):.2f}", f"{statistics.median(secs):.2f}", f"{count / min(secs):,.0f}",
+                  f"{yardstick / min(secs):.2f}")
+    out.print(t)
+    if digits:
+        runs = run_digits(digits_rounds, digits_max_per_domain, digits_seeds)
+        t = Table(title=f"FedAvg on Digits-DG ({digits_max_per_domain}/domain, 6 clients, {digits_rounds} rounds, "
+                  "target mnistm), interleaved, seeds 0, 1, ...")
+        for col in ("data path", "s/round (median, each seed)", "total s", "ood acc", "id acc"):
+            t.add_column(col, justify="left" if col == "data path" else "right")
+        for name, rows in runs.items():
+            t.add_row(name, *(" ".join(f"{r[k]:.{2 if k == 'round_s' else 1}f}" for r in rows)
+                              for k in ("round_s", "total_s", "ood_acc", "id_acc")))
+        out.print(t)
+    out.print(f"load average after: {load_average()}")
+
+
+@bench_app.command("w1")
+def bench_w1(
+    repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant")] = 3,
+    images: Annotated[int, typer.Option(help="images per client (W1: 2000)")] = 2000,
+) -> None:
+    """W1: FedAvg, 4 clients, cnn4, 5 rounds, in-process (workers 1 and 2) vs a plain PyTorch loop on 2 processes."""
+    from feddg.bench.w1 import load_average, summary, w1_table
+
+    out.print(f"load average before: {load_average()}")
+    t = Table(title=f"W1: FedAvg, 4 clients × {images} images 3×28×28, cnn4, batch 32, 5 rounds; "
+              f"{repeats} interleaved")
+    for col in ("variant", "min s", "median s", "× yardstick (min)"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for name, lo, med, ratio in summary(w1_table(repeats, images)):
+        t.add_row(name, f"{lo:.1f}", f"{med:.1f}", f"{ratio:.2f}")
+    out.print(t)
+    out.print(f"load average after: {load_average()}")
+
+
+@bench_app.command("memory")
+def bench_memory(
+    params: Annotated[int, typer.Option(help="model parameters (float32)")] = 1_000_000,
+    clients: Annotated[str, typer.Option(help="comma-separated client counts")] = "100,200,1000,3400",
+    max_list_mb: Annotated[float, typer.Option(help="allocate the all-at-once list only up to this size")] = 1024.0,
+) -> None:
+    """Server peak extra memory of a FedAvg round: streaming fold vs the all-at-once list of replies."""
+    from feddg.bench.memory import memory_table
+
+    t = Table(title=f"FedAvg round, {params:,}-parameter model: server peak above the global model (tracemalloc)")
+    for col in ("fold", "clients", "peak MiB", "models", "s", "how"):
+        t.add_column(col, justify="left" if col in ("fold", "how") else "right")
+    for r in memory_table(params, [int(c) for c in clients.split(",")], max_list_mb * 2**20):
+        t.add_row(str(r["fold"]), str(r["clients"]), f"{r['peak_mb']:,.1f}", f"{r['models']:.1f}",
+                  f"{r['seconds']:.1f}", str(r["note"]))
+    out.print(t)
+
+
+@bench_app.command("scale")
+def bench_scale(
+    configs: Annotated[list[Path] | None, typer.Argument(help="experiment YAMLs")] = None,
+    rounds: Annotated[int, typer.Option(help="rounds of each config")] = 2,
+    overrides: Overrides = None,
+) -> None:
+    """The papers' client counts end to end: build time, seconds per round and peak RSS of each config."""
+    from feddg.bench.scale import scale_run
+    from feddg.bench.w1 import load_average
+
+    paths = configs or [Path("configs/scale/femnist-scale.yaml"), Path("configs/scale/iwildcam-scale.yaml")]
+    out.print(f"load average before: {load_average()}")
+    t = Table(title=f"{rounds} rounds each; peak RSS of this process / of its worker processes")
+    for col in ("config", "clients", "sampled/round", "build s", "s/round", "peak RSS MiB (self / workers)"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for path in paths:
+        with _user_errors():
+            r = scale_run(path, rounds, list(overrides or []))
+        rss = r["peak_rss_mb"]
+        t.add_row(str(path), f"{r['clients']:,}", " ".join(map(str, r["sampled"])), f"{r['build_s']:.1f}",
+                  " ".join(f"{s:.1f}" for s in r["round_s"]), f"{rss['self']:,.0f} / {rss['children']:,.0f}")
+    out.print(t)
+    out.print(f"load average after: {load_average()}")

@@ -7,11 +7,12 @@ Unknown keys and wrong types fail with the dotted name of the key, e.g.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -26,6 +27,22 @@ class DataConfig(Strict):
     domains: list[str] | None = Field(None, description="use only these domains")
     max_per_domain: int | None = Field(None, ge=1)
     seed: int = Field(0, description="seed of the built-in datasets' synthesis (fixed across experiment seeds)")
+    transforms: Any = Field(  # a preset name or a mapping; checked by _transforms_valid with one clear line
+        None, description="training augmentation and normalisation: a preset (none | digits | domainbed) or a "
+        "mapping of preset, crop_scale, crop_ratio, flip, jitter, grayscale, pad_crop, mean, std (docs/data.md); "
+        "default: the dataset's own (no augmentation for the built-ins, DomainBed's for folder presets)"
+    )
+    loader_workers: int = Field(
+        0, ge=0, description="DataLoader processes building training batches (0 = in the client's process); "
+        "memory is pinned when CUDA is available; batches are the same for any value"
+    )
+
+    @model_validator(mode="after")
+    def _transforms_valid(self) -> DataConfig:
+        from feddg.data.transform_spec import parse_transforms  # lazy: data is a lower layer
+
+        parse_transforms(self.transforms)
+        return self
 
 
 class SplitConfig(Strict):
@@ -49,6 +66,10 @@ class ModelConfig(Strict):
     name: str = "cnn"
     weights: str | None = Field(None, description="local .pth state_dict to start from")
     params: dict[str, Any] = Field(default_factory=dict)
+    channels_last: bool = Field(
+        False, description="torch.channels_last memory format for the model's 4-d weights and the image batches "
+        "(faster convolutions on GPUs with tensor cores; no effect on results beyond rounding)"
+    )
 
 
 class MethodConfig(Strict):
@@ -64,6 +85,22 @@ class OptimConfig(Strict):
     schedule: Literal["constant", "cosine", "step"] = "constant"
     step_size: int = Field(10, ge=1, description="rounds between decays (step schedule)")
     gamma: float = Field(0.1, gt=0, description="decay factor (step schedule)")
+    amp: Literal["off", "bf16", "fp16"] = Field(
+        "off", description="mixed precision: torch.autocast with this dtype in the local training loop and in "
+        "evaluation (weights stay float32; fp16 scales the loss); off = float32 throughout"
+    )
+    augment: list[dict[str, Any]] = Field(
+        default_factory=list, description="local augmentations in train_local, e.g. [{name: mixup, alpha: 0.2}]: "
+        "mixup (alpha) | manifold_mixup (alpha, stages) | mixstyle (alpha, p, stages) | moex (lam, p, stage); "
+        "docs/methods/augmentation.md"
+    )
+
+    @field_validator("augment")
+    @classmethod
+    def _augment_valid(cls, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from feddg.algorithms.components.augment import parse_augment  # lazy: algorithms is a lower layer
+
+        return [s.model_dump() for s in parse_augment(items)]
 
 
 class FederationConfig(Strict):
@@ -79,28 +116,61 @@ class FederationConfig(Strict):
         1, ge=1, description="write checkpoint.pt every k rounds and after the last (a crash loses < k rounds); "
         "k > 1 saves disk time when the server state is large (hFedF's hypernetwork and Adam state)"
     )
+    min_clients: int = Field(
+        1, ge=1, description="a round completes when at least this many sampled clients replied usably (failed "
+        "clients are dropped and logged); otherwise the run stops, its last checkpoint intact"
+    )
+    client_timeout_s: float | None = Field(
+        None, gt=0, description="in-process engine: drop a client update that runs longer (its worker process is "
+        "replaced); needs workers >= 2 or auto (the sequential path cannot interrupt a client). On Flower: "
+        "flower.round_timeout_s"
+    )
+    reject_outliers: float | None = Field(
+        None, gt=1, description="drop a reply whose update norm |w_k - w_sent| exceeds this factor x the round's "
+        "median; holds the round's replies until it ends (O(clients x model) memory)"
+    )
+
+    @model_validator(mode="after")
+    def _timeout_needs_workers(self) -> FederationConfig:
+        if self.client_timeout_s is None:
+            return self
+        if self.engine == "flower":
+            raise ValueError("client_timeout_s is for the in-process engine; Flower drops the replies that have "
+                             "not arrived within flower.round_timeout_s: set that instead")
+        if isinstance(self.workers, int) and self.workers <= 1:
+            raise ValueError("client_timeout_s needs workers >= 2 (or auto): the sequential path (workers: 1) "
+                             "cannot interrupt a client")
+        return self
 
 
 class HierarchyConfig(Strict):
-    """Clients -> stations -> server (HFedATM); absent means a flat federation."""
+    """A station topology, clients -> stations -> server (HFedATM); absent means a flat federation."""
 
     stations: int = Field(2, ge=1)
     station_rounds: int = Field(1, ge=1, description="N: station rounds per server round")
-    merge: Literal["avg", "hfedatm", "hfedatm-no-fot", "hfedatm-no-regmean"] = Field(
-        "avg", description="station -> server merge: avg | hfedatm | hfedatm-no-fot | hfedatm-no-regmean"
+    merge: str = Field(
+        "avg", description="station -> server merge, by name (feddg.aggregation.merges.MERGES): avg | hfedatm | "
+        "hfedatm-no-fot | hfedatm-no-regmean"
     )
-    assignment: Literal["contiguous", "domain", "round_robin", "dirichlet"] = Field(
+    assignment: Literal["contiguous", "domain", "round_robin"] = Field(
         "contiguous",
-        description="clients -> stations: contiguous ids | domain (sorted by assigned domain) | round_robin | "
-        "dirichlet (two-level partition with alpha_station, alpha_client; replaces partition.kind)",
+        description="clients -> stations: contiguous ids | domain (sorted by assigned domain) | round_robin; "
+        "for HFedATM's two-level Dirichlet data use partition.kind=two_level_dirichlet with contiguous",
     )
     station_fraction: float = Field(1.0, gt=0, le=1, description="stations sampled per server round")
-    alpha_station: float = Field(1.0, gt=0, description="assignment=dirichlet: Dir(α) shares of a domain over stations")
-    alpha_client: float = Field(1.0, gt=0, description="assignment=dirichlet: Dir(α) shares over a station's clients")
     params: dict[str, Any] = Field(
-        default_factory=dict, description="merge parameters (feddg.algorithms.hierarchy.MergeParams: lambda_ot, "
+        default_factory=dict, description="merge parameters (feddg.algorithms.hfedatm.HFedATMParams: lambda_ot, "
         "sinkhorn_iters, solver, alpha, gram_pass, client_pull, dp_epsilon, dp_delta, dp_clip, dp_mechanism)"
     )
+
+    @field_validator("merge")
+    @classmethod
+    def _merge_registered(cls, name: str) -> str:
+        from feddg.aggregation.merges import MERGES
+
+        if name not in MERGES:
+            raise ValueError(f"unknown station merge {name!r}; available: {', '.join(sorted(MERGES))}")
+        return name
 
 
 class FlowerConfig(Strict):
@@ -113,9 +183,40 @@ class FlowerConfig(Strict):
     node_wait_s: float = Field(120.0, gt=0, description="seconds to wait for every SuperNode partition to connect")
 
 
+class ExtraEvalConfig(Strict):
+    """A further dataset with the training data's classes, evaluated like the held-out domain."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="the metrics' key: extra/<name>_acc[/<domain>]")
+    dataset: str = Field(description="a dataset name (feddg datasets), loaded at the training data's image size")
+    root: str | None = Field(None, description="its folder, for a folder dataset")
+    domains: list[str] | None = Field(None, description="only these of its domains (default: all)")
+    max_per_domain: int | None = Field(None, ge=1, description="at most this many samples of each domain")
+
+
 class EvalConfig(Strict):
     every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
     batch_size: int = Field(256, ge=1)
+    extra: list[ExtraEvalConfig] = Field(
+        default_factory=list, description="further evaluation targets: other datasets with the same classes, "
+        "reported as extra/<name>_acc[/<domain>] on every evaluation"
+    )
+
+    @field_validator("extra")
+    @classmethod
+    def _names_unique(cls, extra: list[ExtraEvalConfig]) -> list[ExtraEvalConfig]:
+        names = [e.name for e in extra]
+        if len(set(names)) < len(names):
+            raise ValueError(f"every extra target needs its own name; got {names}")
+        return extra
+
+
+class LoggingConfig(Strict):
+    """Copies of the metrics for experiment trackers (``pip install 'feddg[logging]'``); metrics.jsonl stays the record."""
+
+    tensorboard: bool = Field(False, description="TensorBoard scalars per round and hparams at the end, in the run dir")
+    mlflow: str | None = Field(
+        None, description="MLflow tracking directory or URI: params, metrics per round, the run directory as artifacts"
+    )
 
 
 class ExperimentConfig(Strict):
@@ -133,6 +234,24 @@ class ExperimentConfig(Strict):
     hierarchy: HierarchyConfig | None = None
     eval: EvalConfig = EvalConfig()
     flower: FlowerConfig = FlowerConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, device: str) -> str:
+        """auto, cpu, cuda or cuda:k; CUDA only when this torch has it (checked at load, not mid-run)."""
+        m = re.fullmatch(r"cuda(?::(\d+))?", device)
+        if device in ("auto", "cpu"):
+            return device
+        if m is None:
+            raise ValueError(f"{device!r} is not a device; use auto, cpu, cuda or cuda:k")
+        import torch  # lazy: only a CUDA request needs it
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device} requested but torch has no CUDA; use device=cpu (or auto)")
+        if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+            raise ValueError(f"{device} requested but torch sees {torch.cuda.device_count()} CUDA device(s)")
+        return device
 
     @model_validator(mode="after")
     def _method_params_known(self) -> ExperimentConfig:
@@ -146,20 +265,29 @@ class ExperimentConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _augment_fits(self) -> ExperimentConfig:
+        from feddg.algorithms.components.augment import check_method, parse_augment
+
+        check_method(parse_augment(self.optim.augment), self.method.name)
+        return self
+
+    @model_validator(mode="after")
     def _hierarchy_fits(self) -> ExperimentConfig:
         h = self.hierarchy
         if h is None:
             return self
-        from feddg.algorithms.hierarchy import MergeParams  # lazy, like the method registry
+        from feddg.algorithms.hfedatm import HFedATMParams  # lazy, like the method registry
 
         try:
-            MergeParams(**h.params)
+            HFedATMParams(**h.params)
         except ValidationError as err:
             raise ValueError(format_errors(err, prefix="hierarchy.params")) from None
         if self.partition.num_clients < h.stations:
             raise ValueError(f"hierarchy.stations: {h.stations} stations need partition.num_clients >= {h.stations}")
-        if h.assignment == "dirichlet" and self.partition.num_clients % h.stations:
-            raise ValueError("hierarchy.assignment=dirichlet: partition.num_clients must be a multiple of hierarchy.stations")
+        groups = self.partition.params.get("groups")
+        if self.partition.kind == "two_level_dirichlet" and (groups != h.stations or h.assignment != "contiguous"):
+            raise ValueError(f"partition.kind=two_level_dirichlet: partition.params.groups ({groups}) must equal "
+                             f"hierarchy.stations ({h.stations}) with hierarchy.assignment=contiguous")
         return self
 
 
@@ -170,21 +298,33 @@ class ConfigError(ValueError):
 def format_errors(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        loc = ".".join(_show(p) for p in e["loc"])
         loc = f"{prefix}.{loc}" if prefix and loc else prefix or loc
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         lines.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(lines)
+    return one_line("; ".join(lines))
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks and runs of white space folded into single spaces."""
+    return " ".join(text.split())
+
+
+def _show(key: object) -> str:
+    """A key as written, or its repr when it holds line breaks or other unprintable characters."""
+    return repr(key) if isinstance(key, str) and not key.isprintable() else str(key)
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """``set_dotted(d, "a.b.c", v)`` sets ``d["a"]["b"]["c"] = v``, creating dicts on the way."""
     *parents, leaf = dotted.split(".")
+    if not all(parents) or not leaf:
+        raise ConfigError(f"override key {_show(dotted)} has an empty part")
     node = tree
     for p in parents:
         child = node.setdefault(p, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: {p!r} is not a section")
+            raise ConfigError(f"{_show(dotted)}: {p!r} is not a section")
         node = child
     node[leaf] = value
 
@@ -194,14 +334,18 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     pairs = []
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
-        pairs.append((key.strip(), yaml.safe_load(raw)))
+        try:
+            value = _load_yaml(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: invalid YAML value: {_yaml_problem(err)}") from None
+        pairs.append((key.strip(), value))
     return pairs
 
 
 def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> ExperimentConfig:
-    """Validate ``raw`` after applying ``overrides``; errors name the key."""
+    """Validate ``raw`` after applying ``overrides``; errors name the key, on one line."""
     tree = copy.deepcopy(raw)  # overrides must not leak into ``raw`` (a sweep reuses it per variant)
     for key, value in parse_overrides(overrides or []):
         set_dotted(tree, key, value)
@@ -209,18 +353,61 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Exp
         return ExperimentConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(format_errors(err)) from None
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    except (ValueError, TypeError) as err:  # a validator's own check, outside pydantic's wrapping
+        raise ConfigError(one_line(str(err))) from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML file; syntax errors and duplicate keys give ``file:line:column: problem``."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = _load_yaml(path.read_text(encoding="utf-8")) or {}
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: {_yaml_problem(err)}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of keys")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (not last-one-wins)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The problem of a YAML error on one line, without PyYAML's multi-line location dump."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        text = err.problem or err.context or ""
+        if err.problem and err.context:
+            mark = err.context_mark
+            text += f" ({err.context}" + (f" at {mark.line + 1}:{mark.column + 1})" if mark is not None else ")")
+    else:
+        text = str(err).split("\n")[0]
+    return one_line(text or "invalid YAML")
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:

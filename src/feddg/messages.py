@@ -67,6 +67,16 @@ def subset(msg: Mapping[str, Value], prefix: str) -> dict[str, Value]:
     return {k[len(prefix) :]: v for k, v in msg.items() if k.startswith(prefix)}
 
 
+def entries(msg: Mapping[str, Value], prefix: str) -> dict[str, Value]:
+    """The entries of ``msg`` whose key starts with ``prefix``, keys kept."""
+    return {k: v for k, v in msg.items() if k.startswith(prefix)}
+
+
+def without(msg: Mapping[str, Value], prefix: str) -> dict[str, Value]:
+    """``msg`` without the entries whose key starts with ``prefix``."""
+    return {k: v for k, v in msg.items() if not k.startswith(prefix)}
+
+
 def load_weights(model: nn.Module, msg: Mapping[str, Value], prefix: str = WEIGHT_PREFIX) -> None:
     """Load the ``prefix`` arrays of ``msg`` into ``model`` in place (all keys must match)."""
     arrays = subset(msg, prefix)

@@ -9,10 +9,14 @@ A sweep file is an experiment config with one extra section::
         FedAvg: {method.name: fedavg}
         FedProx: {method.name: fedprox, method.params.mu: 0.01}
 
-Finished runs (with results.json) are skipped and interrupted ones resumed, so a killed
-sweep restarts where it stopped. ``jobs > 1`` runs that many cells at once in spawned processes
-(one torch thread and one client worker each); results agree with ``jobs=1`` up to float
-rounding (thread count and summation order differ).
+Finished runs (with results.json) are loaded and interrupted ones resumed, so a killed sweep
+restarts where it stopped, but only while the cell's stored config hash (provenance.json, else its
+config.yaml re-hashed) equals the current one: a cell whose config changed is rerun from scratch,
+with one line saying so, so a table never mixes configs (docs/reliability.md).
+
+``jobs > 1`` runs that many cells at once in spawned processes (one torch thread and one client
+worker each); results agree with ``jobs=1`` up to float rounding (thread count and summation order
+differ).
 """
 
 from __future__ import annotations
@@ -25,22 +29,24 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
+from rich.markup import escape
 
 from feddg.config import ConfigError, ExperimentConfig, Strict, build_config, format_errors, read_yaml
 from feddg.data import dataset_info
-from feddg.evaluation.tables import csv_table, markdown_table
+from feddg.engines.workers import exit_with_parent
+from feddg.evaluation.tables import STATS_NOTE, csv_table, markdown_table
 from feddg.experiment import console, run_experiment
-from feddg.federation.checkpoint import CHECKPOINT
+from feddg.federation.checkpoint import CheckpointError, has_checkpoint
+from feddg.federation.provenance import config_hash, stored_config_hash
 from feddg.federation.server import RESULTS
-from feddg.federation.workers import exit_with_parent
 
 
 class SweepSpec(Strict):
     targets: list[str] | str = "all"
     pairs: list[tuple[str, str]] | None = Field(None, description="ltdo (val, test) pairs; default all ordered pairs")
-    seeds: list[int] = [0]
+    seeds: list[int] = Field(default_factory=lambda: [0])
     variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": {}})
-    metrics: list[str] = ["ood_acc", "id_acc"]
+    metrics: list[str] = Field(default_factory=lambda: ["ood_acc", "id_acc"])
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepSpec, dict[str, Any]]:
@@ -90,11 +96,11 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
         results = [_run_or_load(cfg, run_dir, progress) for _, cfg, run_dir in cells]
     else:
         results = _run_parallel(cells, jobs)
-    rows = [{**cell, "run_dir": str(run_dir), **res["final"], "time_total_s": res["time_total_s"]}
-            for (cell, _, run_dir), res in zip(cells, results)]
+    rows = [{**cell, "run_dir": str(run_dir), "config_hash": config_hash(cfg), **res["final"],
+             "time_total_s": res["time_total_s"]} for (cell, cfg, run_dir), res in zip(cells, results, strict=True)]
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tables = {m: markdown_table(rows, m) for m in spec.metrics}
-    md = "\n\n".join(f"### {m} (mean ± std over seeds {spec.seeds})\n\n{t}" for m, t in tables.items())
+    md = "\n\n".join(f"### {m} over seeds {spec.seeds}: {STATS_NOTE}\n\n{t}" for m, t in tables.items())
     (out / "table.md").write_text(f"# {base.name}\n\n{md}\n")
     for m in spec.metrics:
         (out / f"table_{m}.csv").write_text(csv_table(rows, m))
@@ -127,11 +133,36 @@ def _one_worker(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 def _run_or_load(cfg: ExperimentConfig, run_dir: Path, progress: bool) -> dict[str, Any]:
-    if (run_dir / RESULTS).is_file():
-        console.print(f"[dim]done already: {run_dir}[/dim]")
+    """The cell's results: loaded if finished for this very config, else resumed or (re)run."""
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        stored = stored_config_hash(run_dir)
+        if stored != config_hash(cfg):
+            why = "its config changed" if stored else "it has no provenance.json or config.yaml to compare"
+            _say(f"rerunning {run_dir} from scratch: {why}")
+            return run_experiment(cfg, run_dir, overwrite=True, progress=progress)
+    results = _results(run_dir)
+    if results is not None:
+        _say(f"[dim]done already: {escape(str(run_dir))}[/dim]", markup=True)
+        return results
+    if has_checkpoint(run_dir):
+        try:
+            return run_experiment(cfg, run_dir, resume=True, progress=progress)
+        except CheckpointError as err:
+            _say(f"rerunning {run_dir} from scratch: {err}")
+    return run_experiment(cfg, run_dir, overwrite=True, progress=progress)
+
+
+def _results(run_dir: Path) -> dict[str, Any] | None:
+    """results.json of a finished cell; ``None`` if absent or unreadable (the cell is then resumed)."""
+    try:
         return json.loads((run_dir / RESULTS).read_text())
-    resume = (run_dir / CHECKPOINT).is_file()
-    return run_experiment(cfg, run_dir, resume=resume, progress=progress)
+    except (OSError, ValueError):
+        return None
+
+
+def _say(line: str, markup: bool = False) -> None:
+    """One line on the console, never wrapped (paths are long)."""
+    console.print(line if markup else escape(line), soft_wrap=True, highlight=False)
 
 
 def _safe(name: str) -> str:

@@ -10,6 +10,13 @@ mirrored, with ``σ`` calibrated from ``(ε, δ)``:
 * ``analytic`` (default): the smallest ``σ`` of the analytic Gaussian mechanism (Balle & Wang 2018,
   Thm. 8), exact for every ``ε > 0``;
 * ``classic``: ``σ = Δ √(2 ln(1.25/δ)) / ε`` (Dwork & Roth 2014, Thm. A.1; proven for ``ε < 1``).
+
+The other shared statistics (FedFA's statistics and histograms, PARDON's and CCST's styles, FPL's
+prototypes) are released under client-level local DP (:class:`StatisticDP`, :func:`privatize`): a
+client's whole released statistic, all its arrays as one vector, is clipped to ``‖s‖ ≤ C``, so two
+datasets of the client give statistics at most ``Δ = 2C`` apart (replace-one), and ``N(0, σ²)`` is
+added to every entry. ``docs/privacy.md`` gives the argument per method; the run's ε is composed by
+``feddg.aggregation.accounting``.
 """
 
 from __future__ import annotations
@@ -17,11 +24,14 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from scipy.special import log_ndtr, ndtr
 from torch import Tensor
 
 Mechanism = Literal["analytic", "classic"]
+Accountant = Literal["rdp", "pld"]
 
 
 def clip_rows(x: Tensor, clip: float) -> Tensor:
@@ -85,3 +95,62 @@ def privatize_gram(gram: Tensor, sigma: float, generator: torch.Generator) -> Te
 def basic_composition(epsilon: float, delta: float, releases: int) -> tuple[float, float]:
     """``(k ε, k δ)`` for ``k`` releases (the simple, conservative composition theorem)."""
     return releases * epsilon, releases * delta
+
+
+# ------------------------------------------------------------------ client-level DP of a statistic
+
+
+class StatisticDP(BaseModel):
+    """``method.params.dp``: clip a client's released statistic to L2 norm ``clip`` and add Gaussian noise
+    ``σ = noise_multiplier · Δ`` (``Δ = 2 · clip``), or the ``σ`` that makes one release ``(epsilon, delta)``-DP
+    (analytic Gaussian mechanism). ``accountant`` composes the run's releases (results.json ``privacy``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    clip: float = Field(1.0, gt=0, description="L2 bound C of a client's released statistic (all its arrays)")
+    noise_multiplier: float | None = Field(None, gt=0, description="σ / Δ with Δ = 2C; or give epsilon")
+    epsilon: float | None = Field(None, gt=0, description="ε of one release (sets σ); the run's ε is composed")
+    delta: float = Field(1e-5, gt=0, lt=1, description="δ of one release and of the run's ε")
+    accountant: Accountant = Field("rdp", description="rdp (Mironov 2017) or pld (privacy loss distributions)")
+
+    @model_validator(mode="after")
+    def _one_noise_setting(self) -> StatisticDP:
+        if (self.noise_multiplier is None) == (self.epsilon is None):
+            raise ValueError("set exactly one of dp.noise_multiplier or dp.epsilon")
+        return self
+
+    @property
+    def sensitivity(self) -> float:
+        """``Δ = 2C``: two statistics clipped to norm ``C`` differ by at most that."""
+        return statistic_sensitivity(self.clip)
+
+    def sigma(self) -> float:
+        """σ of the noise on every entry."""
+        if self.noise_multiplier is not None:
+            return self.noise_multiplier * self.sensitivity
+        assert self.epsilon is not None
+        return analytic_sigma(self.epsilon, self.delta, self.sensitivity)
+
+
+def statistic_sensitivity(clip: float) -> float:
+    """L2 sensitivity of a released statistic clipped to norm ``clip`` when the client's whole dataset may
+    change (replace-one at the client level): ``‖s − s'‖ ≤ ‖s‖ + ‖s'‖ ≤ 2C``."""
+    return 2.0 * clip
+
+
+def privatize(
+    arrays: dict[str, np.ndarray], clip: float, sigma: float, generator: torch.Generator
+) -> dict[str, np.ndarray]:
+    """``s · min(1, C/‖s‖) + N(0, σ² I)`` of the arrays taken as one vector ``s`` (their order, each raveled),
+    back in their shapes as float32. The noise is one ``torch.randn`` draw (float64) of ``generator``."""
+    flat = np.concatenate([np.asarray(a, dtype=np.float64).ravel() for a in arrays.values()])
+    norm = float(np.linalg.norm(flat))
+    flat = flat * min(1.0, clip / norm) if norm > 0 else flat
+    flat = flat + sigma * torch.randn(flat.size, generator=generator, dtype=torch.float64).numpy()
+    out, start = {}, 0
+    for key, a in arrays.items():
+        shape = np.shape(a)
+        size = int(np.prod(shape))
+        out[key] = flat[start : start + size].reshape(shape).astype(np.float32)
+        start += size
+    return out

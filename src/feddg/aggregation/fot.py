@@ -7,8 +7,11 @@ with entropic Sinkhorn (eq. 4; or an exact assignment), round the plan to a perm
 it graph-consistently to the station's model (eq. 5). Filters of another spatial size are resized
 bilinearly to the reference's (eq. 6).
 
-Cost matrices are float32 torch matmuls batched over stations (they dominate the time); the
-c × c OT problems are solved in float64 by POT / SciPy.
+The inner products of eq. 3 (float32 GEMMs, one per producer and station) dominate the time, so
+:func:`align_to_reference` computes each once per merge and again only for the stations whose
+input channels a later group moved; permutations are composed as index arrays and applied to the
+weights once at the end. The c × c OT problems are solved in float64 (Sinkhorn as POT computes it;
+SciPy's assignment only when the row-wise optima do not already form the optimal permutation).
 """
 
 from __future__ import annotations
@@ -19,17 +22,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import ot
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from feddg.models.permutation import PermGroup, Permutations, PermutationSpec, apply_permutations
+from feddg.models.permutation import Axis, PermGroup, Permutations, PermutationSpec, apply_permutations
 
 Solver = Literal["sinkhorn", "hungarian"]
 
-#: coordinate-descent passes for specs with cycles (residual streams); acyclic specs need one
+#: at most this many sweeps over the groups (specs with cycles, i.e. residual streams, need more than one)
 MAX_PASSES = 5
 #: largest cost/reg for which plain Sinkhorn's kernel exp(−C/reg) is used (exp(−500) ≈ 7e-218 > float64 min)
 MAX_EXPONENT = 500.0
@@ -52,35 +53,76 @@ def normalise_filters(w: Tensor) -> Tensor:
     return flat / flat.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def cost_matrix(ref: Tensor, other: Tensor) -> Tensor:
-    """Eq. 3: ``C_ij = ‖ŵ_ref,i − ŵ_other,j‖²`` for unit rows ``ref [c, d]`` and ``other [..., c, d]``.
+def _cost_from_cross(cross: Tensor, ref_sq: Tensor, other_sq: Tensor, scale: Tensor | None = None) -> Tensor:
+    """``‖a‖² + ‖b‖² − 2 a·b`` from the inner products ``cross [..., c_other, c_ref]`` (overwritten; its
+    rows first multiplied by ``scale``, the other side's ``1/‖w‖``), clamped at 0 against rounding;
+    rows of the result are the reference's filters."""
+    cross.mul_(-2.0 if scale is None else scale[..., :, None] * -2.0)
+    return cross.add_(other_sq[..., :, None]).add_(ref_sq).clamp_min_(0.0).transpose(-1, -2)
 
-    Computed as ``‖a‖² + ‖b‖² − 2 a·b`` with one (batched) matmul; clamped at 0 against rounding.
-    """
-    cross = other @ ref.T  # [..., c_other, c_ref]
-    sq = ref.pow(2).sum(-1)[None, :] + other.pow(2).sum(-1)[..., :, None] - 2 * cross
-    return sq.transpose(-1, -2).clamp_min(0.0)  # rows: reference filters
+
+def cost_matrix(ref: Tensor, other: Tensor) -> Tensor:
+    """Eq. 3: ``C_ij = ‖ŵ_ref,i − ŵ_other,j‖²`` for unit rows ``ref [c, d]`` and ``other [..., c, d]``."""
+    return _cost_from_cross(other @ ref.T, ref.pow(2).sum(-1), other.pow(2).sum(-1))
 
 
 def sinkhorn_plan(cost: np.ndarray, reg: float, iters: int) -> np.ndarray:
     """Eq. 4: entropic OT plan between uniform marginals ``1/c`` (Cuturi 2013), ``iters`` iterations.
 
-    Cuturi's scaling iterations (POT ``sinkhorn``) while the kernel ``exp(−C/reg)`` stays far from
-    float64 underflow (``max C / reg ≤`` :data:`MAX_EXPONENT`; unit filters give ``C ≤ 4``, so the
-    paper's ``reg = 0.05`` qualifies), else the log-domain variant, which is stable but ~10–70× slower.
+    Cuturi's scaling iterations while the kernel ``exp(−C/reg)`` stays far from float64 underflow
+    (``max C / reg ≤`` :data:`MAX_EXPONENT`; unit filters give ``C ≤ 4``, so the paper's ``reg = 0.05``
+    qualifies), else POT's log-domain ``sinkhorn_log``, which is stable but ~10–70× slower.
     """
-    c = cost.shape[0]
-    a = np.full(c, 1.0 / c)
-    method = "sinkhorn" if cost.max() / reg <= MAX_EXPONENT else "sinkhorn_log"
+    cost = np.asarray(cost, dtype=np.float64)
+    if cost.max() / reg <= MAX_EXPONENT:
+        return _sinkhorn_knopp(cost, reg, iters)
+    import ot  # POT: slow to import, and only the log-domain case needs it
+
+    a = np.full(cost.shape[0], 1.0 / cost.shape[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # POT warns when it stops at numItermax, which is the point
-        return ot.sinkhorn(a, a, cost.astype(np.float64), reg, method=method, numItermax=iters, stopThr=0.0)
+        return ot.sinkhorn(a, a, cost, reg, method="sinkhorn_log", numItermax=iters, stopThr=0.0)
+
+
+def _sinkhorn_knopp(cost: np.ndarray, reg: float, iters: int) -> np.ndarray:
+    """POT's ``sinkhorn_knopp`` with ``stopThr=0`` and uniform marginals, operation for operation (so
+    the same plan to the bit), without its per-iteration bookkeeping: ``v = a / Kᵀu``, ``u = 1 / (K/a) v``;
+    a numerical failure (a zero or non-finite scaling) stops at the previous iterate, as POT does."""
+    c = cost.shape[0]
+    a = np.full(c, 1.0 / c)
+    u, v = np.ones(c) / c, np.ones(c) / c
+    kernel = np.exp(cost / (-reg))
+    scaled = (1 / a).reshape(-1, 1) * kernel
+    for _ in range(iters):
+        kt_u = np.dot(kernel.T, u)
+        v_next = a / kt_u
+        u_next = 1.0 / np.dot(scaled, v_next)
+        if not (kt_u.all() and np.isfinite(u_next).all() and np.isfinite(v_next).all()):
+            break
+        u, v = u_next, v_next
+    return u.reshape((-1, 1)) * kernel * v.reshape((1, -1))
+
+
+def assignment(scores: np.ndarray, maximize: bool = False) -> np.ndarray:
+    """``perm`` optimising ``Σ_i scores[i, perm[i]]`` over permutations.
+
+    When every row's best entry is unique and no two rows share its column, that choice is the
+    unique optimum (no permutation can do better in any row) and is returned without a solver;
+    otherwise SciPy's exact assignment (Crouse 2016) decides.
+    """
+    best = scores.argmax(1) if maximize else scores.argmin(1)
+    rows = np.arange(len(best))
+    if np.unique(best).size == best.size and ((scores == scores[rows, best][:, None]).sum(1) == 1).all():
+        return best
+    from scipy.optimize import linear_sum_assignment  # slow to import; not needed by every merge
+
+    rows, cols = linear_sum_assignment(scores, maximize=maximize)
+    return cols[np.argsort(rows)]
 
 
 def plan_to_permutation(plan: np.ndarray) -> np.ndarray:
     """The permutation carrying the most mass of ``plan``: ``perm[i] = j`` maximising ``Σ_i plan[i, perm[i]]``."""
-    rows, cols = linear_sum_assignment(plan, maximize=True)
-    return cols[np.argsort(rows)]
+    return assignment(plan, maximize=True)
 
 
 def match(cost: np.ndarray, solver: Solver = "sinkhorn", reg: float = 0.05, iters: int = 25) -> np.ndarray:
@@ -90,23 +132,107 @@ def match(cost: np.ndarray, solver: Solver = "sinkhorn", reg: float = 0.05, iter
     assignment minimising ``Σ_i C[i, perm[i]]`` (the unregularised eq. 4, whose optimum is a vertex).
     """
     if solver == "hungarian":
-        rows, cols = linear_sum_assignment(cost)
-        return cols[np.argsort(rows)]
+        return assignment(cost)
     if solver == "sinkhorn":
         return plan_to_permutation(sinkhorn_plan(cost, reg, iters))
     raise ValueError(f"unknown FOT solver {solver!r}; expected 'sinkhorn' or 'hungarian'")
 
 
+class _Producer:
+    """One conv weight whose filters FOT matches: the reference's unit filters (eq. 2) and every
+    station's filters (views of its weights) with their norms, computed once per merge, plus the
+    inner products ``cross[e] = w_e · ŵ_refᵀ`` of the raw filters (rows in the station's original
+    filter order, its input channels permuted as they were at step ``at[e]``); eq. 2's ``1/‖w‖``
+    enters with the cost."""
+
+    def __init__(
+        self,
+        key: str,
+        ref: Mapping[str, Tensor],
+        others: Sequence[Mapping[str, Tensor]],
+        inputs: list[tuple[str, Axis]],
+    ) -> None:
+        r = ref[key]
+        self.key, self.inputs = key, inputs
+        self.ref = normalise_filters(r)  # [c_ref, d]
+        self.ref_sq = self.ref.pow(2).sum(-1)
+        self.others = []
+        for o in others:
+            w = resize_filters(o[key], (r.shape[-2], r.shape[-1])) if r.dim() == 4 else o[key]
+            self.others.append(w.float().reshape(w.shape[0], w.shape[1], -1))  # [c, c_in, k·k], a view if float32
+        norms = torch.stack([torch.linalg.vector_norm(w.flatten(1), dim=1) for w in self.others])
+        self.inv_norm = 1.0 / norms.clamp_min(1e-12)  # [E, c]
+        self.other_sq = (norms * self.inv_norm).pow_(2)  # 1, or 0 for an all-zero filter
+        self.cross = torch.empty(len(others), self.others[0].shape[0], self.ref.shape[0])
+        self.at = np.full(len(others), -1)
+
+    def _filters(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor:
+        """Station ``e``'s filters ``[c, d]`` with its input channels permuted by the groups' current permutations."""
+        w = self.others[e]
+        index = None
+        for group, axis in self.inputs:
+            perm = total[group][e]
+            if (perm != np.arange(len(perm))).any():
+                index = np.arange(w.shape[1]) if index is None else index
+                pos = axis.positions(len(perm))
+                index[pos.ravel()] = pos[perm].ravel()
+        if index is not None:
+            w = w.index_select(1, torch.from_numpy(index))
+        return w.reshape(w.shape[0], -1)
+
+    def stale(self, changed: Mapping[str, np.ndarray], since: np.ndarray) -> np.ndarray:
+        """Stations whose input channels moved after step ``since``."""
+        out = since < 0
+        for group, _ in self.inputs:
+            out |= changed[group] > since
+        return out
+
+    def refresh(
+        self, stations: np.ndarray, total: Mapping[str, np.ndarray], changed: Mapping[str, np.ndarray], step: int
+    ) -> None:
+        """Eq. 3's GEMM for the given stations whose inner products are missing or out of date."""
+        for e in stations[self.stale(changed, self.at)[stations]]:
+            torch.mm(self._filters(e, total), self.ref.T, out=self.cross[e])
+            self.at[e] = step
+
+    def cost(self, stations: np.ndarray, rows: Tensor) -> Tensor:
+        """Eq. 3 ``[n, c_ref, c]`` for the stations' filters in their current order ``rows [n, c]``."""
+        index = torch.from_numpy(stations)[:, None]
+        scale = self.inv_norm[index, rows]
+        return _cost_from_cross(self.cross[index, rows], self.ref_sq, self.other_sq[index, rows], scale)
+
+    def diagonal(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor:
+        """``C_ii`` of eq. 3 for station ``e``'s filters in their original order (the cost of not
+        moving them), without the GEMM."""
+        dot = torch.linalg.vecdot(self._filters(e, total), self.ref) * self.inv_norm[e]
+        return (self.ref_sq + self.other_sq[e] - 2.0 * dot).clamp_min_(0.0)
+
+
+def _producer_inputs(spec: PermutationSpec) -> dict[str, list[tuple[str, Axis]]]:
+    """Producer key -> the groups (and their axes) indexing its input channels (dim 1)."""
+    producers = {p for g in spec.groups for p in g.producers}
+    inputs: dict[str, list[tuple[str, Axis]]] = {p: [] for p in producers}
+    for g in spec.groups:
+        for a in g.members:
+            if a.dim == 1 and a.key in inputs:
+                inputs[a.key].append((g.name, a))
+    return inputs
+
+
 def group_costs(ref: Mapping[str, Tensor], others: Sequence[Mapping[str, Tensor]], group: PermGroup) -> Tensor:
     """``[E, c, c]`` cost of each station against the reference for one group: eq. 3 averaged over the
     group's producers (one producer per plain conv layer; several for a residual stream)."""
+    if not group.producers:
+        raise ValueError(f"group {group.name} has no producers")
+    stations = np.arange(len(others))
+    rows = torch.arange(group.size).expand(len(others), -1)
     total = None
     for key in group.producers:
-        r = ref[key]
-        stack = torch.stack([resize_filters(o[key], tuple(r.shape[-2:])) if r.dim() == 4 else o[key] for o in others])
-        c = cost_matrix(normalise_filters(r), normalise_filters(stack))
+        p = _Producer(key, ref, others, [])
+        p.refresh(stations, {}, {}, 0)
+        c = p.cost(stations, rows)
         total = c if total is None else total + c
-    assert total is not None, f"group {group.name} has no producers"
+    assert total is not None
     return total / len(group.producers)
 
 
@@ -115,7 +241,8 @@ class Alignment:
     """Aligned station states, the permutation applied to each, and per-group diagnostics (means over
     stations): the fraction of filters moved, and the transport cost per filter ``Σ_i C[i, π(i)] / c``
     of the identity matching before alignment and of the found permutation after it (both with the
-    layer's input channels aligned by the groups before it)."""
+    layer's input channels aligned by the groups before it), and the number of sweeps that matched
+    at least one group."""
 
     states: list[dict[str, Tensor]]
     perms: list[Permutations]
@@ -135,32 +262,77 @@ def align_to_reference(
 ) -> Alignment:
     """Eqs. 2–5 for every group of ``spec``: permute each state in ``others`` towards ``ref``.
 
-    Groups are matched in spec order, each after the permutations found so far have been applied
-    (so a layer's filters are compared with aligned input channels, Singh & Jaggi 2020). Specs with
-    cycles (residual streams) repeat the sweep until no permutation changes (at most
-    :data:`MAX_PASSES`); ``cost_before`` is from the first sweep, ``cost_after`` from the last.
+    Coordinate descent over the groups in spec order: each group is matched after the permutations
+    found so far, so a layer's filters are compared with aligned input channels (Singh & Jaggi
+    2020). In the first sweep a group leaves out the producers whose inputs no group has matched yet
+    (the unaligned inner product is noise) unless that leaves none; such a group, and any group one
+    of whose producers' input channels moved after it was matched, is matched again in the next
+    sweep (for the stations concerned), until nothing is left to match (at most :data:`MAX_PASSES`
+    sweeps). Acyclic specs therefore take one sweep; residual streams two or more. ``cost_before``
+    is every group's identity matching at its first match (all producers), ``cost_after`` its last
+    matching.
     """
-    states = [dict(o) for o in others]
-    total = [{g.name: np.arange(g.size) for g in spec.groups} for _ in states]
+    n = len(others)
+    if not n:
+        return Alignment([], [])
+    inputs = _producer_inputs(spec)
+    producers = {k: _Producer(k, ref, others, inputs[k]) for g in spec.groups for k in g.producers}
+    total = {g.name: np.tile(np.arange(g.size), (n, 1)) for g in spec.groups}
+    changed = {g.name: np.full(n, -1) for g in spec.groups}  # step at which a station's permutation last moved
+    matched = {g.name: np.full(n, -1) for g in spec.groups}  # step at which a station was last matched
+    found = {g.name: np.zeros(n) for g in spec.groups}
+    partial: set[str] = set()
     before: dict[str, float] = {}
-    after: dict[str, float] = {}
-    passes = 0
-    while states and passes < (1 if spec.acyclic else MAX_PASSES):
-        passes += 1
-        changed = False
+    everyone = np.arange(n)
+    step = passes = 0
+    while passes < MAX_PASSES:
+        swept = False
         for g in spec.groups:
-            costs = group_costs(ref, states, g).double().numpy()
-            before.setdefault(g.name, float(np.mean([np.diag(c).mean() for c in costs])))
-            found = []
-            for e, cost in enumerate(costs):
-                perm = match(cost, solver, reg, iters)
-                found.append(cost[np.arange(g.size), perm].mean())
-                if (perm != np.arange(g.size)).any():
-                    changed = True
-                    states[e] = apply_permutations(states[e], PermutationSpec((g,)), {g.name: perm})
-                    total[e][g.name] = total[e][g.name][perm]
-            after[g.name] = float(np.mean(found))
-        if not changed:
+            prods = [producers[k] for k in g.producers]
+            if not prods:
+                raise ValueError(f"group {g.name} has no producers")
+            first = matched[g.name][0] < 0
+            if first or g.name in partial:
+                stations = everyone
+            else:
+                stations = np.flatnonzero(np.any([p.stale(changed, matched[g.name]) for p in prods], axis=0))
+            if not len(stations):
+                continue
+            swept, step = True, step + 1
+            aligned = [p for p in prods if all(matched[h][0] >= 0 for h, _ in p.inputs)]
+            used = aligned if first and aligned else prods
+            partial.discard(g.name)
+            if len(used) < len(prods):
+                partial.add(g.name)
+            for p in used:
+                p.refresh(stations, total, changed, step)
+            rows = torch.from_numpy(total[g.name][stations])
+            cost = used[0].cost(stations, rows)
+            for p in used[1:]:
+                cost = cost + p.cost(stations, rows)
+            costs = (cost / len(used)).double().numpy()
+            if first:
+                diag = np.diagonal(costs, axis1=1, axis2=2) * len(used)
+                for p in prods:
+                    if p not in used:
+                        diag = diag + np.stack([p.diagonal(int(e), total).double().numpy() for e in stations])
+                before[g.name] = float((diag / len(prods)).mean())
+            identity = np.arange(g.size)
+            for i, e in enumerate(stations):
+                perm = match(costs[i], solver, reg, iters)
+                found[g.name][e] = costs[i][identity, perm].mean()
+                matched[g.name][e] = step
+                if (perm != identity).any():
+                    total[g.name][e] = total[g.name][e][perm]
+                    changed[g.name][e] = step
+        if not swept:
             break
-    moved = {g.name: float(np.mean([(t[g.name] != np.arange(g.size)).mean() for t in total])) for g in spec.groups} if total else {}
-    return Alignment(states, total, moved, before, after, passes)
+        passes += 1
+    perms = [{g: t[e] for g, t in total.items()} for e in range(n)]
+    states = [
+        apply_permutations(o, spec, {g: p for g, p in pe.items() if (p != np.arange(len(p))).any()})
+        for o, pe in zip(others, perms, strict=True)
+    ]
+    moved = {g.name: float((total[g.name] != np.arange(g.size)).mean()) for g in spec.groups}
+    after = {g: float(f.mean()) for g, f in found.items()}
+    return Alignment(states, perms, moved, before, after, passes)

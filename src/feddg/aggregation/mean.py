@@ -42,3 +42,48 @@ def weighted_mean_messages(
         if other != set(keys):
             raise KeyError(f"messages disagree on {prefix!r} keys: {sorted(other ^ set(keys))[:3]}")
     return {k: weighted_mean([np.asarray(m[k]) for m in messages], weights) for k in keys}
+
+
+class WeightedSum:
+    """FedAvg as a fold: ``Σ_k (n_k / E) a_k`` accumulated one message at a time in float64, so a round
+    holds one model's worth of sums however many clients reply.
+
+    ``E`` (``expected``) is the round's total weight as known when it starts (the sampled clients'
+    example counts): the fold is then :func:`weighted_mean`'s ``Σ_k w_k a_k`` with ``w_k = n_k / Σ n``,
+    operation for operation, so streaming and all-at-once aggregation give the same bits. If the
+    weights that arrived sum to ``T ≠ E`` (a client failed), :meth:`mean` rescales by ``E / T``.
+    ``expected=None`` folds plain sums (``w_k = n_k``). Integer arrays are rounded back.
+    """
+
+    def __init__(self, prefix: str, expected: float | None = None) -> None:
+        if expected is not None and expected <= 0:
+            raise ValueError(f"the expected total weight must be positive, got {expected}")
+        self.prefix = prefix
+        self.scale = 1.0 if expected is None else float(expected)
+        self.sums: dict[str, np.ndarray] = {}
+        self.dtypes: dict[str, np.dtype] = {}
+        self.total = 0.0
+
+    def add(self, msg: Mapping[str, Value], weight: float) -> None:
+        if weight < 0:
+            raise ValueError(f"weights must be non-negative, got {weight}")
+        keys = [k for k in msg if k.startswith(self.prefix)]
+        if self.sums and set(keys) != set(self.sums):
+            raise KeyError(f"messages disagree on {self.prefix!r} keys: {sorted(set(keys) ^ set(self.sums))[:3]}")
+        w = weight / self.scale
+        for k in keys:
+            a = np.asarray(msg[k])
+            if k not in self.sums:
+                self.sums[k], self.dtypes[k] = np.zeros(a.shape, dtype=np.float64), a.dtype
+            self.sums[k] += w * a.astype(np.float64, copy=False)
+        self.total += float(weight)
+
+    def mean(self) -> dict[str, np.ndarray]:
+        if self.total <= 0:
+            raise ValueError("weights must have a positive sum (no examples were aggregated)")
+        rescale = self.scale / self.total
+        out = {}
+        for k, s in self.sums.items():
+            m, dtype = (s if rescale == 1.0 else s * rescale), self.dtypes[k]
+            out[k] = np.rint(m).astype(dtype) if np.issubdtype(dtype, np.integer) else m.astype(dtype)
+        return out

@@ -65,9 +65,13 @@ def regmean(
     weighted mean with a logged warning.
     """
     mean = weighted_mean([np.asarray(w) for w in weights], mean_weights)
-    a = torch.from_numpy(np.sum([np.asarray(g, dtype=np.float64) for g in grams], axis=0))
-    b = torch.from_numpy(np.sum([np.asarray(g, np.float64) @ np.asarray(w, np.float64).T for g, w in zip(grams, weights, strict=True)], axis=0))
-    a = 0.5 * (a + a.T)
+    a = torch.zeros(mean.shape[1], mean.shape[1], dtype=torch.float64)
+    b = torch.zeros(mean.shape[1], mean.shape[0], dtype=torch.float64)
+    for g, w in zip(grams, weights, strict=True):
+        g64 = torch.as_tensor(np.asarray(g), dtype=torch.float64)  # a view when already float64
+        a += g64
+        b.addmm_(g64, torch.as_tensor(np.asarray(w)).T.double())  # Σ_e Ĝ_e W_e^T
+    a = (a + a.T).mul_(0.5)
     dead = torch.diagonal(a) <= 0
     if dead.any():
         a[dead, :] = 0.0
@@ -81,4 +85,4 @@ def regmean(
         logger.warning("RegMean: %s is singular (cond %.3g); falling back to the weighted mean", name, cond)
         return RegMeanResult(mean, cond, True, int(dead.sum()))
     solution = torch.cholesky_solve(b, chol)  # [in, out]
-    return RegMeanResult(solution.T.numpy().astype(np.asarray(weights[0]).dtype), cond, False, int(dead.sum()))
+    return RegMeanResult(solution.T.numpy().astype(mean.dtype), cond, False, int(dead.sum()))

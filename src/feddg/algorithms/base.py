@@ -1,17 +1,25 @@
 """The method API: a server half and a client half that talk only through messages.
 
-An engine (the in-process simulator, or Flower) drives a :class:`Method` like this::
+An engine (through the server's topology) drives a :class:`Method` like this::
 
     state = method.server_init(model, server_ctx)
     [optional, once] request = method.setup_request(state)
                      replies = [method.client_setup(model, request, cstate_k, ctx_k) ...]
                      state   = method.server_setup(state, replies)
     for each round:
-        for each sampled client k:
-            msg            = method.client_config(state, k, round)      # server -> client
-            reply, cstate_k = method.client_update(model, msg, cstate_k, ctx_k)  # client -> server
-        state = method.aggregate(state, replies)
-    weights = method.eval_weights(state, client_id)                      # global or personal
+        acc = method.start(expected_examples)        # the sampled clients' example counts, summed
+        for each sampled client k, as its reply arrives:
+            msg             = method.client_config(state, k, round)                 # server -> client
+            reply, cstate_k = method.client_update(model, msg, cstate_k, ctx_k)     # client -> server
+            acc             = method.accumulate(acc, Reply(k, reply))              # fold it in
+        state, metrics = method.finish(state, acc)
+    weights = method.eval_weights(state, client_id)                                  # global or personal
+
+Aggregation is a fold: by default the accumulator is one running ``num_examples``-weighted sum of
+the weights (FedAvg), so the server holds O(model), not O(clients × model), during a round. What a
+method needs of each reply beyond that sum it names in :meth:`Method.keep` (small payloads:
+FedFA's statistics, FPL's prototypes); methods that need every reply whole (hFedF's hypernetwork
+step) keep them and say so.
 
 ``ServerState`` is the method's own picklable dict (it never leaves the server); a
 ``ClientState`` is a :data:`~feddg.messages.Message` that never leaves its client (FedFA's
@@ -31,12 +39,14 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
-from feddg.aggregation.mean import weighted_mean_messages
+from feddg.aggregation.mean import WeightedSum
 from feddg.data.base import DomainDataset, iterate_batches
+from feddg.evaluation.accuracy import autocast, to_device
 from feddg.messages import WEIGHT_PREFIX, Message, weights_of
 
 ServerState = dict[str, Any]
 ClientState = Message
+Metrics = dict[str, float]
 
 
 class Params(BaseModel):
@@ -52,6 +62,9 @@ class OptimSettings:
     name: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    amp: str = "off"  # autocast dtype of the forward passes: off | bf16 | fp16 (ClientContext.autocast)
+    channels_last: bool = False  # image batches in torch.channels_last memory format
+    augment: tuple[dict[str, Any], ...] = ()  # optim.augment: local augmentations (components/augment.py)
 
 
 @dataclass
@@ -70,14 +83,18 @@ class ClientContext:
 
     @property
     def num_examples(self) -> int:
-        return int(len(self.train_idx))
+        return len(self.train_idx)
 
     def batches(self, *, shuffle: bool = True, train: bool = True) -> Iterator[tuple[Tensor, Tensor]]:
         """One pass over the client's training data, on the client's device."""
         for x, y in iterate_batches(
             self.dataset, self.train_idx, self.batch_size, shuffle=shuffle, train=train, generator=self.generator
         ):
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            yield to_device(x, self.device, self.optim.channels_last), y.to(self.device, non_blocking=True)
+
+    def autocast(self) -> torch.autocast:
+        """The configured mixed precision (``optim.amp``) for a forward pass; a no-op when it is off."""
+        return autocast(self.device, self.optim.amp)
 
 
 @dataclass(frozen=True)
@@ -102,13 +119,31 @@ class Reply:
         return int(self.message["num_examples"])
 
 
+@dataclass
+class Accumulator:
+    """One round's fold: the running weighted sum of the weights (``None`` for methods that do not
+    average them) and what :meth:`Method.keep` kept of each reply, in arrival order."""
+
+    weights: WeightedSum | None
+    kept: list[Reply] = field(default_factory=list)
+    #: further running sums a method folds in (FedIIR's gradient sums), by prefix
+    sums: dict[str, WeightedSum] = field(default_factory=dict)
+
+
+def weights_reply(model: nn.Module, num_examples: int, train_loss: float, **extra: Any) -> Message:
+    """The usual client reply: all weights, ``num_examples`` (FedAvg's weight) and ``train_loss``."""
+    return {**weights_of(model), "num_examples": num_examples, "train_loss": train_loss, **extra}
+
+
 class Method(ABC):
     """Base class of every federated method (see the module docstring for the protocol)."""
 
     name: ClassVar[str]
     Params: ClassVar[type[Params]] = Params
-    #: hyper-parameter search ranges, DomainBed style: name -> candidate values
+    #: hyper-parameter search ranges, DomainBed style: name -> candidate values (``feddg sweep``'s ``search:``)
     search_space: ClassVar[dict[str, list[Any]]] = {}
+    #: False for methods whose server does not average the clients' weights (hypernetworks, local-only)
+    averages_weights: ClassVar[bool] = True
     #: True when ``eval_weights`` differs per client
     personalized: ClassVar[bool] = False
 
@@ -128,18 +163,46 @@ class Method(ABC):
         """What client ``client_id`` receives in ``round`` (default: the global weights)."""
         return dict(state["weights"])
 
-    def aggregate(self, state: ServerState, replies: list[Reply]) -> ServerState:
-        """Default: FedAvg — weights averaged with ``num_examples`` weights."""
-        weights = weighted_mean_messages([r.message for r in replies], [r.num_examples for r in replies], WEIGHT_PREFIX)
-        return {**state, "weights": weights}
+    def keep(self, reply: Reply) -> Message | None:
+        """What the server keeps of ``reply`` until :meth:`finish`, beyond the running sum (default: nothing)."""
+        return None
 
-    def round_metrics(self, state: ServerState) -> dict[str, float]:
-        """Diagnostics of the last aggregation (alignment cost, timings, bytes per tier...) for metrics.jsonl."""
-        return {}
+    def start(self, expected_examples: float) -> Accumulator:
+        """An empty round; ``expected_examples`` (Σ of the sampled clients' ``num_examples``) normalises
+        the running sum as FedAvg's formula does (see :class:`~feddg.aggregation.mean.WeightedSum`)."""
+        return Accumulator(WeightedSum(WEIGHT_PREFIX, expected_examples) if self.averages_weights else None)
+
+    def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
+        """Fold one reply into the round."""
+        if acc.weights is not None:
+            acc.weights.add(reply.message, reply.num_examples)
+        kept = self.keep(reply)
+        if kept is not None:
+            acc.kept.append(Reply(reply.client_id, kept))
+        return acc
+
+    def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
+        """The new server state and this round's diagnostics (default: FedAvg, no diagnostics)."""
+        assert acc.weights is not None, f"{self.name} does not average weights: it must override finish"
+        return {**state, "weights": acc.weights.mean()}, {}
+
+    def aggregate(self, state: ServerState, replies: list[Reply]) -> tuple[ServerState, Metrics]:
+        """A whole round at once: the fold over ``replies``, then :meth:`finish`."""
+        if not replies:
+            raise ValueError(f"{self.name}: a round needs at least one reply")
+        acc = self.start(sum(r.num_examples for r in replies))
+        for r in replies:
+            acc = self.accumulate(acc, r)
+        return self.finish(state, acc)
 
     def eval_weights(self, state: ServerState, client_id: int | None = None) -> Message:
         """Weights to evaluate: global (``client_id=None``) or personalised for a client."""
         return state["weights"]
+
+    def privacy(self, rounds_done: int) -> dict[str, Any] | None:
+        """results.json's ``privacy`` after ``rounds_done`` rounds: the run's ε of the statistics this method
+        shares under DP (``docs/privacy.md``), or ``None`` when it shares none under DP (default)."""
+        return None
 
     # --- client half -------------------------------------------------------------------
     @abstractmethod

@@ -13,7 +13,7 @@ Each round: for every batch the client draws ``K`` distinct styles of the bank, 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from feddg.algorithms.base import ClientContext, ClientState, Method, Reply, ServerState
-from feddg.algorithms.local import train_local
-from feddg.algorithms.style import (
+from feddg.aggregation.accounting import statistic_privacy
+from feddg.aggregation.dp import StatisticDP, privatize
+from feddg.algorithms.base import ClientContext, ClientState, Method, Reply, ServerState, weights_reply
+from feddg.algorithms.components.local import train_local
+from feddg.algorithms.components.style import (
     ENCODER_PREFIX,
     StyleParams,
     local_moments,
@@ -32,7 +34,7 @@ from feddg.algorithms.style import (
     std_from_moments,
     style_setup_request,
 )
-from feddg.messages import Message, load_weights, subset, weights_of
+from feddg.messages import Message, load_weights, subset
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 BANK_MEAN, BANK_STD = "bank/mean", "bank/std"
@@ -45,6 +47,7 @@ class CCSTParams(StyleParams):
     images_per_client: int = Field(1, ge=1, description="single: image styles each client shares")
     k: int = Field(3, ge=1, description="augmentation level K: styles per batch (3 for PACS)")
     alpha: float = Field(1.0, ge=0.0, le=1.0, description="AdaIN content/style blend (CCST: 1.0; PARDON's re-run: 0.5)")
+    dp: StatisticDP | None = Field(None, description="clip + Gaussian noise on the uploaded styles (docs/privacy.md)")
 
 
 def draw_styles(bank_size: int, k: int, generator: torch.Generator | None = None) -> Tensor:
@@ -75,7 +78,14 @@ class CCST(Method):
             pick = torch.randperm(len(mean), generator=ctx.generator)[: self.params.images_per_client]
             mu, sigma = mean[pick], std_from_moments(mean[pick], second[pick])
         reply = {STYLE_MEAN: mu.numpy().astype(np.float32), STYLE_STD: sigma.numpy().astype(np.float32)}
+        if (dp := self.params.dp) is not None:  # one release: all rows of μ and σ clipped as one vector; σ ≥ 0 after
+            reply = privatize(reply, dp.clip, dp.sigma(), ctx.generator)
+            reply[STYLE_STD] = np.maximum(reply[STYLE_STD], 0.0)
         return reply, {**client_state, **enc}
+
+    def privacy(self, rounds_done: int) -> dict[str, Any] | None:
+        """The styles are released once, in the setup exchange."""
+        return statistic_privacy(self.params.dp, 1) if self.params.dp is not None else None
 
     def server_setup(self, state: ServerState, replies: list[Reply]) -> ServerState:
         """The style bank: every client's rows, tagged with their owner."""
@@ -112,5 +122,5 @@ class CCST(Method):
             return F.cross_entropy(m(x), y) + F.cross_entropy(m.classifier(f_tilde), y.repeat(len(rows)))
 
         loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
-        return {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": loss}, client_state
+        return weights_reply(model, ctx.num_examples, loss), client_state
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from feddg.algorithms.base import ClientContext, ClientState, Method
-from feddg.algorithms.local import train_local
-from feddg.messages import Message, load_weights, weights_of
+from feddg.algorithms.base import ClientContext, ClientState, Method, weights_reply
+from feddg.algorithms.components.local import train_local
+from feddg.messages import Message, load_weights
 
 
 class FedAvg(Method):
@@ -19,4 +19,4 @@ class FedAvg(Method):
     ) -> tuple[Message, ClientState]:
         load_weights(model, msg)
         loss = train_local(model, ctx, lr=float(msg["lr"]))
-        return {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": loss}, client_state
+        return weights_reply(model, ctx.num_examples, loss), client_state

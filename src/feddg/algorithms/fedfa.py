@@ -14,22 +14,36 @@ Messages (see docs/methods/fedfa.md for the privacy audit):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from feddg.aggregation.accounting import statistic_privacy
+from feddg.aggregation.dp import StatisticDP, privatize
 from feddg.aggregation.fedfa_stats import add_noise, client_sharing_variance, t_modulation
-from feddg.algorithms.base import ClientContext, ClientState, Method, Params, Reply, ServerContext, ServerState
-from feddg.algorithms.ffa import FFAAttachment, FFALayer, Variant, attach_ffa
-from feddg.algorithms.local import train_local
-from feddg.algorithms.soft_histogram import CutPoints, KLReduction, soft_histogram, symmetric_kl
-from feddg.messages import WEIGHT_PREFIX, Message, Value, load_weights, message_nbytes, weights_of
+from feddg.algorithms.base import (
+    Accumulator,
+    ClientContext,
+    ClientState,
+    Method,
+    Metrics,
+    Params,
+    Reply,
+    ServerContext,
+    ServerState,
+    weights_reply,
+)
+from feddg.algorithms.components.ffa import FFAAttachment, FFALayer, Variant, attach_ffa
+from feddg.algorithms.components.local import train_local
+from feddg.algorithms.components.soft_histogram import CutPoints, KLReduction, soft_histogram, symmetric_kl
+from feddg.messages import WEIGHT_PREFIX, Message, Value, entries, load_weights, message_nbytes, weights_of
 
 STAT, FFA, HIST = "stat/", "ffa/", "hist/"
+BYTES = "nbytes/"  # server side only: a kept reply's payload sizes, by prefix
 HIST_KEY = "hist/pi"
 
 
@@ -38,6 +52,10 @@ class FedFAParams(Params):
     lambda_h: float = Field(0.1, ge=0.0, description="eq. 15 weight of the alignment loss; 0 is FedFA^l")
     layers: list[int] | None = Field(None, description="1-based conv stages with an FFA layer (Table 12); default all")
     stages: list[str] | None = Field(None, description="module names ending the conv stages (default conv_stages)")
+    last_stage: bool = Field(
+        True, description="an FFA layer after the last conv stage too (Fig. 1, Table 12's {1..5}); before global "
+        "average pooling it makes the pooled embedding μ + ε Σ̂_μ (docs/methods/fedfa.md)"
+    )
     p: float = Field(0.5, ge=0.0, le=1.0, description="probability that an FFA layer is active in a training step")
     momentum: float = Field(0.99, ge=0.0, le=1.0, description="α of eq. 5")
     random_std: float = Field(0.5, ge=0.0, description="FedFA-R's fixed Σ̂ for every channel")
@@ -51,6 +69,13 @@ class FedFAParams(Params):
         "pooled", description="a histogram sample is a spatially averaged feature (pooled) or one position (spatial)"
     )
     hist_weighting: Literal["uniform", "num_examples"] = Field("uniform", description="server average of π_m")
+    dp: StatisticDP | None = Field(None, description="clip + Gaussian noise on uploaded stat/, hist/ (docs/privacy.md)")
+
+    @model_validator(mode="after")
+    def _dp_needs_a_statistic(self) -> FedFAParams:
+        if self.dp is not None and self.variant not in ("full", "direct") and self.lambda_h == 0:
+            raise ValueError(f"dp: variant {self.variant} with lambda_h=0 uploads no statistic to privatise")
+        return self
 
 
 def _tensor(value: Value) -> Tensor:
@@ -58,7 +83,7 @@ def _tensor(value: Value) -> Tensor:
 
 
 def _nbytes(msg: Message, prefix: str) -> int:
-    return message_nbytes({k: v for k, v in msg.items() if k.startswith(prefix)})
+    return message_nbytes(entries(msg, prefix))
 
 
 class FedFA(Method):
@@ -76,6 +101,8 @@ class FedFA(Method):
         hp = self.params
         names = list(hp.stages) if hp.stages is not None else conv_stages(model)
         chosen = sorted(set(hp.layers)) if hp.layers is not None else list(range(1, len(names) + 1))
+        if not hp.last_stage:
+            chosen = [k for k in chosen if k != len(names)]
         layers = {k: FFALayer(hp.variant, hp.p, hp.momentum, hp.random_std) for k in chosen}
         attach_ffa(model, names, layers, tap_stage=len(names))
         return model
@@ -97,13 +124,21 @@ class FedFA(Method):
 
     # --- server --------------------------------------------------------------------------
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
-        return {"weights": weights_of(model), "stats": {}, "hists": {}, "broadcast": {}, "metrics": {}}
+        return {"weights": weights_of(model), "stats": {}, "hists": {}, "broadcast": {}}
 
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
         return {**state["weights"], **state["broadcast"]}
 
-    def aggregate(self, state: ServerState, replies: list[Reply]) -> ServerState:
-        state = super().aggregate(state, replies)  # FedAvg of the w/ arrays
+    def keep(self, reply: Reply) -> Message:
+        """The small payloads (statistics, histogram, alignment loss) and the byte counts of each reply."""
+        msg = reply.message
+        kept: Message = {k: v for k, v in msg.items() if k.startswith((STAT, HIST)) or k == "align_loss"}
+        kept.update({f"{BYTES}{p}": _nbytes(msg, p) for p in (WEIGHT_PREFIX, STAT, HIST)})
+        return {**kept, "num_examples": reply.num_examples}
+
+    def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
+        state, _ = super().finish(state, acc)  # FedAvg of the w/ arrays
+        replies = acc.kept
         stats = dict(state["stats"])  # latest statistics of every client seen so far
         if self.uploads_stats:
             stats.update({r.client_id: self._subset(r.message, STAT) for r in replies})
@@ -116,11 +151,11 @@ class FedFA(Method):
         losses = [float(r.message["align_loss"]) for r in replies if "align_loss" in r.message]
         if losses:
             metrics["fedfa/align_loss"] = float(np.mean(losses))
-        return {**state, "stats": stats, "hists": hists, "broadcast": broadcast, "metrics": metrics}
+        return {**state, "stats": stats, "hists": hists, "broadcast": broadcast}, metrics
 
     @staticmethod
     def _subset(msg: Message, prefix: str) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v) for k, v in msg.items() if k.startswith(prefix)}
+        return {k: np.asarray(v) for k, v in entries(msg, prefix).items()}
 
     def _modulations(self, stats: dict[int, dict[str, np.ndarray]]) -> Message:
         """Eqs. 6–7 per FFA stage over the latest statistics of every client seen so far."""
@@ -152,9 +187,7 @@ class FedFA(Method):
     def _byte_metrics(sent: Message, replies: list[Reply]) -> dict[str, float]:
         """Per-client bytes this round: FedFA's extra payloads next to the weights (§6.1)."""
         n = len(replies)
-        up_w = sum(_nbytes(r.message, WEIGHT_PREFIX) for r in replies) / n
-        up_s = sum(_nbytes(r.message, STAT) for r in replies) / n
-        up_h = sum(_nbytes(r.message, HIST) for r in replies) / n
+        up_w, up_s, up_h = (sum(int(r.message[f"{BYTES}{p}"]) for r in replies) / n for p in (WEIGHT_PREFIX, STAT, HIST))
         down_s, down_h = _nbytes(sent, FFA), _nbytes(sent, HIST)
         return {
             "fedfa/bytes_weights_up": up_w,
@@ -164,9 +197,6 @@ class FedFA(Method):
             "fedfa/bytes_hist_down": float(down_h),
             "fedfa/bytes_extra": up_s + down_s + up_h + down_h,
         }
-
-    def round_metrics(self, state: ServerState) -> dict[str, float]:
-        return dict(state["metrics"])
 
     # --- client --------------------------------------------------------------------------
     def client_update(
@@ -192,7 +222,7 @@ class FedFA(Method):
             loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
         finally:
             att.tap.recording = False
-        reply: Message = {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": loss}
+        reply: Message = weights_reply(model, ctx.num_examples, loss)
         new_state = self._ffa_state(att)
         if self.uploads_stats:
             seed = int(torch.randint(2**62, (1,), generator=ctx.generator)) if hp.stat_noise > 0 else 0
@@ -200,10 +230,19 @@ class FedFA(Method):
             reply.update({STAT + k[len(FFA) :]: add_noise(v, hp.stat_noise, rng) for k, v in new_state.items()})
         if self.aligns:
             reply[HIST_KEY] = self.local_histogram(model, ctx)
+        if hp.dp is not None:  # after every statistic is computed: the noise is the generator's next draws
+            for group in (entries(reply, STAT), entries(reply, HIST)):
+                reply.update(privatize(group, hp.dp.clip, hp.dp.sigma(), ctx.generator) if group else {})
         if align_losses:
             reply["align_loss"] = float(np.mean(align_losses))
         att.tap.features = None
         return reply, new_state
+
+    def privacy(self, rounds_done: int) -> dict[str, Any] | None:
+        """One release per round of each uploaded group (``stat/``, ``hist/``), each clipped as one vector."""
+        if self.params.dp is None:
+            return None
+        return statistic_privacy(self.params.dp, rounds_done * (int(self.uploads_stats) + int(self.aligns)))
 
     def _load_ffa(self, att: FFAAttachment, client_state: ClientState, msg: Message, device: torch.device) -> None:
         """Client state μ̄, σ̄ and the server's modulation into the (shared) model's FFA layers."""

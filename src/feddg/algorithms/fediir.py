@@ -21,8 +21,20 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, autograd, nn
 
-from feddg.algorithms.base import ClientContext, ClientState, Method, Params, Reply, ServerContext, ServerState
-from feddg.algorithms.local import train_local
+from feddg.aggregation.mean import WeightedSum
+from feddg.algorithms.base import (
+    Accumulator,
+    ClientContext,
+    ClientState,
+    Method,
+    Metrics,
+    Params,
+    Reply,
+    ServerContext,
+    ServerState,
+    weights_reply,
+)
+from feddg.algorithms.components.local import train_local
 from feddg.messages import Message, load_weights, subset, weights_of
 
 MEAN_PREFIX = "iir/"  # server -> client: ḡ per classifier parameter
@@ -108,21 +120,25 @@ class FedIIR(Method):
             return erm + gamma * gradient_penalty(grads, mean)
 
         loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
-        reply = {
-            **weights_of(model),
-            **{GRAD_PREFIX + k: v for k, v in grad_sum.items()},
-            BATCHES: batches,
-            "num_examples": ctx.num_examples,
-            "train_loss": loss,
-        }
+        reply = weights_reply(model, ctx.num_examples, loss, **{GRAD_PREFIX + k: v for k, v in grad_sum.items()},
+                              **{BATCHES: batches})
         return reply, client_state
 
-    def aggregate(self, state: ServerState, replies: list[Reply]) -> ServerState:
+    def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
+        """FedAvg's running sum, plus running ``Σ_k grad_sum_k`` and ``Σ_k batches_k``."""
+        acc = super().accumulate(acc, reply)
+        acc.sums.setdefault(GRAD_PREFIX, WeightedSum(GRAD_PREFIX)).add(reply.message, 1.0)
+        return acc
+
+    def keep(self, reply: Reply) -> Message:
+        return {BATCHES: reply.message[BATCHES]}
+
+    def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
         """FedAvg of the weights; ``ḡ ← β ḡ + (1 − β) Σ_k grad_sum_k / Σ_k batches_k``."""
-        state = super().aggregate(state, replies)
-        batches = sum(int(r.message[BATCHES]) for r in replies)
+        state, metrics = super().finish(state, acc)
+        batches = sum(int(r.message[BATCHES]) for r in acc.kept)
         if batches == 0:
-            return state
-        new = {k: sum(np.asarray(subset(r.message, GRAD_PREFIX)[k], np.float64) for r in replies) / batches
-               for k in state["grad_mean"]}
-        return {**state, "grad_mean": ema_update(state["grad_mean"], new, self.iir_params.ema)}
+            return state, metrics
+        grads = subset(acc.sums[GRAD_PREFIX].sums, GRAD_PREFIX)
+        new = {k: grads[k] / batches for k in state["grad_mean"]}
+        return {**state, "grad_mean": ema_update(state["grad_mean"], new, self.iir_params.ema)}, metrics

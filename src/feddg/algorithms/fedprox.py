@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from feddg.algorithms.base import ClientContext, ClientState, Method, Params
-from feddg.algorithms.local import train_local
-from feddg.messages import Message, load_weights, weights_of
+from feddg.algorithms.base import ClientContext, ClientState, Method, Params, weights_reply
+from feddg.algorithms.components.local import train_local
+from feddg.messages import Message, load_weights
 
 
 class FedProxParams(Params):
@@ -39,7 +39,7 @@ class FedProx(Method):
             return loss + 0.5 * mu * proximal_term(m, anchor) if mu > 0 else loss
 
         loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
-        return {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": loss}, client_state
+        return weights_reply(model, ctx.num_examples, loss), client_state
 
 
 

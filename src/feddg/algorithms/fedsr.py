@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from feddg.algorithms.base import ClientContext, ClientState, Method, Params
-from feddg.algorithms.local import make_optimizer
-from feddg.messages import Message, load_weights, weights_of
+from feddg.algorithms.base import ClientContext, ClientState, Method, Params, weights_reply
+from feddg.algorithms.components.local import make_optimizer
+from feddg.messages import Message, load_weights
 from feddg.models.base import FedModel
 
 REF_KEYS = ("ref/mu", "ref/sigma", "ref/scale")
@@ -133,8 +133,7 @@ class FedSR(Method):
                     sums[k] += float(v.detach())
                 steps += 1
         n = max(steps, 1)
-        reply = {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": sums["loss"] / n,
-                 "l2r": sums["l2r"] / n, "cmi": sums["cmi"] / n}
+        reply = weights_reply(model, ctx.num_examples, sums["loss"] / n, l2r=sums["l2r"] / n, cmi=sums["cmi"] / n)
         state = {k: t.detach().cpu().numpy().copy() for k, t in zip(REF_KEYS, (r_mu, r_sigma, scale), strict=True)}
         return reply, state
 

@@ -17,7 +17,7 @@ FedAvg aggregation of the weights by ``n_k``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -25,10 +25,22 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from feddg.algorithms.base import ClientContext, ClientState, Method, Params, Reply, ServerState
-from feddg.algorithms.local import make_optimizer
-from feddg.algorithms.style import finch_labels
-from feddg.messages import Message, load_weights, weights_of
+from feddg.aggregation.accounting import statistic_privacy
+from feddg.aggregation.dp import StatisticDP, privatize
+from feddg.algorithms.base import (
+    Accumulator,
+    ClientContext,
+    ClientState,
+    Method,
+    Metrics,
+    Params,
+    Reply,
+    ServerState,
+    weights_reply,
+)
+from feddg.algorithms.components.local import make_optimizer
+from feddg.algorithms.components.style import finch_labels
+from feddg.messages import Message, load_weights
 
 PROTO_MEAN, PROTO_PRESENT = "proto/mean", "proto/present"
 CLUSTER, CLUSTER_CLASS, UNBIASED, HAS_UNBIASED = "proto/cluster", "proto/cluster_class", "proto/unbiased", "proto/has"
@@ -39,6 +51,7 @@ class FPLParams(Params):
     cpcl_weight: float = Field(1.0, ge=0.0, description="weight of the cluster-prototype contrastive term")
     upcr_weight: float = Field(1.0, ge=0.0, description="weight of the unbiased-prototype consistency term")
     upcr_reduction: Literal["mse", "sum"] = Field("mse", description="UPCR: mean over dimensions (code) or sum (paper)")
+    dp: StatisticDP | None = Field(None, description="clip + Gaussian noise on the uploaded prototypes (docs/privacy)")
 
 
 def cluster_prototypes(
@@ -91,15 +104,16 @@ class FPL(Method):
             msg[CLUSTER], msg[CLUSTER_CLASS], msg[UNBIASED], msg[HAS_UNBIASED] = state["protos"]
         return msg
 
-    def aggregate(self, state: ServerState, replies: list[Reply]) -> ServerState:
-        """FedAvg of the weights; cluster and unbiased prototypes of this round's uploads."""
-        state = super().aggregate(state, replies)
-        protos = np.stack([np.asarray(r.message[PROTO_MEAN]) for r in replies])
-        present = np.stack([np.asarray(r.message[PROTO_PRESENT]) for r in replies])
-        return {**state, "protos": cluster_prototypes(protos, present)}
+    def keep(self, reply: Reply) -> Message:
+        return {k: reply.message[k] for k in (PROTO_MEAN, PROTO_PRESENT)}
 
-    def round_metrics(self, state: ServerState) -> dict[str, float]:
-        return {"proto_clusters": float(len(state["protos"][0]))} if "protos" in state else {}
+    def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
+        """FedAvg of the weights; cluster and unbiased prototypes of this round's uploads."""
+        state, _ = super().finish(state, acc)
+        protos = np.stack([np.asarray(r.message[PROTO_MEAN]) for r in acc.kept])
+        present = np.stack([np.asarray(r.message[PROTO_PRESENT]) for r in acc.kept])
+        new = {**state, "protos": cluster_prototypes(protos, present)}
+        return new, {"proto_clusters": float(len(new["protos"][0]))}
 
     def client_update(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
@@ -135,14 +149,17 @@ class FPL(Method):
         assert sums is not None and counts is not None, "a client trained on no batch"
         present = counts > 0
         mean = torch.where(present[:, None], sums / counts.clamp_min(1)[:, None], torch.zeros_like(sums))
-        reply = {
-            **weights_of(model),
-            PROTO_MEAN: mean.numpy().astype(np.float32),
-            PROTO_PRESENT: present.numpy().astype(np.int8),
-            "num_examples": ctx.num_examples,
-            "train_loss": total / max(steps, 1),
-        }
+        protos = {PROTO_MEAN: mean.numpy().astype(np.float32)}
+        if (dp := self.params.dp) is not None:  # the [K, D] matrix clipped as one vector, noised; the label set
+            protos = privatize(protos, dp.clip, dp.sigma(), ctx.generator)  # is private too: all classes "present"
+            present = torch.ones_like(present)
+        reply = weights_reply(model, ctx.num_examples, total / max(steps, 1), **{
+            **protos, PROTO_PRESENT: present.numpy().astype(np.int8)})
         return reply, client_state
+
+    def privacy(self, rounds_done: int) -> dict[str, Any] | None:
+        """One release of the prototype matrix per round."""
+        return statistic_privacy(self.params.dp, rounds_done) if self.params.dp is not None else None
 
     def _proto_terms(self, z: Tensor, y: Tensor, protos: dict[str, Tensor]) -> Tensor:
         """``mean_i [w_c·CPCL_i + w_u·UPCR_i]`` over samples whose class has global prototypes."""

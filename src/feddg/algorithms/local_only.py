@@ -13,8 +13,17 @@ from __future__ import annotations
 from torch import nn
 
 from feddg.aggregation.mean import weighted_mean
-from feddg.algorithms.base import ClientContext, ClientState, Method, Reply, ServerContext, ServerState
-from feddg.algorithms.local import train_local
+from feddg.algorithms.base import (
+    Accumulator,
+    ClientContext,
+    ClientState,
+    Method,
+    Metrics,
+    Reply,
+    ServerContext,
+    ServerState,
+)
+from feddg.algorithms.components.local import train_local
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
 
 
@@ -23,6 +32,7 @@ class LocalOnly(Method):
 
     name = "local"
     personalized = True
+    averages_weights = False
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
         return {"weights": weights_of(model), "clients": {}, "num_examples": {}}
@@ -39,12 +49,15 @@ class LocalOnly(Method):
         own = weights_of(model)
         return {**own, "num_examples": ctx.num_examples, "train_loss": loss}, own
 
-    def aggregate(self, state: ServerState, replies: list[Reply]) -> ServerState:
-        """No aggregation: store each reply's weights for evaluation."""
-        clients = {**state["clients"], **{r.client_id: {k: v for k, v in r.message.items()
-                                                         if k.startswith(WEIGHT_PREFIX)} for r in replies}}
-        counts = {**state["num_examples"], **{r.client_id: r.num_examples for r in replies}}
-        return {**state, "clients": clients, "num_examples": counts}
+    def keep(self, reply: Reply) -> Message:
+        """No aggregation: each reply's weights are kept as that client's model, for evaluation."""
+        return {k: v for k, v in reply.message.items() if k.startswith(WEIGHT_PREFIX) or k == "num_examples"}
+
+    def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
+        clients = {**state["clients"], **{r.client_id: {k: v for k, v in r.message.items() if k != "num_examples"}
+                                          for r in acc.kept}}
+        counts = {**state["num_examples"], **{r.client_id: r.num_examples for r in acc.kept}}
+        return {**state, "clients": clients, "num_examples": counts}, {}
 
     def eval_weights(self, state: ServerState, client_id: int | None = None) -> Message:
         """Client ``i``'s own model. ``None`` (the server's ``global_ood_acc``): the

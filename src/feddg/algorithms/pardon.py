@@ -23,17 +23,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from feddg.algorithms.base import ClientContext, ClientState, Method, Reply, ServerState
-from feddg.algorithms.local import train_local
-from feddg.algorithms.style import (
+from feddg.aggregation.accounting import statistic_privacy
+from feddg.aggregation.dp import StatisticDP, privatize
+from feddg.algorithms.base import (
+    Accumulator,
+    ClientContext,
+    ClientState,
+    Method,
+    Metrics,
+    Reply,
+    ServerState,
+    weights_reply,
+)
+from feddg.algorithms.components.local import train_local
+from feddg.algorithms.components.style import (
     ENCODER_PREFIX,
     FinchLevel,
     StyleCodec,
@@ -47,7 +58,7 @@ from feddg.algorithms.style import (
     style_vectors,
 )
 from feddg.data.transforms import BatchRandomCrop
-from feddg.messages import Message, load_weights, subset, weights_of
+from feddg.messages import Message, load_weights, subset
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 #: ``(model, x) -> g(x̃)``
@@ -71,6 +82,13 @@ class PardonParams(StyleParams):
     objective: Literal["triplet", "stylised-ce", "augment-triplet"] = Field(
         "triplet", description="v5 triplet on stylised data | v3 CE on stylised data | v4 triplet on augmentations"
     )
+    dp: StatisticDP | None = Field(None, description="clip + Gaussian noise on the uploaded style (docs/privacy.md)")
+
+    @model_validator(mode="after")
+    def _dp_needs_a_style(self) -> PardonParams:
+        if self.dp is not None and self.objective == "augment-triplet":
+            raise ValueError("dp: objective augment-triplet uploads no style to privatise")
+        return self
 
 
 # --------------------------------------------------------------------------- style math
@@ -196,7 +214,14 @@ class Pardon(Method):
         labels = self._local_labels(codec, ctx, mean, second)
         mu, sigma = client_style(mean, second, labels, self.params.client_average)
         reply = {STYLE_MEAN: mu.numpy().astype(np.float32), STYLE_STD: sigma.numpy().astype(np.float32)}
+        if (dp := self.params.dp) is not None:  # one release: [μ ‖ σ] clipped as one vector, noised; σ ≥ 0 after
+            reply = privatize(reply, dp.clip, dp.sigma(), ctx.generator)
+            reply[STYLE_STD] = np.maximum(reply[STYLE_STD], 0.0)
         return reply, {**client_state, **enc}
+
+    def privacy(self, rounds_done: int) -> dict[str, Any] | None:
+        """The style is released once, in the setup exchange."""
+        return statistic_privacy(self.params.dp, 1) if self.params.dp is not None and self.uses_style else None
 
     def _local_labels(self, codec: StyleCodec, ctx: ClientContext, mean: Tensor, second: Tensor) -> np.ndarray:
         """Eq. 1: FINCH clusters of the client's samples (v1: all in one cluster)."""
@@ -227,10 +252,12 @@ class Pardon(Method):
             msg[STYLE_MEAN], msg[STYLE_STD] = state["style"]
         return msg
 
-    def round_metrics(self, state: ServerState) -> dict[str, float]:
+    def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
+        """FedAvg; the metrics repeat the one-time style setup (cost, clusters, style vector length)."""
+        state, _ = super().finish(state, acc)
         if "style" not in state:
-            return {}
-        return {
+            return state, {}
+        return state, {
             "time_style_setup_s": float(state["time_style_setup_s"]),
             "style_clusters": float(state["style_clusters"]),
             "style_dim": float(len(state["style"][0])),
@@ -254,7 +281,7 @@ class Pardon(Method):
             return loss + p.reg_weight * representation_reg(f, f_tilde)
 
         loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
-        return {**weights_of(model), "num_examples": ctx.num_examples, "train_loss": loss}, client_state
+        return weights_reply(model, ctx.num_examples, loss), client_state
 
     def _stylise(self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext) -> Stylise:
         """``(m, x) -> f̃``: features of the stylised (or, for v4, augmented) batch."""

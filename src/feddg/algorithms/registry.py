@@ -1,42 +1,48 @@
-"""The explicit method registry: one line per method."""
+"""The explicit method registry: one line per method, ``name -> "module:Class"``, imported on first use.
+
+Lazy, so that naming or validating one method does not import every method's dependencies (FINCH's
+scikit-learn, POT). A test or plug-in may also register a class directly (``METHODS[name] = cls``).
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
 from feddg.algorithms.base import Method
-from feddg.algorithms.fedavg import FedAvg
-from feddg.algorithms.fedfa import FedFA
-from feddg.algorithms.fedprox import FedProx
-from feddg.algorithms.fediir import FedIIR
-from feddg.algorithms.fedsr import FedSR
-from feddg.algorithms.pardon import Pardon
-from feddg.algorithms.ccst import CCST
-from feddg.algorithms.fpl import FPL
-from feddg.algorithms.hfedf import HFedF
-from feddg.algorithms.local_only import LocalOnly
-from feddg.algorithms.pfedhn import PFedHN
 
-METHODS: dict[str, type[Method]] = {
-    FedAvg.name: FedAvg,
-    FedFA.name: FedFA,
-    FedProx.name: FedProx,
-    FedIIR.name: FedIIR,
-    FedSR.name: FedSR,
-    Pardon.name: Pardon,
-    CCST.name: CCST,
-    FPL.name: FPL,
-    HFedF.name: HFedF,
-    LocalOnly.name: LocalOnly,
-    PFedHN.name: PFedHN,
+METHODS: dict[str, str | type[Method]] = {
+    "fedavg": "feddg.algorithms.fedavg:FedAvg",
+    "fedfa": "feddg.algorithms.fedfa:FedFA",
+    "fedprox": "feddg.algorithms.fedprox:FedProx",
+    "fediir": "feddg.algorithms.fediir:FedIIR",
+    "fedsr": "feddg.algorithms.fedsr:FedSR",
+    "pardon": "feddg.algorithms.pardon:Pardon",
+    "ccst": "feddg.algorithms.ccst:CCST",
+    "fpl": "feddg.algorithms.fpl:FPL",
+    "hfedf": "feddg.algorithms.hfedf:HFedF",
+    "local": "feddg.algorithms.local_only:LocalOnly",
+    "pfedhn": "feddg.algorithms.pfedhn:PFedHN",
+    "fedgma": "feddg.algorithms.fedgma:FedGMA",
+    "feddg_ga": "feddg.algorithms.feddg_ga:FedDGGA",
+    "fedbn": "feddg.algorithms.fedbn:FedBN",
+    "scaffold": "feddg.algorithms.scaffold:Scaffold",
+    "central": "feddg.algorithms.central:Central",
 }
 
 
 def method_class(name: str) -> type[Method]:
+    """The class registered as ``name``, imported on first use."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {sorted(METHODS)}")
-    return METHODS[name]
+    entry = METHODS[name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = METHODS[name] = getattr(importlib.import_module(module), attr)
+        if entry.name != name:
+            raise ValueError(f"registry line {name!r} points at {module}:{attr}, whose name is {entry.name!r}")
+    return entry
 
 
 def create_method(name: str, params: Mapping[str, Any] | None = None) -> Method:

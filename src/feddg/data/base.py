@@ -8,6 +8,7 @@ memory, not data copies.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
@@ -26,6 +27,8 @@ class DomainDataset(ABC):
         labels: int64 array ``[N]``.
         domain_ids: int64 array ``[N]``.
         image_shape: ``(C, H, W)`` of the tensors :meth:`get_batch` returns.
+        seeded_batches: whether training batches are random (see :func:`iterate_batches`).
+        loader_workers: processes that build batches for :func:`iterate_batches` (0: the caller's).
     """
 
     name: str
@@ -34,6 +37,8 @@ class DomainDataset(ABC):
     labels: np.ndarray
     domain_ids: np.ndarray
     image_shape: tuple[int, int, int]
+    seeded_batches: bool = False
+    loader_workers: int = 0
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -67,6 +72,20 @@ class DomainDataset(ABC):
         return out
 
 
+class _Batches(torch.utils.data.Dataset):
+    """Batch ``i`` of a pass, for ``DataLoader`` workers: ``chunks[i]`` with generator ``seed + i``."""
+
+    def __init__(self, dataset: DomainDataset, chunks: list[np.ndarray], train: bool, seed: int | None) -> None:
+        self.dataset, self.chunks, self.train, self.seed = dataset, chunks, train, seed
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        generator = None if self.seed is None else torch.Generator().manual_seed(self.seed + i)
+        return self.dataset.get_batch(self.chunks[i], train=self.train, generator=generator)
+
+
 def iterate_batches(
     dataset: DomainDataset,
     indices: np.ndarray,
@@ -80,15 +99,26 @@ def iterate_batches(
     """Yield batches of ``dataset`` restricted to ``indices``.
 
     Shuffling and augmentation draw from ``generator`` only, so two runs with equally seeded
-    generators see identical batches.
+    generators see identical batches. For a dataset with ``seeded_batches`` (batched tensor
+    augmentation), one number drawn per training pass seeds a generator per batch, so batches can
+    be built in ``dataset.loader_workers`` DataLoader processes (memory pinned when CUDA is
+    available) with the same result as in this process.
     """
     indices = np.asarray(indices, dtype=np.int64)
     if shuffle:
         order = torch.randperm(len(indices), generator=generator).numpy()
         indices = indices[order]
     stop = len(indices) - (len(indices) % batch_size if drop_last else 0)
-    for start in range(0, stop, batch_size):
-        chunk = indices[start : start + batch_size]
-        if len(chunk) == 0:
-            break
-        yield dataset.get_batch(chunk, train=train, generator=generator)
+    chunks = [indices[s : s + batch_size] for s in range(0, stop, batch_size)]
+    chunks = [c for c in chunks if len(c)]
+    seeded = train and dataset.seeded_batches
+    seed = int(torch.randint(2**62, (), generator=generator)) if seeded and chunks else None
+    workers = 0 if mp.current_process().daemon else min(dataset.loader_workers, len(chunks))
+    if workers > 0 and (seeded or not train):
+        loader = torch.utils.data.DataLoader(_Batches(dataset, chunks, train, seed), batch_size=None,
+                                             num_workers=workers, pin_memory=torch.cuda.is_available())
+        yield from loader
+        return
+    for i, chunk in enumerate(chunks):
+        g = torch.Generator().manual_seed(seed + i) if seed is not None else generator
+        yield dataset.get_batch(chunk, train=train, generator=g)

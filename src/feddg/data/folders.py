@@ -2,35 +2,46 @@
 
 Presets fix the domain (and, where known, class) names of PACS, Office-Home, VLCS,
 TerraIncognita, DomainNet and Office-Caltech10, and check the folder against them; ``folder``
-takes whatever domains and classes the tree holds. Every layout problem is reported in one
-line that names the offending path.
+takes whatever domains and classes the tree holds. :func:`scan_tree` finds every layout problem
+(stray images, unknown or misspelled class folders, class folders missing from some domain, empty
+classes and domains) without decoding anything; loading stops at the first one, in one line.
+
+An optional ``root/feddg.json`` (written by ``feddg export``) gives the folder's defaults:
+``{"image_size": 28, "transforms": "digits"}``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
-from feddg.data.base import DomainDataset
-from feddg.data.transforms import eval_transform, train_transform
+from feddg.data.augment import BatchAugment
+from feddg.data.tensor_dataset import TensorDomainDataset
+from feddg.data.transform_spec import TransformSpec, check_channels
 
 LAYOUT = "expected layout root/<domain>/<class>/<image>"
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp"})
 DEFAULT_IMAGE_SIZE = 224
+CARD = "feddg.json"
+CARD_KEYS = ("image_size", "transforms", "source")
 
 OFFICE_HOME_CLASSES = (
-    "Alarm_Clock Backpack Batteries Bed Bike Bottle Bucket Calculator Calendar Candles Chair Clipboards "
-    "Computer Couch Curtains Desk_Lamp Drill Eraser Exit_Sign Fan File_Cabinet Flipflops Flowers Folder "
-    "Fork Glasses Hammer Helmet Kettle Keyboard Knives Lamp_Shade Laptop Marker Monitor Mop Mouse Mug "
-    "Notebook Oven Pan Paper_Clip Pen Pencil Postit_Notes Printer Push_Pin Radio Refrigerator Ruler "
-    "Scissors Screwdriver Shelf Sink Sneakers Soda Speaker Spoon TV Table Telephone ToothBrush Toys "
-    "Trash_Can Webcam"
-).split()
+    "Alarm_Clock", "Backpack", "Batteries", "Bed", "Bike", "Bottle", "Bucket", "Calculator", "Calendar",
+    "Candles", "Chair", "Clipboards", "Computer", "Couch", "Curtains", "Desk_Lamp", "Drill", "Eraser",
+    "Exit_Sign", "Fan", "File_Cabinet", "Flipflops", "Flowers", "Folder", "Fork", "Glasses", "Hammer",
+    "Helmet", "Kettle", "Keyboard", "Knives", "Lamp_Shade", "Laptop", "Marker", "Monitor", "Mop", "Mouse",
+    "Mug", "Notebook", "Oven", "Pan", "Paper_Clip", "Pen", "Pencil", "Postit_Notes", "Printer", "Push_Pin",
+    "Radio", "Refrigerator", "Ruler", "Scissors", "Screwdriver", "Shelf", "Sink", "Sneakers", "Soda",
+    "Speaker", "Spoon", "TV", "Table", "Telephone", "ToothBrush", "Toys", "Trash_Can", "Webcam"
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,11 @@ def _subfolders(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def _close(name: str, candidates: list[str]) -> str | None:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
 def check_root(root: str | Path) -> Path:
     """``root`` as a path, if it is an existing folder."""
     path = Path(root).expanduser()
@@ -98,38 +114,93 @@ def discover_classes(root: Path, domains: list[str]) -> list[str]:
     return sorted({c for d in domains if (root / d).is_dir() for c in _subfolders(root / d)})
 
 
-def _domain_files(folder: Path, classes: list[str]) -> tuple[list[Path], list[int]]:
-    """Image paths under ``folder/<class>/`` (sorted) and their class indices; checks the layout."""
+@dataclass
+class FolderScan:
+    """The image files of some domains of a tree, and every layout problem found on the way."""
+
+    files: list[Path] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    domain_ids: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def error(self, name: str, root: Path) -> str:
+        """One line: the first problem, and how to list the others."""
+        more = len(self.problems) - 1
+        hint = f" (and {more} more: `feddg datasets {name} --root {root} --check` lists them)" if more else ""
+        return f"{self.problems[0]}; {LAYOUT}{hint}"
+
+
+def _missing_classes(root: Path, domains: list[str], folders: dict[str, list[str]]) -> list[str]:
+    """Problems for class folders that some of ``domains`` have and others lack (or that look misspelled)."""
+    where = {c: [d for d in domains if c in folders[d]] for c in sorted({c for d in domains for c in folders[d]})}
+    problems = []
+    for c, have in where.items():
+        if len(have) == len(domains):
+            continue
+        guess = _close(c, [m for m in where if len(where[m]) > len(have)])
+        if guess:
+            paths = ", ".join(str(root / d / c) for d in have)
+            problems.append(f"class folder {paths} (only in {_names(have)}) looks like a misspelling of {guess}/")
+            continue
+        problems += [f"class folder {root / d / c} is missing (domains {_names(have)} have {c}/)"
+                     for d in domains if d not in have]
+    return problems
+
+
+def _domain_problems(folder: Path, classes: list[str], fixed: bool) -> list[str]:
+    problems = []
     stray = sorted(p for p in folder.iterdir() if _is_image(p))
     if stray:
-        raise ValueError(f"image {stray[0]} lies directly in domain folder {folder}; {LAYOUT}")
-    files: list[Path] = []
-    labels: list[int] = []
-    for name in _subfolders(folder):
-        if name not in classes:
-            raise ValueError(f"unknown class folder {folder / name} (classes: {_names(classes)}); {LAYOUT}")
-        images = sorted(p for p in (folder / name).rglob("*") if _is_image(p))
-        files += images
-        labels += [classes.index(name)] * len(images)
-    if not files:
-        raise ValueError(f"domain folder {folder} has no images; {LAYOUT}")
-    return files, labels
+        problems.append(f"image {stray[0]} lies directly in domain folder {folder} ({len(stray)} such images)")
+    if fixed:
+        for name in _subfolders(folder):
+            if name not in classes:
+                guess = _close(name, classes)
+                hint = f"did you mean {guess}? " if guess else ""
+                problems.append(f"unknown class folder {folder / name} ({hint}classes: {_names(classes)})")
+    return problems
 
 
-def scan_tree(root: Path, domains: list[str], classes: list[str]) -> tuple[list[Path], np.ndarray, np.ndarray]:
-    """All image files of ``domains``, with int64 labels and domain ids (indices into the given lists)."""
-    files: list[Path] = []
-    labels: list[int] = []
-    domain_ids: list[int] = []
+def scan_tree(root: Path, domains: list[str], classes: list[str], fixed: bool = True) -> FolderScan:
+    """Images of ``domains`` labelled by ``classes``; ``fixed``: the class names are a preset's."""
     missing = [root / d for d in domains if not (root / d).is_dir()]
     if missing:
         raise FileNotFoundError(f"domain folder {missing[0]} is missing (domains: {_names(domains)}); {LAYOUT}")
+    scan = FolderScan()
+    folders = {d: _subfolders(root / d) for d in domains}
+    known = {d: [c for c in folders[d] if c in classes] for d in domains}
     for d, name in enumerate(domains):
-        f, y = _domain_files(root / name, classes)
-        files += f
-        labels += y
-        domain_ids += [d] * len(f)
-    return files, np.array(labels, dtype=np.int64), np.array(domain_ids, dtype=np.int64)
+        scan.problems += _domain_problems(root / name, classes, fixed)
+        count = 0
+        for c in known[name]:
+            images = sorted(p for p in (root / name / c).rglob("*") if _is_image(p))
+            if not images:
+                scan.problems.append(f"class folder {root / name / c} has no images")
+            scan.files += images
+            scan.labels += [classes.index(c)] * len(images)
+            scan.domain_ids += [d] * len(images)
+            count += len(images)
+        if not count:
+            scan.problems.append(f"domain folder {root / name} has no images")
+    scan.problems += _missing_classes(root, domains, known)
+    return scan
+
+
+def read_card(root: Path) -> dict[str, Any]:
+    """``root/feddg.json`` (the folder's default ``image_size`` and ``transforms``), or ``{}``."""
+    path = root / CARD
+    if not path.is_file():
+        return {}
+    try:
+        card = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not readable JSON ({' '.join(str(err).split())})") from None
+    if not isinstance(card, dict) or any(k not in CARD_KEYS for k in card):
+        raise ValueError(f"{path}: expected an object with keys among {', '.join(CARD_KEYS)}")
+    size = card.get("image_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"{path}: image_size must be an integer >= 1, got {size!r}")
+    return card
 
 
 def load_image(path: Path) -> Tensor:
@@ -143,45 +214,36 @@ def load_image(path: Path) -> Tensor:
     return torch.from_numpy(pixels.copy()).permute(2, 0, 1).float().div_(255.0)
 
 
-class FolderDomainDataset(DomainDataset):
-    """Images decoded from disk on demand, with DomainBed's augmentation for training batches.
+class FolderDomainDataset(TensorDomainDataset):
+    """A folder tree's images, decoded once into a memory-mapped uint8 cache (see :mod:`feddg.data.image_cache`).
 
     Args:
         name: registry name.
-        files: one image path per sample.
+        files: one image path per sample (the cache's order).
+        images: uint8 ``[N, S, S, 3]`` (a memory map of the cache), seen as channels-last ``[N, 3, S, S]``.
         labels: int64 ``[N]`` indices into ``classes``.
         domain_ids: int64 ``[N]`` indices into ``domains``.
         domains: domain names.
         classes: class names.
-        image_size: side of the square images :meth:`get_batch` returns.
+        spec: training augmentation and normalisation statistics.
     """
 
     def __init__(
         self,
         name: str,
         files: list[Path],
+        images: np.ndarray,
         labels: np.ndarray,
         domain_ids: np.ndarray,
         domains: list[str],
         classes: list[str],
-        image_size: int = DEFAULT_IMAGE_SIZE,
+        spec: TransformSpec,
     ) -> None:
-        if not len(files) == len(labels) == len(domain_ids):
-            raise ValueError(f"{len(files)} files but {len(labels)} labels and {len(domain_ids)} domain ids")
-        self.name = name
+        if len(files) != len(images):
+            raise ValueError(f"{len(files)} files but {len(images)} images")
+        mean, std = check_channels(spec, int(images.shape[3]), name)
+        augment = BatchAugment(spec) if spec.augments else None
+        pixels = torch.from_numpy(images).permute(0, 3, 1, 2)
+        super().__init__(name, pixels, labels, domain_ids, domains, classes, mean, std, augment)
         self.files = list(files)
-        self.labels = np.asarray(labels, dtype=np.int64)
-        self.domain_ids = np.asarray(domain_ids, dtype=np.int64)
-        self.domains = list(domains)
-        self.classes = list(classes)
-        self.image_shape = (3, image_size, image_size)
-        self._train = train_transform(image_size)
-        self._eval = eval_transform(image_size)
-
-    def get_batch(
-        self, indices: np.ndarray, train: bool, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Tensor]:
-        idx = np.asarray(indices, dtype=np.int64)
-        transform = self._train if train else self._eval
-        images = torch.stack([transform(load_image(self.files[i]), generator) for i in idx])
-        return images, torch.from_numpy(self.labels[idx])
+        self.spec = spec

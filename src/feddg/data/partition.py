@@ -329,6 +329,51 @@ def dirichlet_labels(
     return _finish(buckets, None, domain_ids)
 
 
+def two_level_dirichlet(
+    source_idx: np.ndarray,
+    domain_ids: np.ndarray,
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    groups: int,
+    alpha_group: float = 1.0,
+    alpha_client: float = 1.0,
+    max_tries: int = 100,
+) -> Partition:
+    """Two-level domain skew for a station topology (HFedATM): per source domain, group (station)
+    shares ``~ Dir(alpha_group)``; inside each group, client shares ``~ Dir(alpha_client)``.
+
+    Clients are numbered group by group (``num_clients / groups`` each), so a ``contiguous``
+    station assignment with ``groups`` stations puts each group on one station. Redrawn while a
+    client is empty.
+    """
+    if num_clients % groups:
+        raise ValueError(f"partition 'two_level_dirichlet': num_clients ({num_clients}) must be a multiple of "
+                         f"groups ({groups})")
+    per = num_clients // groups
+    idx = np.asarray(source_idx, dtype=np.int64)
+    doms = np.asarray(domain_ids)[idx]
+    parts = [idx[doms == d] for d in np.unique(doms)]
+    for _ in range(max_tries):
+        buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for g in parts:
+            for e, part in enumerate(_dirichlet_cut(rng.permutation(g), groups, alpha_group, rng)):
+                for i, sub in enumerate(_dirichlet_cut(part, per, alpha_client, rng)):
+                    buckets[e * per + i].append(sub)
+        if all(sum(len(b) for b in bs) for bs in buckets):
+            client_idx = [np.sort(np.concatenate(bs)).astype(np.int64) for bs in buckets]
+            domains = [sorted(int(d) for d in np.unique(np.asarray(domain_ids)[c])) for c in client_idx]
+            return Partition(client_idx, domains)
+    raise ValueError(f"two-level Dirichlet left a client empty in {max_tries} draws; raise the alphas or use fewer "
+                     "clients")
+
+
+def _dirichlet_cut(samples: np.ndarray, parts: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    share = rng.dirichlet(np.full(parts, alpha))
+    return np.split(samples, (np.cumsum(share)[:-1] * len(samples)).astype(np.int64))
+
+
 # --------------------------------------------------------------------------- registry
 
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
@@ -338,6 +383,7 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "d_allocation": d_allocation,
     "dirichlet_domains": dirichlet_domains,
     "dirichlet_labels": dirichlet_labels,
+    "two_level_dirichlet": two_level_dirichlet,
 }
 
 
@@ -353,6 +399,9 @@ _PARAM_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lam": (lambda v: _is_real(v) and 0.0 <= v <= 1.0, "must be a number in [0, 1]"),
     "d": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
     "alpha": (lambda v: _is_real(v) and v > 0, "must be a number > 0"),
+    "alpha_group": (lambda v: _is_real(v) and v > 0, "must be a number > 0"),
+    "alpha_client": (lambda v: _is_real(v) and v > 0, "must be a number > 0"),
+    "groups": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
     "max_tries": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
     "shuffle_clients": (lambda v: isinstance(v, bool), "must be a bool"),
 }

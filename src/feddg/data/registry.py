@@ -5,23 +5,32 @@ from __future__ import annotations
 import os
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from feddg.data import digits, mnist_variants
+from feddg.data import digits, image_cache, mnist_variants
+from feddg.data.augment import BatchAugment
 from feddg.data.base import DomainDataset
+from feddg.data.cache import resolve_cache_dir
 from feddg.data.digits import Builder, cached_domain
 from feddg.data.folders import (
+    CARD,
     DEFAULT_IMAGE_SIZE,
+    LAYOUT,
     PRESETS,
     FolderDomainDataset,
+    FolderScan,
     check_root,
     discover_classes,
     discover_domains,
+    read_card,
     scan_tree,
 )
 from feddg.data.tensor_dataset import TensorDomainDataset
+from feddg.data.transform_spec import PRESETS as TRANSFORM_PRESETS
+from feddg.data.transform_spec import TransformSpec, check_channels, parse_transforms
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,19 @@ def subsample(
     return np.concatenate(keep)
 
 
+def default_transforms(name: str, root: str | Path | None = None) -> TransformSpec:
+    """Dataset ``name``'s own transforms: none for the built-ins (their statistics), DomainBed's for
+    the folder presets, overridden by ``root/feddg.json``'s ``transforms``."""
+    _check_name(name)
+    if name in BUILTINS:
+        return TransformSpec(mean=BUILTINS[name].mean, std=BUILTINS[name].std)
+    spec = TRANSFORM_PRESETS["domainbed"]
+    if root is not None:
+        path = check_root(root)
+        spec = parse_transforms(read_card(path).get("transforms"), spec, where=f"{path / CARD}: transforms")
+    return spec
+
+
 def _load_builtin(
     name: str,
     cache_dir: str | os.PathLike[str] | None,
@@ -120,6 +142,7 @@ def _load_builtin(
     seed: int,
     domains: list[str],
     max_per_domain: int | None,
+    spec: TransformSpec,
 ) -> TensorDomainDataset:
     b = BUILTINS[name]
     size = digits.NATIVE_SIZE if image_size is None else image_size
@@ -128,30 +151,51 @@ def _load_builtin(
         for d in domains
     ]
     full = TensorDomainDataset.from_parts(name, parts, domains, b.classes, b.mean, b.std)
-    if max_per_domain is None:
-        return full
     keep = subsample(domains, full.domain_ids, full.labels, max_per_domain, seed)
-    return TensorDomainDataset(name, full.images[keep], full.labels[keep], full.domain_ids[keep],
-                               domains, b.classes, b.mean, b.std)
+    mean, std = check_channels(spec, full.image_shape[0], name)
+    augment = BatchAugment(spec) if spec.augments else None
+    return TensorDomainDataset(name, full.images[keep] if max_per_domain else full.images, full.labels[keep],
+                               full.domain_ids[keep], domains, b.classes, mean, std, augment)
 
 
-def _load_folder(
-    name: str,
-    root: str,
-    image_size: int | None,
-    seed: int,
-    domains: list[str] | None,
-    max_per_domain: int | None,
-) -> FolderDomainDataset:
+def scan_folder(name: str, root: str, domains: list[str] | None) -> tuple[Path, list[str], list[str], FolderScan]:
+    """The root, chosen domains, classes and :class:`FolderScan` of folder dataset ``name`` (decodes nothing)."""
     preset = PRESETS[name]
     path = check_root(root)
     available = list(preset.domains) or discover_domains(path)
     chosen = _select(name, available, domains)
     classes = list(preset.classes) or discover_classes(path, available)
-    files, labels, domain_ids = scan_tree(path, chosen, classes)
+    return path, chosen, classes, scan_tree(path, chosen, classes, fixed=bool(preset.classes))
+
+
+def folder_image_size(root: Path, image_size: int | None) -> int:
+    """``image_size`` if given, else the folder's ``feddg.json`` one, else 224."""
+    return image_size or read_card(root).get("image_size") or DEFAULT_IMAGE_SIZE
+
+
+def _load_folder(
+    name: str,
+    root: str,
+    cache_dir: str | os.PathLike[str] | None,
+    image_size: int | None,
+    seed: int,
+    domains: list[str] | None,
+    max_per_domain: int | None,
+    spec: TransformSpec,
+) -> FolderDomainDataset:
+    path, chosen, classes, scan = scan_folder(name, root, domains)
+    if scan.problems:
+        raise ValueError(scan.error(name, path))
+    labels, domain_ids = np.array(scan.labels, dtype=np.int64), np.array(scan.domain_ids, dtype=np.int64)
     keep = subsample(chosen, domain_ids, labels, max_per_domain, seed)
-    size = DEFAULT_IMAGE_SIZE if image_size is None else image_size
-    return FolderDomainDataset(name, [files[i] for i in keep], labels[keep], domain_ids[keep], chosen, classes, size)
+    files = [scan.files[i] for i in keep]
+    size = folder_image_size(path, image_size)
+    try:
+        images, _ = image_cache.cached_images(resolve_cache_dir(cache_dir), name, path, files, size)
+    except image_cache.UnreadableImages as err:
+        more = f" `feddg datasets {name} --root {path} --check` lists every unreadable file"
+        raise ValueError(f"{err}; {LAYOUT};{more}") from None
+    return FolderDomainDataset(name, files, images, labels[keep], domain_ids[keep], chosen, classes, spec)
 
 
 def load_dataset(
@@ -163,11 +207,17 @@ def load_dataset(
     seed: int = 0,
     domains: list[str] | None = None,
     max_per_domain: int | None = None,
+    transforms: str | dict[str, Any] | None = None,
+    loader_workers: int = 0,
 ) -> DomainDataset:
     """Dataset ``name``, restricted to ``domains`` (in that order) and to ``max_per_domain`` samples each.
 
     Built-in benchmarks are built on first use (deterministically from ``seed``) and cached under
-    ``cache_dir`` / ``$FEDDG_CACHE`` / ``~/.cache/feddg``; folder datasets are read from ``root``.
+    ``cache_dir`` / ``$FEDDG_CACHE`` / ``~/.cache/feddg``; folder datasets are read from ``root``,
+    checked (layout, class names, empty classes) and decoded once into an image cache there.
+    ``transforms`` overrides the dataset's default augmentation and statistics (a preset name or a
+    mapping, see :mod:`feddg.data.transform_spec`); ``loader_workers`` > 0 builds training batches
+    in that many DataLoader processes.
     """
     _check_name(name)
     if seed < 0:
@@ -176,11 +226,19 @@ def load_dataset(
         raise ValueError(f"max_per_domain must be >= 1, got {max_per_domain}")
     if image_size is not None and image_size < 1:
         raise ValueError(f"image_size must be >= 1, got {image_size}")
+    if loader_workers < 0:
+        raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
+    dataset: DomainDataset
     if name in BUILTINS:
         if root is not None:
             raise ValueError(f"{name} is built in and takes no root (got {root!r})")
         chosen = _select(name, list(BUILTINS[name].builders), domains)
-        return _load_builtin(name, cache_dir, image_size, seed, chosen, max_per_domain)
-    if root is None:
-        raise ValueError(f"dataset {name} needs root=<folder> laid out as root/<domain>/<class>/<image>")
-    return _load_folder(name, root, image_size, seed, domains, max_per_domain)
+        spec = parse_transforms(transforms, default_transforms(name), where="transforms")
+        dataset = _load_builtin(name, cache_dir, image_size, seed, chosen, max_per_domain, spec)
+    else:
+        if root is None:
+            raise ValueError(f"dataset {name} needs root=<folder> laid out as root/<domain>/<class>/<image>")
+        spec = parse_transforms(transforms, default_transforms(name, root), where="transforms")
+        dataset = _load_folder(name, root, cache_dir, image_size, seed, domains, max_per_domain, spec)
+    dataset.loader_workers = loader_workers
+    return dataset

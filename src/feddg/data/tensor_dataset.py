@@ -14,7 +14,7 @@ BatchAugment = Callable[[Tensor, torch.Generator | None], Tensor]
 
 
 class TensorDomainDataset(DomainDataset):
-    """uint8 images ``[N, C, H, W]`` with labels and domain ids; batches are sliced, not looped.
+    """uint8 images ``[N, C, H, W]`` (any strides) with labels and domain ids; batches are sliced, not looped.
 
     Args:
         name: registry name.
@@ -25,8 +25,9 @@ class TensorDomainDataset(DomainDataset):
         classes: class names.
         mean: per-channel mean of the ``[0, 1]`` images, subtracted by :meth:`get_batch`.
         std: per-channel standard deviation, divided by.
-        augment: optional batched training augmentation on ``[B, C, H, W]`` floats in ``[0, 1]``,
-            applied when ``train`` is true (e.g. :class:`feddg.data.transforms.BatchRandomCrop`).
+        augment: optional batched training augmentation, applied when ``train`` is true: it takes the
+            uint8 batch ``[B, C, H, W]`` and returns uint8 or floats in ``[0, 1]`` (e.g.
+            :class:`feddg.data.transforms.BatchRandomCrop`, :class:`feddg.data.augment.BatchAugment`).
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class TensorDomainDataset(DomainDataset):
         self.classes = list(classes)
         self.image_shape = (channels, int(images.shape[2]), int(images.shape[3]))
         self.augment = augment
+        self.seeded_batches = augment is not None
         std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self._scale = 1.0 / std_t
         self._shift = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) / std_t
@@ -76,12 +78,21 @@ class TensorDomainDataset(DomainDataset):
         domain_ids = np.concatenate([np.full(len(y), d, dtype=np.int64) for d, (_, y) in enumerate(parts)])
         return cls(name, images, labels, domain_ids, domains, classes, mean, std)
 
+    def _rows(self, idx: Tensor) -> Tensor:
+        """``images[idx]``, keeping channels-last images channels-last (whole-row copies, no transpose)."""
+        nhwc = self.images.permute(0, 2, 3, 1)
+        if self.images.shape[1] > 1 and nhwc.is_contiguous():
+            return torch.index_select(nhwc, 0, idx).permute(0, 3, 1, 2)
+        return torch.index_select(self.images, 0, idx)
+
     def get_batch(
         self, indices: np.ndarray, train: bool, generator: torch.Generator | None = None
     ) -> tuple[Tensor, Tensor]:
         idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
-        x = self.images[idx].float().div_(255.0)
+        x = self._rows(idx)
         if train and self.augment is not None:
             x = self.augment(x, generator)
+        x = x.contiguous()  # channels-last images (folder caches) are transposed while one byte a pixel
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x
         x = x.mul_(self._scale).sub_(self._shift)
         return x, torch.from_numpy(self.labels[idx.numpy()])

@@ -1,4 +1,5 @@
-"""Accuracy of a model on index sets of a dataset, broken down by domain."""
+"""Accuracy of a model on index sets of a dataset, broken down by domain; the device placement and mixed
+precision that evaluation and the local training loop share."""
 
 from __future__ import annotations
 
@@ -12,6 +13,22 @@ from feddg.data.base import DomainDataset
 
 Predict = Callable[[nn.Module, Tensor], Tensor]
 
+#: ``optim.amp`` -> autocast dtype
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device | str, amp: str = "off") -> torch.autocast:
+    """``torch.autocast`` on ``device``'s type with ``amp``'s dtype (bf16 | fp16); disabled for ``off``."""
+    if amp != "off" and amp not in AMP_DTYPES:
+        raise ValueError(f"unknown amp {amp!r}; expected off, bf16 or fp16")
+    return torch.autocast(torch.device(device).type, dtype=AMP_DTYPES.get(amp, torch.bfloat16), enabled=amp != "off")
+
+
+def to_device(x: Tensor, device: torch.device | str, channels_last: bool = False) -> Tensor:
+    """``x`` on ``device``; an image batch (4-d) in ``torch.channels_last`` format when asked."""
+    fmt = torch.channels_last if channels_last and x.dim() == 4 else torch.preserve_format
+    return x.to(device, non_blocking=True, memory_format=fmt)
+
 
 @torch.no_grad()
 def correct_by_domain(
@@ -22,8 +39,11 @@ def correct_by_domain(
     batch_size: int = 256,
     device: torch.device | str = "cpu",
     predict: Predict | None = None,
+    amp: str = "off",
+    channels_last: bool = False,
 ) -> dict[int, tuple[int, int]]:
-    """``{domain_id: (correct, total)}`` of ``model`` on ``indices`` (eval mode, no augmentation)."""
+    """``{domain_id: (correct, total)}`` of ``model`` on ``indices`` (eval mode, no augmentation), under
+    :func:`autocast` with ``amp``."""
     model.eval()
     predict = predict or (lambda m, x: m(x))
     indices = np.asarray(indices, dtype=np.int64)
@@ -32,7 +52,9 @@ def correct_by_domain(
     for start in range(0, len(indices), batch_size):
         chunk = indices[start : start + batch_size]
         x, y = dataset.get_batch(chunk, train=False)
-        hit = (predict(model, x.to(device)).argmax(1).cpu() == y).numpy()
+        with autocast(device, amp):
+            logits = predict(model, to_device(x, device, channels_last))
+        hit = (logits.argmax(1).cpu() == y).numpy()
         dom = dataset.domain_ids[chunk]
         np.add.at(correct, dom, hit)
         np.add.at(total, dom, 1)

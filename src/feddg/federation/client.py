@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from feddg.algorithms import ClientContext
-from feddg.federation.rounds import client_generator, derived_seed
+from feddg.algorithms.base import ClientContext
+from feddg.federation.rounds import client_generator
 from feddg.federation.setup import Federation
 from feddg.messages import Message, validate_message
+from feddg.seeds import derived_seed
 
 
 def client_context(fed: Federation, client_id: int, round: int) -> ClientContext:
@@ -32,12 +35,36 @@ def run_client(
 ) -> tuple[Message, Message]:
     """One client update; the reply and the new client state are checked against the contract."""
     ctx = client_context(fed, client_id, round)
-    reply, new_state = fed.method.client_update(fed.model, msg, client_state, ctx)
+    reply, new_state = fed.topology.client_update(fed.method, fed.model, msg, client_state, ctx)
     validate_message(reply, f"reply of client {client_id}")
     validate_message(new_state, f"state of client {client_id}")
     if "num_examples" not in reply:
         raise KeyError(f"{fed.method.name}: a client reply must contain 'num_examples'")
     return reply, new_state
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One client update as an engine hands it to the server: the reply and new state, or why there is none."""
+
+    reply: Message | None = None
+    state: Message | None = None
+    error: str | None = None
+
+
+def describe(err: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of an exception on one line, at most ``limit`` characters."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def try_client(fed: Federation, client_id: int, round: int, msg: Message, client_state: Message) -> Outcome:
+    """:func:`run_client`, with an exception of the client turned into a failed :class:`Outcome`."""
+    try:
+        reply, new_state = run_client(fed, client_id, round, msg, client_state)
+    except Exception as err:  # noqa: BLE001 - any failure of one client is that client's, not the run's
+        return Outcome(error=describe(err))
+    return Outcome(reply, new_state)
 
 
 def run_client_setup(

@@ -7,10 +7,7 @@ import math
 import numpy as np
 import torch
 
-
-def derived_seed(*keys: int) -> int:
-    """A 63-bit seed from integer keys (``np.random.SeedSequence``), stable across runs and engines."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+from feddg.seeds import derived_seed
 
 
 def client_generator(seed: int, round: int, client_id: int) -> torch.Generator:
@@ -18,13 +15,13 @@ def client_generator(seed: int, round: int, client_id: int) -> torch.Generator:
     return torch.Generator().manual_seed(derived_seed(seed, round, client_id))
 
 
-def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> list[int]:
-    """``max(1, round(fraction·K))`` distinct clients, sorted; all clients when fraction == 1."""
+def sample_members(members: np.ndarray, fraction: float, rng: np.random.Generator) -> list[int]:
+    """``max(1, round_half_up(fraction·n))`` distinct ``members``, sorted; all of them when fraction >= 1.
+    The one sampler of every topology (clients of a flat federation, stations, a station's clients)."""
     if fraction >= 1.0:
-        return list(range(num_clients))
-    m = max(1, int(round_half_up(fraction * num_clients)))
-    rng = np.random.default_rng(derived_seed(seed, round, 1_000_003))
-    return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
+        return sorted(int(c) for c in members)
+    m = max(1, round_half_up(fraction * len(members)))
+    return sorted(int(c) for c in rng.choice(members, size=m, replace=False))
 
 
 def round_half_up(x: float) -> int:

@@ -1,31 +1,67 @@
 """The server half as any engine runs it: round bookkeeping, evaluation, metrics, checkpoints.
 
 An engine only moves messages: it asks :meth:`Server.configure` what to send, delivers the
-messages to clients however it likes (a Python call, Flower), and hands the replies to
-:meth:`Server.finish_round`. Everything else — sampling, learning-rate schedule, aggregation,
-evaluation, the run directory — lives here, so both engines produce the same run directory.
+messages to clients however it likes (a Python call, worker processes, Flower), hands each reply
+to :meth:`Server.receive` as it arrives, and closes the round with :meth:`Server.finish_round`.
+Everything else — sampling, learning-rate schedule, the fold of the replies, evaluation, the run
+directory — lives here, and everything that depends on the federation's shape is asked of its
+topology (``federation/topology.py``), so every engine produces the same run directory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from feddg.algorithms import Reply, ServerContext
-from feddg.config import dump_config
-from feddg.evaluation.accuracy import accuracy_metrics, correct_by_domain, merge_counts
+from feddg.algorithms.base import Reply, ServerContext
+from feddg.config import ExperimentConfig, dump_config
+from feddg.evaluation.accuracy import accuracy_metrics, merge_counts
 from feddg.federation.checkpoint import load_checkpoint, save_checkpoint
-from feddg.federation.rounds import learning_rate, sample_clients
+from feddg.federation.extra_eval import counts, extra_metrics
+from feddg.federation.provenance import write_provenance
+from feddg.federation.rounds import learning_rate
 from feddg.federation.setup import Federation
-from feddg.messages import Message, load_weights, message_nbytes
+from feddg.federation.validation import RunStopped, check_reply, outliers, shapes_of, update_norm
+from feddg.messages import Message, load_weights, message_nbytes, weights_of
+
+log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 CONFIG = "config.yaml"
+
+
+def default_run_dir(cfg: ExperimentConfig) -> Path:
+    """``output_dir/<name>-<method>-<target>-s<seed>-<time>``."""
+    target = cfg.split.target or "first"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(cfg.output_dir) / f"{cfg.name}-{cfg.method.name}-{target}-s{cfg.seed}-{stamp}"
+
+
+@dataclass
+class RoundFold:
+    """A round in progress: the topology's accumulator and per-reply scalars. Replies are held only
+    with ``federation.reject_outliers`` (``held``: the decision needs the round's median update norm)."""
+
+    sent: dict[int, Message]
+    expected: dict[int, int]
+    bytes_down: int
+    acc: Any = None
+    held: list[Reply] | None = None
+    norms: dict[int, float] = field(default_factory=dict)
+    states: dict[int, Message] = field(default_factory=dict)  # new client states, kept for accepted clients only
+    accepted: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    examples: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    bytes_up: int = 0
+    seconds: float = 0.0
 
 
 class Server:
@@ -39,27 +75,33 @@ class Server:
         if ckpt is None:
             cfg = fed.cfg
             ctx = ServerContext(len(fed.clients), self.rounds, fed.dataset.num_classes, cfg.seed)
-            self.state = fed.method.server_init(fed.model, ctx)
+            self.state = fed.topology.init(fed.method, fed.model, ctx)
             self.client_states: dict[int, Message] = {}
             self.metrics: list[dict[str, Any]] = []
             self.round = 0
             self.setup_done = False
             (self.run_dir / CONFIG).write_text(dump_config(cfg))
+            write_provenance(self.run_dir, cfg)
         else:
             self.state = ckpt["server_state"]
             self.client_states = ckpt["client_states"]
             self.metrics = ckpt["metrics"]
             self.round = ckpt["round"]
             self.setup_done = ckpt["setup_done"]
+        self.saved_round: int | None = ckpt["round"] if ckpt is not None else None
+        self.declared = shapes_of(weights_of(fed.model))  # what a reply's w/ arrays may be
+        if fed.cfg.federation.reject_outliers is not None and not fed.method.averages_weights:
+            raise ValueError(f"federation.reject_outliers: {fed.method.name} does not average weights, so a "
+                             "reply's update norm is not defined")
         self._rewrite_metrics()
 
     # --- setup exchange ----------------------------------------------------------------
     def setup_request(self) -> Message | None:
         """The one-time setup message for every client, if the method has one and it is pending."""
-        return None if self.setup_done else self.fed.method.setup_request(self.state)
+        return None if self.setup_done else self.fed.topology.setup_request(self.fed.method, self.state)
 
     def finish_setup(self, replies: list[Reply]) -> None:
-        self.state = self.fed.method.server_setup(self.state, replies)
+        self.state = self.fed.topology.server_setup(self.fed.method, self.state, replies)
         self.setup_done = True
         self.checkpoint()
 
@@ -69,15 +111,11 @@ class Server:
     # --- rounds ------------------------------------------------------------------------
     @property
     def rounds(self) -> int:
-        """Engine rounds; under a hierarchy one engine round is a station round (R server rounds × N)."""
-        h = self.fed.cfg.hierarchy
-        return self.fed.cfg.federation.rounds * (h.station_rounds if h is not None else 1)
+        """Engine rounds: the topology's rounds per server round × ``federation.rounds``."""
+        return self.fed.topology.engine_rounds(self.fed.cfg.federation.rounds)
 
     def eval_due(self, round: int) -> bool:
-        """Every ``eval.every`` (server) rounds and after the last; a hierarchy evaluates only at server rounds' ends."""
-        h = self.fed.cfg.hierarchy
-        n = h.station_rounds if h is not None else 1
-        return round == self.rounds or (round % n == 0 and (round // n) % self.fed.cfg.eval.every == 0)
+        return self.fed.topology.eval_due(round, self.fed.cfg.eval.every, self.rounds)
 
     def lr(self, round: int) -> float:
         o = self.fed.cfg.optim
@@ -85,36 +123,104 @@ class Server:
 
     def configure(self, round: int) -> dict[int, Message]:
         """The message for each client sampled in ``round``."""
-        cfg = self.fed.cfg
-        if cfg.hierarchy is not None:  # per station (algorithms/hierarchy.py)
-            sampled = self.fed.method.sample_clients(round, cfg.federation.client_fraction, cfg.seed)  # type: ignore[attr-defined]
-        else:
-            sampled = sample_clients(len(self.fed.clients), cfg.federation.client_fraction, cfg.seed, round)
+        fed = self.fed
+        sampled = fed.topology.sample(round, fed.cfg.federation.client_fraction, fed.cfg.seed)
         lr = self.lr(round)
         return {
-            cid: {**self.fed.method.client_config(self.state, cid, round), "lr": lr, "round": round}
+            cid: {**fed.topology.client_config(fed.method, self.state, cid, round), "lr": lr, "round": round}
             for cid in sampled
         }
 
-    def finish_round(
-        self, round: int, sent: dict[int, Message], replies: list[Reply], timings: dict[str, float]
-    ) -> dict[str, Any]:
-        """Aggregate, evaluate when due, record metrics and checkpoint; returns this round's metrics."""
+    def start_round(self, sent: dict[int, Message]) -> RoundFold:
+        """The fold of a round whose messages ``sent`` are on their way."""
+        fc = self.fed.cfg.federation
+        if len(sent) < fc.min_clients:
+            raise RunStopped(f"a round samples {len(sent)} clients, fewer than federation.min_clients="
+                             f"{fc.min_clients}: lower it or raise federation.client_fraction")
+        expected = {cid: len(self.fed.clients[cid].train_idx) for cid in sent}  # = each client's num_examples
+        fold = RoundFold(sent, expected, bytes_down=int(sum(message_nbytes(m) for m in sent.values())))
+        if fc.reject_outliers is None:
+            fold.acc = self.fed.topology.start(self.fed.method, expected)
+        else:
+            fold.held = []
+        return fold
+
+    def receive(self, fold: RoundFold, reply: Reply, client_state: Message | None = None) -> None:
+        """Check one reply and fold it in as it arrives (or drop it, with the reason); ``client_state`` is the
+        client's new state, kept only if the reply is accepted. The server keeps no reply beyond what the
+        method keeps, except with ``reject_outliers``."""
         t0 = time.perf_counter()
-        self.state = self.fed.method.aggregate(self.state, replies)
-        n = np.array([r.num_examples for r in replies], dtype=np.float64)
-        losses = [float(r.message.get("train_loss", np.nan)) for r in replies]
+        cid, sent = reply.client_id, fold.sent[reply.client_id]
+        fold.bytes_up += message_nbytes(reply.message)
+        problem = check_reply(reply.message, sent, self.declared, all_weights=self.fed.method.averages_weights)
+        if problem is not None:
+            self.fail(fold, cid, problem)
+        else:
+            if client_state is not None:
+                fold.states[cid] = client_state
+            if fold.held is None:
+                self._fold(fold, reply)
+            else:
+                fold.held.append(reply)
+                fold.norms[cid] = update_norm(reply.message, sent)
+        fold.seconds += time.perf_counter() - t0
+
+    def fail(self, fold: RoundFold, client_id: int, reason: str) -> None:
+        """Client ``client_id`` gave no usable reply this round (raised, timed out, died, failed a check)."""
+        fold.failed[client_id] = reason
+
+    def _fold(self, fold: RoundFold, reply: Reply) -> None:
+        fold.acc = self.fed.topology.accumulate(self.fed.method, fold.acc, reply)
+        fold.accepted.append(reply.client_id)
+        fold.examples.append(reply.num_examples)
+        fold.losses.append(float(reply.message.get("train_loss", np.nan)))
+
+    def _fold_held(self, fold: RoundFold, factor: float) -> None:
+        """Drop the held replies whose update norm is an outlier, then fold the others in the order sent,
+        normalised by their own example total (the same bits as a round without the dropped clients)."""
+        assert fold.held is not None
+        rejected = outliers(fold.norms, factor)
+        fold.failed.update(rejected)
+        order = list(fold.sent)
+        kept = sorted((r for r in fold.held if r.client_id not in rejected), key=lambda r: order.index(r.client_id))
+        fold.held = None
+        if kept:
+            fold.acc = self.fed.topology.start(self.fed.method, {r.client_id: fold.expected[r.client_id] for r in kept})
+        for reply in kept:
+            self._fold(fold, reply)
+
+    def finish_round(self, round: int, fold: RoundFold, timings: dict[str, float]) -> dict[str, Any]:
+        """Finish the fold, evaluate when due, record metrics and checkpoint; returns this round's metrics.
+
+        Raises :class:`RunStopped` (nothing of the round recorded) when fewer than ``federation.min_clients``
+        replies are left."""
+        t0 = time.perf_counter()
+        fc = self.fed.cfg.federation
+        if fold.held is not None:
+            self._fold_held(fold, fc.reject_outliers or 0.0)
+        failed = {cid: fold.failed[cid] for cid in sorted(fold.failed)}
+        for cid, reason in failed.items():
+            log.warning("round %d: client %d dropped: %s", round, cid, reason)
+        if len(fold.accepted) < fc.min_clients:
+            raise RunStopped(self._stop_reason(round, fold, failed))
+        self.state, method_metrics = self.fed.topology.finish(self.fed.method, self.state, fold.acc, round)
+        for cid in fold.accepted:
+            if cid in fold.states:
+                self.client_states[cid] = fold.states[cid]
         row: dict[str, Any] = {
             "round": round,
             "lr": self.lr(round),
-            "clients": len(replies),
-            "train_loss": float(np.average(losses, weights=n)),
-            "bytes_down": int(sum(message_nbytes(m) for m in sent.values())),
-            "bytes_up": int(sum(message_nbytes(r.message) for r in replies)),
+            "clients": len(fold.examples),
+            "train_loss": float(np.average(fold.losses, weights=np.array(fold.examples, dtype=np.float64))),
+            "bytes_down": fold.bytes_down,
+            "bytes_up": fold.bytes_up,
             **timings,
-            "time_aggregate_s": time.perf_counter() - t0,
-            **self.fed.method.round_metrics(self.state),
+            "time_aggregate_s": fold.seconds + time.perf_counter() - t0,
+            **method_metrics,
         }
+        if failed:  # absent: every sampled client's reply was folded in
+            row["clients_failed"] = len(failed)
+            row["clients_failed_reasons"] = {str(cid): reason for cid, reason in failed.items()}
         if self.eval_due(round):
             t1 = time.perf_counter()
             row.update(self.evaluate())
@@ -125,40 +231,45 @@ class Server:
         self.round = round
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if round % self.fed.cfg.federation.checkpoint_every == 0 or round == self.rounds:
+        if round % fc.checkpoint_every == 0 or round == self.rounds:
             self.checkpoint()
         return row
 
+    def _stop_reason(self, round: int, fold: RoundFold, failed: dict[int, str]) -> str:
+        saved = f"round {self.saved_round}" if self.saved_round is not None else "none yet"
+        reasons = "; ".join(f"client {cid}: {reason}" for cid, reason in list(failed.items())[:3])
+        reasons += f"; {len(failed) - 3} more in the log" if len(failed) > 3 else ""
+        return (f"round {round}: {len(fold.accepted)} of {len(fold.sent)} clients replied usably, fewer than "
+                f"federation.min_clients={self.fed.cfg.federation.min_clients} ({reasons}); stopped, the last "
+                f"checkpoint ({saved}) is intact: feddg run --resume {self.run_dir} continues from it")
+
     # --- evaluation --------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """id accuracy on the clients' holdouts, ood accuracy on the held-out domain(s), per domain."""
-        fed, method, model = self.fed, self.fed.method, self.fed.model
+        """id accuracy on the clients' holdouts, ood accuracy on the held-out domain(s), and the extra targets'
+        accuracy (``eval.extra``), per domain."""
+        fed, method, model, topo = self.fed, self.fed.method, self.fed.model, self.fed.topology
         ds, split = fed.dataset, fed.split
-        bs, dev = fed.cfg.eval.batch_size, fed.device
-
-        def counts(idx: np.ndarray) -> dict[int, tuple[int, int]]:
-            return correct_by_domain(model, ds, idx, batch_size=bs, device=dev, predict=method.predict)
-
+        holdouts = np.concatenate([c.holdout_idx for c in fed.clients])
         out: dict[str, float] = {}
         if not method.personalized:
-            load_weights(model, method.eval_weights(self.state))
-            out.update(accuracy_metrics(counts(np.concatenate([c.holdout_idx for c in fed.clients])), ds.domains, "id_acc"))
-            out.update(accuracy_metrics(counts(split.test_idx), ds.domains, "ood_acc"))
+            load_weights(model, topo.eval_weights(method, self.state, None))
+            out.update(accuracy_metrics(counts(fed, ds, holdouts), ds.domains, "id_acc"))
+            out.update(accuracy_metrics(counts(fed, ds, split.test_idx), ds.domains, "ood_acc"))
             if len(split.val_idx):
-                out.update(accuracy_metrics(counts(split.val_idx), ds.domains, "val_acc"))
-            return out
-        # personalised: each client's own model on its holdout and on the unseen domain(s)
-        id_counts, ood_accs = [], []
-        for cid, client in enumerate(fed.clients):
-            load_weights(model, method.eval_weights(self.state, cid))
-            id_counts.append(counts(client.holdout_idx))
-            ood_accs.append(accuracy_metrics(counts(split.test_idx), ds.domains, "ood_acc"))
-        out.update(accuracy_metrics(merge_counts(*id_counts), ds.domains, "id_acc"))
-        out.update({k: float(np.mean([a[k] for a in ood_accs])) for k in ood_accs[0]})
-        load_weights(model, method.eval_weights(self.state, None))
-        out.update(accuracy_metrics(counts(split.test_idx), ds.domains, "global_ood_acc"))
-        holdouts = np.concatenate([c.holdout_idx for c in fed.clients])  # the global model on every holdout
-        out.update(accuracy_metrics(counts(holdouts), ds.domains, "global_id_acc"))
+                out.update(accuracy_metrics(counts(fed, ds, split.val_idx), ds.domains, "val_acc"))
+        else:  # personalised: each client's own model on its holdout and on the unseen domain(s)
+            id_counts, ood_accs = [], []
+            for cid, client in enumerate(fed.clients):
+                load_weights(model, topo.eval_weights(method, self.state, cid))
+                id_counts.append(counts(fed, ds, client.holdout_idx))
+                ood_accs.append(accuracy_metrics(counts(fed, ds, split.test_idx), ds.domains, "ood_acc"))
+            out.update(accuracy_metrics(merge_counts(*id_counts), ds.domains, "id_acc"))
+            out.update({k: float(np.mean([a[k] for a in ood_accs])) for k in ood_accs[0]})
+            load_weights(model, topo.eval_weights(method, self.state, None))
+            out.update(accuracy_metrics(counts(fed, ds, split.test_idx), ds.domains, "global_ood_acc"))
+            out.update(accuracy_metrics(counts(fed, ds, holdouts), ds.domains, "global_id_acc"))  # on every holdout
+        for target in fed.extra:
+            out.update(extra_metrics(fed, self.state, target))
         return out
 
     # --- persistence -------------------------------------------------------------------
@@ -173,6 +284,7 @@ class Server:
                 "metrics": self.metrics,
             },
         )
+        self.saved_round = self.round
 
     def _rewrite_metrics(self) -> None:
         """metrics.jsonl = exactly the checkpointed rounds (drops rows of a round that crashed)."""
@@ -185,7 +297,7 @@ class Server:
         fed = self.fed
         results = {
             "method": fed.method.name,
-            "method_params": getattr(fed.method, "inner", fed.method).params.model_dump(mode="json"),
+            "method_params": fed.method.params.model_dump(mode="json"),
             "dataset": fed.dataset.name,
             "target": [fed.dataset.domains[d] for d in fed.split.test_domains],
             "val_domain": [fed.dataset.domains[d] for d in fed.split.val_domains],
@@ -199,8 +311,10 @@ class Server:
             "time_total_s": float(sum(m.get("time_round_s", 0.0) for m in self.metrics)),
             "bytes_per_round": _mean_bytes(self.metrics),
         }
-        if fed.cfg.hierarchy is not None:  # topology, cost per server round, DP ε (algorithms/hierarchy.py)
-            results["hierarchy"] = fed.method.summary(self.metrics)  # type: ignore[attr-defined]
+        results.update(fed.topology.results(fed.method, self.metrics))
+        if fed.extra:  # what the extra/<name>_acc keys of "final" were measured on
+            results["extra"] = {t.name: {"dataset": t.dataset.name, "domains": t.dataset.domains} for t in fed.extra}
+        results.update({"privacy": p} if (p := fed.method.privacy(self.round)) is not None else {})
         (self.run_dir / RESULTS).write_text(json.dumps(results, indent=2))
         return results
 

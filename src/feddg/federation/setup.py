@@ -6,22 +6,21 @@ gives the same clients, data and initial model on either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from torch import nn
 
 from feddg.algorithms import Method, OptimSettings, create_method
-from feddg.algorithms.hierarchy import build_hierarchy
-from feddg.algorithms.stations import two_level_dirichlet
-from feddg.config import ExperimentConfig
+from feddg.config import ExperimentConfig, ExtraEvalConfig
 from feddg.data import load_dataset
 from feddg.data.base import DomainDataset
 from feddg.data.partition import make_partition
 from feddg.data.splits import DomainSplit, holdout_split, leave_one_domain_out, leave_two_domains_out
-from feddg.federation.rounds import derived_seed
+from feddg.federation.topology import Topology, station_topology
 from feddg.models import create_model
+from feddg.seeds import derived_seed
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,14 @@ class ClientData:
     domains: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ExtraTarget:
+    """A further evaluation dataset (``eval.extra``): every sample of it, in the training data's classes."""
+
+    name: str
+    dataset: DomainDataset
+
+
 @dataclass
 class Federation:
     cfg: ExperimentConfig
@@ -42,17 +49,48 @@ class Federation:
     method: Method
     model: nn.Module
     device: torch.device
+    topology: Topology
+    extra: list[ExtraTarget] = field(default_factory=list)
 
     @property
     def optim(self) -> OptimSettings:
         o = self.cfg.optim
-        return OptimSettings(name=o.name, momentum=o.momentum, weight_decay=o.weight_decay)
+        return OptimSettings(name=o.name, momentum=o.momentum, weight_decay=o.weight_decay, amp=o.amp,
+                             channels_last=self.cfg.model.channels_last, augment=tuple(o.augment))
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def worker_device(name: str, index: int) -> str:
+    """The device of client worker ``index``: round-robin over the visible GPUs when CUDA is asked for
+    (``cuda`` or ``auto`` with a GPU; ``cuda:k`` pins every worker to GPU k), else the CPU."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return "cpu"
+    return str(device) if device.index is not None else f"cuda:{index % torch.cuda.device_count()}"
+
+
+def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: DomainDataset) -> ExtraTarget:
+    """Dataset ``spec`` at the training data's image size and normalisation (``data.transforms``), checked to
+    have the training data's classes (same names, same order) and image shape."""
+    where = f"eval.extra {spec.name}"
+    try:
+        ds = load_dataset(spec.dataset, root=spec.root, cache_dir=cfg.data.cache_dir, image_size=reference.image_shape[1],
+                          seed=cfg.data.seed, domains=spec.domains, max_per_domain=spec.max_per_domain,
+                          transforms=cfg.data.transforms)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    if ds.classes != reference.classes:
+        raise ValueError(f"{where}: {spec.dataset} has classes {ds.classes}, the training data "
+                         f"{reference.classes}; an extra target needs the same classes in the same order")
+    if ds.image_shape != reference.image_shape:
+        raise ValueError(f"{where}: {spec.dataset} has images of shape {ds.image_shape}, the model takes "
+                         f"{reference.image_shape}")
+    return ExtraTarget(spec.name, ds)
 
 
 def make_split(dataset: DomainDataset, cfg: ExperimentConfig) -> DomainSplit:
@@ -94,15 +132,7 @@ def make_clients(dataset: DomainDataset, split: DomainSplit, cfg: ExperimentConf
     """Partition the source data over clients, then hold out ``partition.holdout`` of each."""
     p = cfg.partition
     rng = np.random.default_rng(derived_seed(cfg.seed, 17))
-    h = cfg.hierarchy
-    if h is not None and h.assignment == "dirichlet":  # two-level partition: domains -> stations -> clients
-        part = two_level_dirichlet(
-            split.source_idx, dataset.domain_ids, p.num_clients, h.stations, h.alpha_station, h.alpha_client, rng
-        )
-    else:
-        part = make_partition(
-            p.kind, split.source_idx, dataset.domain_ids, dataset.labels, p.num_clients, rng, **p.params
-        )
+    part = make_partition(p.kind, split.source_idx, dataset.domain_ids, dataset.labels, p.num_clients, rng, **p.params)
     clients = []
     for idx, doms in zip(part.client_indices, part.client_domains, strict=True):
         train, hold = holdout_split(idx, p.holdout, rng)
@@ -114,10 +144,10 @@ def make_clients(dataset: DomainDataset, split: DomainSplit, cfg: ExperimentConf
     return clients
 
 
-def build_federation(cfg: ExperimentConfig) -> Federation:
-    """Load data, split, partition, and build the (seeded) initial model and the method."""
+def load_data(cfg: ExperimentConfig) -> DomainDataset:
+    """The dataset of ``cfg.data`` (the one call every part of feddg loads training data with)."""
     d = cfg.data
-    dataset = load_dataset(
+    return load_dataset(
         d.dataset,
         root=d.root,
         cache_dir=d.cache_dir,
@@ -125,12 +155,17 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
         seed=d.seed,
         domains=d.domains,
         max_per_domain=d.max_per_domain,
+        transforms=d.transforms,
+        loader_workers=d.loader_workers,
     )
+
+
+def build_federation(cfg: ExperimentConfig) -> Federation:
+    """Load data, split, partition, and build the (seeded) initial model and the method."""
+    dataset = load_data(cfg)
     split = make_split(dataset, cfg)
     clients = make_clients(dataset, split, cfg)
     method = create_method(cfg.method.name, cfg.method.params)
-    if cfg.hierarchy is not None:  # clients -> stations -> server around the client method
-        method = build_hierarchy(method, cfg.hierarchy, [c.domains for c in clients])
     torch.manual_seed(derived_seed(cfg.seed, 23))
     c, h, _ = dataset.image_shape
     base = create_model(
@@ -143,4 +178,16 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
     )
     device = resolve_device(cfg.device)
     model = method.prepare_model(base).to(device)
-    return Federation(cfg, dataset, split, clients, method, model, device)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    extra = [load_extra_target(spec, cfg, dataset) for spec in cfg.eval.extra]
+    return Federation(cfg, dataset, split, clients, method, model, device, make_topology(cfg, clients, model), extra)
+
+
+def make_topology(cfg: ExperimentConfig, clients: list[ClientData], model: nn.Module) -> Topology:
+    """Flat, or the stations of the config's ``hierarchy:`` section around the prepared ``model``."""
+    h = cfg.hierarchy
+    if h is None:
+        return Topology(len(clients))
+    return station_topology(h.stations, h.station_rounds, h.station_fraction, h.assignment, h.merge, h.params,
+                            [c.domains for c in clients], model)

@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from feddg.models.alexnet import AlexNet
 from feddg.models.cnn import SmallCNN
+from feddg.models.cnn4 import CNN4
+from feddg.models.efficientnet import EfficientNetLite
 from feddg.models.hfedf_cnn import HFedFCNN, NaiveInception
 from feddg.models.lenet import LeNet
 from feddg.models.resnet import BasicBlock, Bottleneck, ResNet
@@ -261,16 +263,50 @@ def resnet_spec(model: ResNet) -> PermutationSpec:
     return b.spec()
 
 
+def efficientnet_spec(model: EfficientNetLite) -> PermutationSpec:
+    """One group per residual stream (the stem; a block's project conv opens a new stream when the
+    width changes and joins the stream when the block has a skip connection) and one per block's
+    expanded width, produced by the 1×1 expand conv *and* the depthwise conv (a depthwise conv's
+    filter ``i`` reads only channel ``i``, so its output channels are its input channels, permuted
+    together; BatchNorms ``_bn0`` and ``_bn1`` follow) and consumed by the project conv. Block 0 has
+    no expand conv: its depthwise conv produces the stem's stream. The head conv is a group of its
+    own, consumed by ``_fc``."""
+    b = _Builder(model)
+    stream = b.new_group("_conv_stem")
+    b.add_norm(stream, "_bn0")
+    for i, block in enumerate(model._blocks):
+        p = f"_blocks.{i}"
+        hidden = stream
+        if block._expand_conv is not None:
+            b.consume([(stream, 0)], f"{p}._expand_conv.weight")
+            hidden = b.new_group(f"{p}._expand_conv")
+            b.add_norm(hidden, f"{p}._bn0")
+        b.add_producer(hidden, f"{p}._depthwise_conv", f"{p}._bn1")
+        b.consume([(hidden, 0)], f"{p}._project_conv.weight")
+        if block.skip:
+            b.add_producer(stream, f"{p}._project_conv", f"{p}._bn2")
+        else:
+            stream = b.new_group(f"{p}._project_conv")
+            b.add_norm(stream, f"{p}._bn2")
+    b.consume([(stream, 0)], "_conv_head.weight")
+    head = b.new_group("_conv_head")
+    b.add_norm(head, "_bn1")
+    b.consume([(head, 0)], "_fc.weight")
+    return b.spec()
+
+
 SpecBuilder = Callable[[nn.Module], PermutationSpec]
 
 #: zoo class -> spec builder; :func:`register_spec` adds models defined elsewhere
 SPEC_BUILDERS: dict[type[nn.Module], SpecBuilder] = {
     LeNet: sequential_spec,
     SmallCNN: sequential_spec,
+    CNN4: sequential_spec,
     HFedFCNN: sequential_spec,
     AlexNet: sequential_spec,
     VGG: sequential_spec,
     ResNet: resnet_spec,  # type: ignore[dict-item]
+    EfficientNetLite: efficientnet_spec,  # type: ignore[dict-item]
 }
 
 

@@ -12,6 +12,8 @@ from torch import Tensor
 from feddg.models.alexnet import AlexNet
 from feddg.models.base import FedModel
 from feddg.models.cnn import SmallCNN
+from feddg.models.cnn4 import CNN4
+from feddg.models.efficientnet import efficientnet_lite0
 from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
 from feddg.models.resnet import resnet18, resnet50
@@ -23,6 +25,8 @@ logger = logging.getLogger(__name__)
 MODELS: dict[str, Callable[..., FedModel]] = {
     "alexnet": AlexNet,
     "cnn": SmallCNN,
+    "cnn4": CNN4,  # 32-64-64-64, ~94k parameters (the W1 benchmark)
+    "efficientnet_lite0": efficientnet_lite0,  # model.params.pretrained: true for the ImageNet weights
     "hfedf-cnn": HFedFCNN,
     "lenet": LeNet,
     "resnet18": resnet18,

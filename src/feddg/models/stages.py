@@ -12,6 +12,8 @@ from torch import nn
 
 from feddg.models.alexnet import AlexNet
 from feddg.models.cnn import SmallCNN
+from feddg.models.cnn4 import CNN4
+from feddg.models.efficientnet import EfficientNetLite, MBConv
 from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
 from feddg.models.resnet import ResNet
@@ -24,7 +26,7 @@ def conv_stages(model: nn.Module) -> list[str]:
     Each named module is called exactly once per forward pass, so a forward hook on it sees
     the stage's output feature map ``[B, C, H, W]``.
     """
-    if isinstance(model, SmallCNN):
+    if isinstance(model, (SmallCNN, CNN4)):
         return [f"blocks.{i}" for i in range(len(model.blocks))]
     if isinstance(model, LeNet):
         return ["conv.2", "conv.5"]
@@ -34,6 +36,13 @@ def conv_stages(model: nn.Module) -> list[str]:
         return [f"layer{i}" for i in range(1, 6)]
     if isinstance(model, ResNet):
         return ["maxpool", "layer1", "layer2", "layer3", "layer4"]
+    if isinstance(model, EfficientNetLite):  # the last block at each resolution: _blocks.0, 2, 4, 10, 15
+        blocks = model._blocks
+        return [f"_blocks.{i}" for i in range(len(blocks)) if i + 1 == len(blocks) or _strided(blocks[i + 1])]
     if isinstance(model, VGG):
         return [f"features.{i}" for i, m in enumerate(model.trunk) if isinstance(m, nn.MaxPool2d)]
     raise TypeError(f"no conv-stage map for {type(model).__name__}; add one in feddg/models/stages.py")
+
+
+def _strided(block: nn.Module) -> bool:
+    return isinstance(block, MBConv) and block._depthwise_conv.stride != (1, 1)

@@ -1,0 +1,115 @@
+"""Station → server merges of a station topology (HFedATM §3, Algorithm 1 step 3), selected by name.
+
+A merge is a pure function of the station models (``w/`` messages), the stations' Gram matrices
+(``None`` when the merge does not use them) and the weights γ_e (active clients, eq. 7)::
+
+    merged, metrics = fn(weights, grams, gammas, spec, solver=..., lambda_ot=..., sinkhorn_iters=...)
+
+``uses_grams`` asks the topology to collect client Grams (eq. 8) in the last station round and pass
+them; ``uses_alignment`` asks it to pass the model's permutation spec (FOT); otherwise it passes ``None``. ``avg`` is HFedAvg (the γ-weighted
+mean); ``hfedatm`` is FOT alignment (eqs. 2–6) then RegMean (eqs. 11–12) for linear weights and the
+γ-weighted mean for everything else; ``hfedatm-no-fot`` / ``hfedatm-no-regmean`` are Table 4's
+ablations. A new merge is one function and one line in :data:`MERGES`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from feddg.aggregation.fot import align_to_reference
+from feddg.aggregation.mean import weighted_mean
+from feddg.aggregation.regmean import regmean
+from feddg.messages import WEIGHT_PREFIX, Message, subset
+from feddg.models.permutation import PermutationSpec, permute_grams
+
+Grams = dict[str, np.ndarray]  # nn.Linear module name -> G (its inputs' X^T X)
+MergeFn = Callable[..., tuple[Message, dict[str, float]]]
+
+
+def merge_stations(
+    weights: Sequence[Message],
+    grams: Sequence[Grams] | None,
+    gammas: Sequence[float],
+    spec: PermutationSpec | None,
+    *,
+    solver: str = "sinkhorn",
+    lambda_ot: float = 0.05,
+    sinkhorn_iters: int = 25,
+    **_: Any,
+) -> tuple[Message, dict[str, float]]:
+    """Merge station models into the global model; returns it and diagnostics.
+
+    ``spec`` given: FOT-align stations 2.. to station 1 (and permute their Grams). ``grams`` given:
+    RegMean (eq. 12) for every linear weight with a Gram at every station. Everything else: the
+    γ-weighted mean (eq. 7).
+    """
+    states = [{k: torch.from_numpy(np.asarray(v)) for k, v in subset(w, WEIGHT_PREFIX).items()} for w in weights]
+    metrics: dict[str, float] = {}
+    if spec is not None and len(states) > 1:
+        t0 = time.perf_counter()
+        al = align_to_reference(states[0], states[1:], spec, solver, lambda_ot, sinkhorn_iters)
+        states = [states[0], *al.states]
+        if grams is not None:
+            grams = [grams[0]] + [
+                {k: v.numpy() for k, v in permute_grams({k: torch.from_numpy(v) for k, v in g.items()}, spec, p).items()}
+                for g, p in zip(grams[1:], al.perms, strict=True)
+            ]
+        metrics["hfl/time_fot_s"] = time.perf_counter() - t0
+        metrics["fot/passes"] = al.passes
+        metrics["fot/moved"] = float(np.mean(list(al.moved.values())))
+        for g in spec.groups:
+            metrics[f"fot/{g.name}/moved"] = al.moved[g.name]
+            metrics[f"fot/{g.name}/cost_before"] = al.cost_before[g.name]
+            metrics[f"fot/{g.name}/cost_after"] = al.cost_after[g.name]
+    layers = set.intersection(*(set(g) for g in grams)) if grams else set()
+    merged: dict[str, np.ndarray] = {}
+    regmean_s, fallbacks = 0.0, 0
+    for key in states[0]:
+        layer = key.removesuffix(".weight")
+        arrays = [s[key].numpy() for s in states]
+        if key.endswith(".weight") and layer in layers:
+            assert grams is not None
+            t0 = time.perf_counter()
+            res = regmean(arrays, [g[layer] for g in grams], gammas, layer)
+            regmean_s += time.perf_counter() - t0
+            merged[key] = res.weight
+            metrics[f"regmean/{layer}/cond"] = res.cond
+            metrics[f"regmean/{layer}/fallback"] = float(res.fallback)
+            metrics[f"regmean/{layer}/dead_inputs"] = float(res.dead_inputs)
+            fallbacks += res.fallback
+        else:
+            merged[key] = weighted_mean(arrays, gammas)
+    if layers:
+        metrics["hfl/time_regmean_s"] = regmean_s
+        metrics["regmean/fallbacks"] = float(fallbacks)
+    return {WEIGHT_PREFIX + k: v for k, v in merged.items()}, metrics
+
+
+@dataclass(frozen=True)
+class StationMerge:
+    """A registered merge: the function and what it needs the topology to collect."""
+
+    fn: MergeFn
+    uses_grams: bool = False
+    uses_alignment: bool = False
+
+
+#: the topology passes Grams only to merges that use them and the spec only to merges that align
+MERGES: dict[str, StationMerge] = {
+    "avg": StationMerge(merge_stations),
+    "hfedatm": StationMerge(merge_stations, uses_grams=True, uses_alignment=True),
+    "hfedatm-no-fot": StationMerge(merge_stations, uses_grams=True),
+    "hfedatm-no-regmean": StationMerge(merge_stations, uses_alignment=True),
+}
+
+
+def station_merge(name: str) -> StationMerge:
+    if name not in MERGES:
+        raise ValueError(f"unknown station merge {name!r}; available: {sorted(MERGES)}")
+    return MERGES[name]

@@ -1,0 +1,58 @@
+"""The local training loop every client method shares: optimiser, epochs, a loss hook, and the configured
+mixed precision (``optim.amp``: the loss is computed under ``ctx.autocast()``, fp16 with a gradient scaler;
+the weights and the optimiser stay float32), and the configured local augmentations (``optim.augment``:
+:mod:`feddg.algorithms.components.augment`; label-mixing ones hand ``loss_fn`` soft targets)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from feddg.algorithms.base import ClientContext, OptimSettings
+from feddg.algorithms.components.augment import Augmenter, parse_augment
+
+#: ``loss_fn(model, x, y) -> scalar loss``
+LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+
+def cross_entropy_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def make_optimizer(params: Iterable[Tensor], optim: OptimSettings, lr: float) -> torch.optim.Optimizer:
+    """SGD (with momentum) or Adam with the configured weight decay."""
+    if optim.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    if optim.name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=optim.weight_decay)
+    raise ValueError(f"unknown optimiser {optim.name!r}; expected 'sgd' or 'adam'")
+
+
+def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn = cross_entropy_loss) -> float:
+    """Run ``ctx.local_epochs`` epochs of ``loss_fn`` on the client's data; return the mean loss."""
+    model.train()
+    opt = make_optimizer(model.parameters(), ctx.optim, lr)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.optim.amp == "fp16")  # fp16 gradients underflow
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    specs = parse_augment(ctx.optim.augment)
+    seed = int(torch.randint(2**62, (1,), generator=ctx.generator)) if specs else 0  # no draw without augment
+    total, steps = 0.0, 0
+    with Augmenter(model, specs, seed, ctx.dataset.num_classes) as augment:
+        for _ in range(ctx.local_epochs):
+            for x, y in ctx.batches():
+                if has_bn and len(y) < 2:
+                    continue  # BatchNorm cannot train on a single sample
+                if specs:
+                    x, y = augment.step(x, y)
+                opt.zero_grad(set_to_none=True)
+                with ctx.autocast():
+                    loss = loss_fn(model, x, y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                total += float(loss.detach())
+                steps += 1
+    return total / max(steps, 1)

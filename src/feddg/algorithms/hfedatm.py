@@ -1,0 +1,174 @@
+"""HFedATM (hierarchical federated alignment and merging): its hyper-parameters, the client's Gram
+recorder (eq. 8, optionally clipped and noised for DP, §3.4) and the station's Gram statistics
+(eqs. 9–10).
+
+HFedATM is not a client method: any client method (FedAvg, FedProx, FedSR, FedIIR, FedFA, ...) trains
+inside the stations of a station topology (``feddg.federation.topology``), and HFedATM is the station
+→ server merge (FOT alignment, eqs. 2–6, then RegMean, eqs. 11–12; ``feddg.aggregation.merges``).
+This file holds what that merge needs from the clients and the stations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from feddg.aggregation.dp import clip_rows, gaussian_sigma, gram_sensitivity, privatize_gram
+from feddg.aggregation.regmean import psd_project, shrink, station_gram
+from feddg.algorithms.base import ClientContext, ClientState, Method, Params
+from feddg.messages import Message
+
+GRAM_FLAG = "collect_gram"  # server -> client: also send Grams this round
+GRAM_PREFIX = "gram/"  # client -> station: "gram/<nn.Linear module name>" = X^T X of its inputs
+
+
+class HFedATMParams(Params):
+    """``hierarchy.params``: the station topology's and its merge's hyper-parameters (defaults: HFedATM
+    supplement Table 1)."""
+
+    lambda_ot: float = Field(0.05, gt=0, description="λ_OT, Sinkhorn entropic regulariser (eq. 4)")
+    sinkhorn_iters: int = Field(25, ge=1, description="n_iter, Sinkhorn iterations")
+    solver: Literal["sinkhorn", "hungarian"] = Field("sinkhorn", description="OT solver; hungarian = exact assignment")
+    alpha: float = Field(0.75, ge=0, le=1, description="RegMean shrinkage α (eq. 10)")
+    gram_pass: Literal["last_epoch", "after"] = Field(
+        "last_epoch", description="Grams from the last local epoch's training passes, or an extra no-grad pass after it"
+    )
+    client_pull: Literal["station", "global"] = Field(
+        "station", description="clients start each station round from their station's model, or from the global one"
+    )
+    dp_epsilon: float | None = Field(None, gt=0, description="ε of the Gaussian mechanism on each Gram; null = no DP")
+    dp_delta: float = Field(1e-5, gt=0, lt=1)
+    dp_clip: float = Field(1.0, gt=0, description="per-sample L2 clip C of a linear layer's input (sensitivity C²)")
+    dp_mechanism: Literal["analytic", "classic"] = "analytic"
+    dp_accountant: Literal["rdp", "pld"] = Field("rdp", description="composes the run's Gram releases into one ε")
+
+    def dp_sigma(self) -> float | None:
+        """σ of the Gaussian noise on every Gram entry, or ``None`` without DP."""
+        if self.dp_epsilon is None:
+            return None
+        return gaussian_sigma(self.dp_epsilon, self.dp_delta, gram_sensitivity(self.dp_clip), self.dp_mechanism)
+
+
+# ------------------------------------------------------------------------------- client: eq. 8
+
+
+class GramRecorder:
+    """Eq. 8 on the client: ``G = X^T X`` of the input of every ``nn.Linear``, summed over one pass
+    over the client's data (the last pass that ran in training mode), each batch counted once.
+
+    Forward pre-hooks see each layer's input; a pass starts with every ``ctx.batches()`` call of a
+    context from :meth:`track`. With ``clip``, each input row is clipped to that L2 norm (DP).
+    """
+
+    def __init__(self, model: nn.Module, clip: float | None = None) -> None:
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.clip = clip
+        self.current: dict[str, Tensor] = {}
+        self.last: dict[str, Tensor] = {}
+        self.seen: set[str] = set()
+        self.eval_mode = False
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> GramRecorder:
+        self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in self.layers.items()]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _hook(self, name: str) -> Any:
+        def record(module: nn.Linear, args: tuple[Tensor, ...]) -> None:
+            if name in self.seen or not (module.training or self.eval_mode):
+                return
+            self.seen.add(name)  # a second forward of the same batch is not counted again
+            x = args[0].detach().reshape(-1, module.in_features).double()
+            if self.clip is not None:
+                x = clip_rows(x, self.clip)
+            g = x.T @ x
+            self.current[name] = self.current[name] + g if name in self.current else g
+
+        return record
+
+    def new_pass(self) -> None:
+        if self.current:
+            self.last, self.current = self.current, {}
+
+    def new_batch(self) -> None:
+        self.seen = set()
+
+    def track(self, ctx: ClientContext) -> ClientContext:
+        """``ctx`` whose ``batches()`` marks passes and batches for this recorder."""
+        return _TrackedContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)}, recorder=self)
+
+    def extra_pass(self, model: nn.Module, ctx: ClientContext) -> None:
+        """Grams from one no-grad pass in eval mode after training (``gram_pass: after``)."""
+        model.eval()
+        self.eval_mode = True
+        with self, torch.no_grad():
+            for x, _ in self.track(ctx).batches(shuffle=False, train=False):
+                model(x)
+        self.eval_mode = False
+
+    def grams(self) -> dict[str, Tensor]:
+        self.new_pass()
+        return self.last
+
+
+@dataclass
+class _TrackedContext(ClientContext):
+    recorder: GramRecorder | None = None
+
+    def batches(self, *, shuffle: bool = True, train: bool = True) -> Iterator[tuple[Tensor, Tensor]]:
+        assert self.recorder is not None
+        self.recorder.new_pass()
+        for batch in super().batches(shuffle=shuffle, train=train):
+            self.recorder.new_batch()
+            yield batch
+
+
+def update_with_grams(
+    method: Method, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext, params: HFedATMParams
+) -> tuple[Message, ClientState]:
+    """The client method's update, plus ``gram/<layer>`` (eq. 8) when the station asks for Grams
+    (``collect_gram`` in ``msg``; the last station round), clipped and noised under DP."""
+    if not msg.get(GRAM_FLAG):
+        return method.client_update(model, msg, client_state, ctx)
+    msg = {k: v for k, v in msg.items() if k != GRAM_FLAG}
+    sigma = params.dp_sigma()
+    recorder = GramRecorder(model, params.dp_clip if sigma is not None else None)
+    if params.gram_pass == "last_epoch":
+        with recorder:
+            reply, client_state = method.client_update(model, msg, client_state, recorder.track(ctx))
+    else:
+        reply, client_state = method.client_update(model, msg, client_state, ctx)
+        recorder.extra_pass(model, ctx)
+    grams = recorder.grams()
+    if sigma is not None:
+        grams = {k: privatize_gram(g, sigma, ctx.generator) for k, g in grams.items()}
+    return {**reply, **{GRAM_PREFIX + k: g.float().numpy() for k, g in grams.items()}}, client_state
+
+
+# ------------------------------------------------------------------------------- station: eqs. 9–10
+
+
+def station_grams(client_grams: Sequence[dict[str, np.ndarray]], params: HFedATMParams) -> dict[str, np.ndarray]:
+    """Eq. 9 (mean over the station's active clients) of every layer all of them sent, PSD projection
+    under DP (noise can make a Gram indefinite), then eq. 10 (shrinkage with α)."""
+    keys = set.intersection(*(set(g) for g in client_grams))
+    out = {}
+    for key in sorted(keys):
+        g = station_gram([g[key] for g in client_grams])
+        if params.dp_epsilon is not None:
+            g = psd_project(g)
+        out[key] = shrink(g, params.alpha)
+    return out
+
+

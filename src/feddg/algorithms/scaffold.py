@@ -1,0 +1,163 @@
+"""SCAFFOLD (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020).
+
+Control variates correct the client drift: the server keeps ``c``, each client ``i`` its own ``c_i``
+(client state, persisted and checkpointed; zero at first). Algorithm 1, with local learning rate ``η``,
+``K`` local steps from the global model ``x``, server learning rate ``η_g``, ``N`` clients, ``S`` sampled:
+
+    y   ← y − η (g_i(y) − c_i + c)                                   (every local step)
+    c_i⁺ = c_i − c + (x − y) / (K η)                                  (option II; ``control: option2``)
+    c_i⁺ = ∇f_i(x)                                                    (option I; ``control: option1``)
+    x   ← x + η_g · Σ_{i∈S} (n_i / n_S) (y_i − x)                     (trainable parameters)
+    c   ← c + (1/N) Σ_{i∈S} (c_i⁺ − c_i)                              (= c + |S|/N · mean Δc)
+
+The paper averages ``Δy`` uniformly over ``S``; here by ``n_i`` as FedAvg does (the same for equal-size
+clients), so that at ``c = c_i = 0`` and ``η_g = 1`` the first round is FedAvg's. Buffers (BatchNorm
+statistics) are FedAvg-averaged. Option II recovers the mean corrected gradient only for plain SGD steps:
+with momentum or Adam it is refused (use option I, one extra gradient pass at ``x`` over the client's data,
+valid under any optimiser). ``g`` includes the optimiser's weight decay (an L2 term), so option I adds it too.
+The server folds running sums of the weights and of ``Δc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from feddg.aggregation.mean import WeightedSum
+from feddg.algorithms.base import (
+    Accumulator,
+    ClientContext,
+    ClientState,
+    Method,
+    Metrics,
+    Params,
+    Reply,
+    ServerContext,
+    ServerState,
+    weights_reply,
+)
+from feddg.algorithms.components.local import LossFn, cross_entropy_loss, train_local
+from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
+
+CONTROL = "c/"  # server -> client: c per trainable parameter
+DELTA = "dc/"  # client -> server: Δc_i = c_i⁺ − c_i
+OWN = "ci/"  # client state: c_i
+
+
+class ScaffoldParams(Params):
+    server_lr: float = Field(1.0, gt=0.0, description="η_g, the server learning rate")
+    control: Literal["option2", "option1"] = Field(
+        "option2", description="c_i⁺: option2 = c_i − c + (x − y)/(Kη) (plain SGD only), option1 = ∇f_i(x)"
+    )
+
+
+def option2(ci: np.ndarray, c: np.ndarray, x: np.ndarray, y: np.ndarray, steps: int, lr: float) -> np.ndarray:
+    """``c_i⁺ = c_i − c + (x − y) / (K η)``."""
+    return (ci - c + (x.astype(np.float64) - y) / (steps * lr)).astype(ci.dtype)
+
+
+def corrected_training(model: nn.Module, ctx: ClientContext, lr: float, correction: list[Tensor],
+                       loss_fn: LossFn = cross_entropy_loss) -> tuple[float, int]:
+    """``train_local`` with each parameter's gradient ``g`` replaced by ``g + correction`` (``= g − c_i + c``);
+    returns the mean loss and the number of local steps ``K``."""
+    steps = 0
+
+    def counted(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        nonlocal steps
+        steps += 1
+        return loss_fn(m, x, y)
+
+    handles = [p.register_hook(lambda g, d=d: g + d) for p, d in zip(model.parameters(), correction, strict=True)]
+    try:
+        loss = train_local(model, ctx, lr=lr, loss_fn=counted)
+    finally:
+        for h in handles:
+            h.remove()
+    return loss, steps
+
+
+def full_gradient(model: nn.Module, ctx: ClientContext, loss_fn: LossFn = cross_entropy_loss) -> list[np.ndarray]:
+    """``∇f_i(x)``: the gradient of the client's mean loss over all its data (train mode as in training, in
+    order, no augmentation; BatchNorm statistics restored after) plus the optimiser's L2 term ``wd · x``."""
+    params = list(model.parameters())
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    total = [torch.zeros_like(p) for p in params]
+    model.train()
+    for x, y in ctx.batches(shuffle=False, train=False):
+        grads = torch.autograd.grad(loss_fn(model, x, y) * len(y), params)
+        total = [t + g for t, g in zip(total, grads, strict=True)]
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(buffers[k])
+    wd = ctx.optim.weight_decay
+    return [(t / ctx.num_examples + wd * p.detach()).cpu().numpy() for t, p in zip(total, params, strict=True)]
+
+
+class Scaffold(Method):
+    """Drift-corrected local SGD; the server updates the global model and its control variate."""
+
+    name = "scaffold"
+    Params = ScaffoldParams
+    search_space: ClassVar[dict[str, list[Any]]] = {"server_lr": [0.5, 1.0]}
+    loss_fn: LossFn = staticmethod(cross_entropy_loss)  # the local objective f_i (tests swap in a quadratic)
+
+    @property
+    def p(self) -> ScaffoldParams:
+        assert isinstance(self.params, ScaffoldParams)
+        return self.params
+
+    def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
+        control = {n: np.zeros_like(p.detach().cpu().numpy()) for n, p in model.named_parameters()}
+        return {"weights": weights_of(model), "control": control, "num_clients": ctx.num_clients}
+
+    def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
+        return {**state["weights"], **{CONTROL + n: v for n, v in state["control"].items()}}
+
+    def client_update(
+        self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        option2_ok = ctx.optim.name == "sgd" and ctx.optim.momentum == 0
+        if self.p.control == "option2" and not option2_ok:
+            raise ValueError("SCAFFOLD option II assumes plain SGD local steps: set optim.momentum=0 (optim.name=sgd) "
+                             "or method.params.control=option1")
+        load_weights(model, msg)
+        lr = float(msg["lr"])
+        names = [n for n, _ in model.named_parameters()]
+        c = [np.asarray(msg[CONTROL + n]) for n in names]
+        ci = [np.asarray(client_state.get(OWN + n, np.zeros_like(v))) for n, v in zip(names, c, strict=True)]
+        x = [np.asarray(msg[WEIGHT_PREFIX + n]) for n in names]
+        grad_x = full_gradient(model, ctx, self.loss_fn) if self.p.control == "option1" else None
+        correction = [torch.from_numpy(cc - cic).to(ctx.device) for cc, cic in zip(c, ci, strict=True)]
+        loss, steps = corrected_training(model, ctx, lr, correction, self.loss_fn)
+        reply = weights_reply(model, ctx.num_examples, loss)
+        if grad_x is not None:
+            new = [g.astype(v.dtype) for g, v in zip(grad_x, ci, strict=True)]
+        elif steps == 0:  # no local step (a single-sample BatchNorm client): nothing to estimate
+            new = ci
+        else:
+            new = [option2(cic, cc, xx, np.asarray(reply[WEIGHT_PREFIX + n]), steps, lr)
+                   for n, cic, cc, xx in zip(names, ci, c, x, strict=True)]
+        delta = {DELTA + n: nv - cic for n, nv, cic in zip(names, new, ci, strict=True)}
+        return {**reply, **delta}, {OWN + n: nv for n, nv in zip(names, new, strict=True)}
+
+    def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
+        """FedAvg's running sum of the weights, plus the running ``Σ_{i∈S} Δc_i``."""
+        acc = super().accumulate(acc, reply)
+        acc.sums.setdefault(DELTA, WeightedSum(DELTA)).add(reply.message, 1.0)
+        return acc
+
+    def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
+        assert acc.weights is not None
+        mean, old, eta = acc.weights.mean(), state["weights"], self.p.server_lr
+        new = dict(mean)
+        for n in state["control"]:
+            k = WEIGHT_PREFIX + n  # x + η_g (ȳ − x), written as ȳ + (η_g − 1)(ȳ − x): exactly ȳ at η_g = 1
+            new[k] = (mean[k] + (eta - 1.0) * (mean[k].astype(np.float64) - old[k])).astype(old[k].dtype)
+        sums, n_all = acc.sums[DELTA].sums, int(state["num_clients"])
+        control = {n: (c + sums[DELTA + n] / n_all).astype(c.dtype) for n, c in state["control"].items()}
+        norm = float(np.sqrt(sum(float((c.astype(np.float64) ** 2).sum()) for c in control.values())))
+        return {**state, "weights": new, "control": control}, {"scaffold/c_norm": norm}

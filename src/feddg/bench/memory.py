@@ -1,0 +1,98 @@
+"""Server memory of a FedAvg round: the streaming fold (O(model)) against the all-at-once list of replies.
+
+Synthetic replies (no training) go through the method's fold — ``start``, ``accumulate`` one reply at a
+time, ``finish``, as ``Server.receive`` drives it — or, all at once, into a list handed to
+``Method.aggregate`` (what the server held before the fold). Peaks are tracemalloc's (numpy's buffers
+are traced), above what was allocated before the round: the global model and the reply template.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+
+from feddg.algorithms.base import Reply
+from feddg.algorithms.registry import create_method
+from feddg.messages import Message
+
+#: fractions of the parameters in each synthetic layer (a CNN-like spread: the largest layer is half)
+LAYER_FRACTIONS = (0.02, 0.08, 0.15, 0.25, 0.5)
+
+
+def synthetic_weights(params: int, seed: int = 0) -> Message:
+    """A float32 ``w/`` message of about ``params`` parameters in five layers, plus an integer counter."""
+    rng = np.random.default_rng(seed)
+    out: Message = {f"w/layer{i}": rng.standard_normal(max(1, int(params * f))).astype(np.float32)
+                    for i, f in enumerate(LAYER_FRACTIONS)}
+    out["w/bn.num_batches_tracked"] = np.array(7, dtype=np.int64)
+    return out
+
+
+def model_bytes(weights: Message) -> int:
+    return int(sum(np.asarray(v).nbytes for v in weights.values()))
+
+
+def synthetic_reply(template: Message, k: int) -> Message:
+    """Client ``k``'s reply: the template scaled by ``1 + k/1000``, ``100 + k % 50`` examples."""
+    scale = np.float32(1 + k / 1000)
+    w = {key: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v + k for key, v in template.items()}
+    return {**w, "num_examples": 100 + k % 50, "train_loss": 0.0}
+
+
+def examples(n_clients: int) -> int:
+    return sum(100 + k % 50 for k in range(n_clients))
+
+
+def streaming_fold(template: Message, n_clients: int) -> Message:
+    """FedAvg's fold, one synthetic reply at a time (each reply is dropped once folded in)."""
+    method = create_method("fedavg")
+    state = {"weights": template}
+    acc = method.start(examples(n_clients))
+    for k in range(n_clients):
+        acc = method.accumulate(acc, Reply(k, synthetic_reply(template, k)))
+    return method.finish(state, acc)[0]["weights"]
+
+
+def all_at_once(template: Message, n_clients: int) -> Message:
+    """The old way: every reply in a list, then the aggregation."""
+    replies = [Reply(k, synthetic_reply(template, k)) for k in range(n_clients)]
+    return create_method("fedavg").aggregate({"weights": template}, replies)[0]["weights"]
+
+
+def peak_extra_bytes(fold: str, template: Message, n_clients: int) -> tuple[int, float]:
+    """tracemalloc's peak above the allocations before the round, and the seconds the round took."""
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    if fold == "streaming":
+        streaming_fold(template, n_clients)
+    else:
+        all_at_once(template, n_clients)
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1] - base
+    if not was_tracing:
+        tracemalloc.stop()
+    return peak, seconds
+
+
+def memory_table(params: int, clients: list[int], max_list_bytes: float) -> list[dict[str, float | str]]:
+    """One row per (fold, client count); the list is only allocated when it fits in ``max_list_bytes``
+    (else its size, ``clients × model``, is computed: a lower bound of its peak)."""
+    template = synthetic_weights(params)
+    mb = model_bytes(template)
+    rows: list[dict[str, float | str]] = []
+    for n in clients:
+        for fold in ("streaming", "all-at-once"):
+            if fold == "all-at-once" and n * mb > max_list_bytes:
+                rows.append({"fold": fold, "clients": n, "peak_mb": n * mb / 2**20, "models": float(n),
+                             "seconds": float("nan"), "note": "computed (clients × model), not allocated"})
+                continue
+            peak, secs = peak_extra_bytes(fold, template, n)
+            rows.append({"fold": fold, "clients": n, "peak_mb": peak / 2**20, "models": peak / mb,
+                         "seconds": secs, "note": "measured"})
+    return rows

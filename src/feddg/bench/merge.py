@@ -1,0 +1,110 @@
+"""M1: the wall time of HFedATM's station → server merge (FOT + RegMean) of ResNet-18 stations.
+
+:func:`resnet18_stations` builds a realistic merge input: one random ResNet-18 (ImageNet stem)
+perturbed independently per station and then permuted by random channel permutations (so FOT has
+every filter to move back), with each station's Gram of ``fc``'s inputs (eq. 9 averaged over its
+clients, eq. 10 shrunk) permuted like its features. :func:`time_merges` times merge callables interleaved
+with a fixed number of torch threads; ``benchmarks/bench_merge.py`` compares implementations.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from feddg.aggregation.regmean import shrink, station_gram
+from feddg.messages import WEIGHT_PREFIX, Message
+from feddg.models import create_model
+from feddg.models.permutation import (
+    PermutationSpec,
+    apply_permutations,
+    permutation_spec,
+    permute_grams,
+    random_permutations,
+)
+
+
+@dataclass
+class MergeCase:
+    """The arguments of ``merge_stations`` (minus its params) for one merge."""
+
+    weights: list[Message]
+    grams: list[dict[str, np.ndarray]]
+    gammas: list[float]
+    spec: PermutationSpec
+
+
+def _fc_grams(rng: np.random.Generator, dim: int, clients: int, samples: int, alpha: float) -> np.ndarray:
+    """A station's shrunk Gram (eqs. 8–10) of non-negative, correlated features (post-ReLU, pooled)."""
+    mix = rng.normal(size=(dim, dim)) / np.sqrt(dim)
+    client_grams = []
+    for _ in range(clients):
+        x = np.maximum(rng.normal(size=(samples, dim)) @ mix + 0.5, 0.0).astype(np.float32)
+        client_grams.append(x.T @ x)
+    return shrink(station_gram(client_grams), alpha)
+
+
+def _perturb(v: torch.Tensor, noise: float, g: torch.Generator) -> torch.Tensor:
+    if not v.is_floating_point() or v.numel() < 2:
+        return v
+    return v + noise * v.std() * torch.randn(v.shape, generator=g)
+
+
+def resnet18_stations(
+    stations: int = 10,
+    noise: float = 0.3,
+    seed: int = 0,
+    num_classes: int = 10,
+    clients: int = 3,
+    samples: int = 64,
+    alpha: float = 0.75,
+) -> MergeCase:
+    """``stations`` ResNet-18 models: a common random init plus Gaussian noise (``noise`` × each
+    tensor's std) per station, every station but the first also randomly channel-permuted."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = create_model("resnet18", num_classes=num_classes, image_size=224)
+    spec = permutation_spec(model)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights: list[Message] = []
+    grams: list[dict[str, np.ndarray]] = []
+    for e in range(stations):
+        g = torch.Generator().manual_seed(seed * 1000 + e)
+        state = {k: _perturb(v, noise, g) for k, v in base.items()}
+        gram = {"fc": torch.from_numpy(_fc_grams(rng, model.feature_dim, clients, samples, alpha))}
+        if e > 0:
+            perms = random_permutations(spec, rng)
+            state = apply_permutations(state, spec, perms)
+            gram = permute_grams(gram, spec, perms)
+        weights.append({WEIGHT_PREFIX + k: v.numpy() for k, v in state.items()})
+        grams.append({k: v.numpy() for k, v in gram.items()})
+    return MergeCase(weights, grams, [float(clients)] * stations, spec)
+
+
+def time_merges(
+    merges: Mapping[str, Callable[[], object]], repeats: int = 5, threads: int = 2
+) -> dict[str, list[float]]:
+    """Wall-clock seconds of ``repeats`` calls of each merge, interleaved (A B A B ...) so that load
+    changes hit every implementation alike, with ``threads`` torch threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times: dict[str, list[float]] = {name: [] for name in merges}
+    try:
+        for _ in range(repeats):
+            for name, merge in merges.items():
+                t0 = time.perf_counter()
+                merge()
+                times[name].append(time.perf_counter() - t0)
+        return times
+    finally:
+        torch.set_num_threads(previous)
+
+
+def summary(times: list[float]) -> tuple[float, float]:
+    """(min, median) seconds."""
+    return min(times), statistics.median(times)

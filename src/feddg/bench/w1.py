@@ -1,0 +1,134 @@
+"""W1: FedAvg, 4 clients × 2,000 images 3×28×28, ``cnn4``, batch 32, SGD, 1 local epoch, 5 rounds.
+
+feddg's in-process engine (``workers`` 1 and 2) against the pure-compute yardstick this module contains:
+a plain PyTorch loop doing the same 20 client-epochs on 2 one-thread processes (10 each), with no
+messages, aggregation or evaluation. Timings are wall seconds of the whole run, interleaved.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from feddg.algorithms.registry import create_method
+from feddg.config import ExperimentConfig, build_config
+from feddg.data.tensor_dataset import TensorDomainDataset
+from feddg.engines.inprocess import run_inprocess
+from feddg.federation.server import Server
+from feddg.federation.setup import Federation, make_clients, make_split, make_topology
+from feddg.models import create_model
+
+CLIENTS, IMAGES, SIZE, CLASSES, ROUNDS, BATCH, LR = 4, 2000, 28, 10, 5, 32, 0.05
+TEST_IMAGES = 200  # the held-out domain, evaluated once after the last round
+
+
+def w1_dataset(images: int = IMAGES, seed: int = 0) -> TensorDomainDataset:
+    """5 domains (4 training domains of ``images``, 1 test domain of 200): class prototypes plus noise."""
+    rng = np.random.default_rng(seed)
+    protos = rng.integers(0, 256, size=(CLASSES, 3, SIZE, SIZE))
+    parts = []
+    for n in [images] * CLIENTS + [TEST_IMAGES]:
+        y = rng.integers(0, CLASSES, size=n)
+        x = np.clip(protos[y] + rng.normal(0, 40, size=(n, 3, SIZE, SIZE)), 0, 255).astype(np.uint8)
+        parts.append((x, y.astype(np.int64)))
+    domains = ["test", *[f"d{i}" for i in range(CLIENTS)]]
+    return TensorDomainDataset.from_parts("w1", [parts[-1], *parts[:-1]], domains, [str(c) for c in range(CLASSES)],
+                                          mean=[0.5] * 3, std=[0.25] * 3)
+
+
+def w1_config(workers: int, images: int = IMAGES) -> ExperimentConfig:
+    """W1 as a config; ``data.max_per_domain`` carries the images per client (the dataset itself is built here)."""
+    return build_config({
+        "data": {"max_per_domain": images},
+        "name": "w1", "model": {"name": "cnn4"}, "method": {"name": "fedavg"}, "device": "cpu",
+        "partition": {"kind": "by_domain", "num_clients": CLIENTS, "holdout": 0.0}, "split": {"target": "test"},
+        "optim": {"name": "sgd", "lr": LR, "schedule": "constant"},
+        "federation": {"rounds": ROUNDS, "local_epochs": 1, "batch_size": BATCH, "workers": workers},
+        "eval": {"every": ROUNDS},
+    })
+
+
+def w1_federation(cfg: ExperimentConfig) -> Federation:
+    """The W1 federation of ``cfg`` (a spawned worker rebuilds it by this module path)."""
+    ds = w1_dataset(cfg.data.max_per_domain or IMAGES)
+    split = make_split(ds, cfg)
+    clients = make_clients(ds, split, cfg)
+    method = create_method(cfg.method.name, cfg.method.params)
+    torch.manual_seed(cfg.seed)
+    model = method.prepare_model(create_model("cnn4", num_classes=CLASSES))
+    return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))
+
+
+def run_feddg(workers: int, images: int = IMAGES) -> float:
+    """Wall seconds of W1 through feddg's in-process engine (pool start-up, 5 rounds, evaluation, files)."""
+    cfg = w1_config(workers, images)
+    fed = w1_federation(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        run_inprocess(Server(fed, Path(tmp) / "run"), factory=w1_federation)
+        return time.perf_counter() - t0
+
+
+def _plain_worker(images: torch.Tensor, labels: torch.Tensor, epochs: int, seed: int) -> None:
+    """``epochs`` client-epochs of plain SGD training on one thread (the yardstick's half)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = create_model("cnn4", num_classes=CLASSES)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        model.load_state_dict(start)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
+        for idx in torch.randperm(len(labels), generator=g).split(BATCH):
+            x = (images[idx].float().div_(255.0) - 0.5) / 0.25
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), labels[idx]).backward()
+            opt.step()
+
+
+def run_plain(images: int = IMAGES, processes: int = 2) -> float:
+    """Wall seconds of the same 20 client-epochs on ``processes`` forked one-thread processes."""
+    ds = w1_dataset(images)
+    train = np.flatnonzero(ds.domain_ids != ds.domain_index("test"))[:images]
+    images, labels = ds.images[train], torch.from_numpy(ds.labels[train])
+    epochs = CLIENTS * ROUNDS // processes
+    ctx = mp.get_context("fork")
+    t0 = time.perf_counter()
+    procs = [ctx.Process(target=_plain_worker, args=(images, labels, epochs, i)) for i in range(processes)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a yardstick process failed: exit codes {[p.exitcode for p in procs]}")
+    return time.perf_counter() - t0
+
+
+def w1_table(repeats: int, images: int = IMAGES) -> dict[str, list[float]]:
+    """Seconds of each variant over ``repeats`` interleaved rounds (yardstick, workers 1, workers 2, ...)."""
+    variants = {"plain PyTorch, 2 × 1 thread": lambda: run_plain(images),
+                "feddg workers: 1": lambda: run_feddg(1, images), "feddg workers: 2": lambda: run_feddg(2, images)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            times[name].append(fn())
+    return times
+
+
+def summary(times: dict[str, list[float]]) -> list[tuple[str, float, float, float]]:
+    """(variant, min s, median s, min / yardstick's min) rows; the first variant is the yardstick."""
+    yard = min(next(iter(times.values())))
+    return [(n, min(t), statistics.median(t), min(t) / yard) for n, t in times.items()]
+
+
+def load_average() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())

@@ -1,0 +1,82 @@
+"""Flower App components for a deployment: ``flwr run flower/ <superlink>`` (see docs/flower.md).
+
+The app directory ``flower/pyproject.toml`` points its components here. Everything the apps
+need travels in the run config (``flwr run --run-config run.toml``):
+
+``config``   the experiment YAML text (``feddg.engines.flower.app.run_config_toml`` writes it)
+``run-dir``  where the ServerApp writes the run directory ("" = output_dir/name-method-...)
+``resume``   continue ``run-dir`` from its checkpoint
+
+The ServerApp builds the Federation (for evaluation and the run directory) and drives it with
+``run_on_grid``; each SuperNode's ClientApp rebuilds the same Federation and serves the clients
+of its ``partition-id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from feddg.config import ExperimentConfig, dump_config, load_config
+from feddg.engines.flower.client import config_from_text, make_client_app
+from feddg.engines.flower.server import run_on_grid
+from feddg.federation.server import Server, default_run_dir
+from feddg.federation.setup import build_federation
+
+server_app = ServerApp()
+client_app = make_client_app()
+
+
+def _log_round(row: dict[str, Any]) -> None:
+    accs = {k: round(v, 2) for k, v in row.items() if k in ("id_acc", "val_acc", "ood_acc")}
+    log(INFO, "feddg round %d: train_loss %.4f %s", row["round"], row["train_loss"], accs)
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run the experiment of the run config on the SuperNodes connected to this SuperLink."""
+    from feddg.evaluation.plots import plot_run  # matplotlib: only where the run directory is written
+
+    rc = context.run_config
+    cfg = config_from_text(str(rc.get("config", "")))
+    run_dir = Path(str(rc.get("run-dir", "")) or default_run_dir(cfg))
+    server = Server(build_federation(cfg), run_dir, resume=bool(rc.get("resume", False)))
+    results = run_on_grid(server, grid, on_round=_log_round)
+    plot_run(run_dir)
+    log(INFO, "feddg results (%s): %s", run_dir, json.dumps(results["final"]))
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string (JSON escapes are valid TOML escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def run_config_toml(cfg: ExperimentConfig, run_dir: str | Path = "", resume: bool = False) -> str:
+    """The ``--run-config`` TOML file of an experiment."""
+    return (
+        f"config = {toml_string(dump_config(cfg))}\n"
+        f"run-dir = {toml_string(str(Path(run_dir).resolve()) if run_dir else '')}\n"
+        f"resume = {'true' if resume else 'false'}\n"
+    )
+
+
+def cli() -> None:
+    """``python -m feddg.engines.flower.app CONFIG [-o key=value ...] [--run-dir DIR] > run.toml``."""
+    ap = argparse.ArgumentParser(description="write the Flower run config (TOML) of a feddg experiment")
+    ap.add_argument("config", help="experiment YAML")
+    ap.add_argument("-o", "--set", dest="overrides", action="append", default=[], help="override: key.sub=value")
+    ap.add_argument("--run-dir", default="", help="run directory on the SuperLink machine")
+    ap.add_argument("--resume", action="store_true", help="continue --run-dir from its checkpoint")
+    args = ap.parse_args()
+    print(run_config_toml(load_config(args.config, args.overrides), args.run_dir, args.resume), end="")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,145 @@
+"""The Flower ClientApp: a SuperNode rebuilds the experiment's Federation and runs the client half.
+
+The SuperNode with ``partition-id`` k (of ``num-partitions`` K, the number of clients) is
+client k. It rebuilds the same
+:class:`~feddg.federation.setup.Federation` as the server from the experiment config — data,
+split and partition are deterministic given the seed — and keeps each client's state
+(a Message) in its ``Context.state`` under ``client-<k>/``, so it never leaves the node. A train
+update's new state waits under ``client-<k>/pending/`` until the server's next message says the
+reply was folded in (``commit-round``): a client whose reply the server dropped keeps its old state.
+
+Message types (the ServerApp sends them, see :mod:`feddg.engines.flower.server`):
+
+``query.identify``  reply ``route`` = {partition-id, num-partitions, fingerprint}
+``query.setup``     the method's one-time setup exchange (``client_setup``)
+``train``           one round of ``client_update``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+from collections.abc import Callable
+from logging import ERROR
+
+import yaml
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
+
+from feddg.config import ExperimentConfig, build_config, dump_config
+from feddg.engines.flower.records import get_message, put_message
+from feddg.federation.client import describe, run_client, run_client_setup
+from feddg.federation.setup import Federation, build_federation
+from feddg.messages import Message as FeddgMessage
+
+IDENTIFY, SETUP, TRAIN = "query.identify", "query.setup", "train"
+#: ConfigRecord naming the client a message is for (and, in identify replies, the node's facts)
+ROUTE = "route"
+#: route key of train messages: the last round whose reply the server folded in from this client
+COMMIT = "commit-round"
+
+FederationFactory = Callable[[ExperimentConfig], Federation]
+
+_FEDERATIONS: dict[tuple[str, str], Federation] = {}
+
+
+def config_from_text(text: str) -> ExperimentConfig:
+    """The experiment config from its YAML text (as it travels in the Flower run config)."""
+    return build_config(yaml.safe_load(text) or {})
+
+
+def fingerprint(fed: Federation) -> str:
+    """Hash of the config and every client's index arrays: equal iff two processes built the same federation."""
+    h = hashlib.sha256(dump_config(fed.cfg).encode())
+    h.update(str(len(fed.dataset)).encode())
+    for c in fed.clients:
+        h.update(c.train_idx.tobytes())
+        h.update(c.holdout_idx.tobytes())
+    return h.hexdigest()
+
+
+def node_federation(text: str, factory: FederationFactory) -> Federation:
+    """The Federation of config ``text``, built once per process."""
+    key = (f"{factory.__module__}.{factory.__qualname__}", text)
+    if key not in _FEDERATIONS:
+        _FEDERATIONS[key] = factory(config_from_text(text))
+    return _FEDERATIONS[key]
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` of this SuperNode."""
+    nc = context.node_config
+    if "partition-id" not in nc or "num-partitions" not in nc:
+        raise ValueError("start the SuperNode with --node-config 'partition-id=<p> num-partitions=<P>'")
+    return int(nc["partition-id"]), int(nc["num-partitions"])
+
+
+def state_prefix(client_id: int) -> str:
+    return f"client-{client_id}/"
+
+
+def pending_prefix(client_id: int) -> str:
+    return f"client-{client_id}/pending/"
+
+
+def committed_state(state: RecordDict, client_id: int, commit: int) -> FeddgMessage:
+    """The client's state as the server saw it: the state of the client's last update becomes its state
+    once the server has folded that update's reply in (round ``commit``); if the server dropped the reply
+    (late, failed a check) that state is discarded and the one before stays."""
+    marker = state.metric_records.get(pending_prefix(client_id) + "round")
+    if marker is not None and int(marker["round"]) == commit:
+        put_message(state, get_message(state, pending_prefix(client_id)), state_prefix(client_id))
+    return get_message(state, state_prefix(client_id))
+
+
+def make_client_app(config_text: str | None = None, factory: FederationFactory = build_federation) -> ClientApp:
+    """A ClientApp for the experiment ``config_text`` (YAML); ``None`` reads the run config key ``config``."""
+    app = ClientApp()
+
+    def federation(context: Context) -> Federation:
+        text = config_text if config_text is not None else str(context.run_config.get("config", ""))
+        if not text.strip():
+            raise ValueError("no experiment config: pass the YAML text as run config 'config' (see docs/flower.md)")
+        return node_federation(text, factory)
+
+    def client_id(msg: Message, context: Context) -> int:
+        cid, partition = int(msg.content.config_records[ROUTE]["client-id"]), node_partition(context)[0]
+        if cid != partition:
+            raise ValueError(f"a message for client {cid} reached the SuperNode of partition {partition}")
+        return cid
+
+    def reply(msg: Message, payload: FeddgMessage, cid: int) -> Message:
+        return Message(put_message(RecordDict({ROUTE: ConfigRecord({"client-id": cid})}), payload), reply_to=msg)
+
+    @app.query("identify")
+    def identify(msg: Message, context: Context) -> Message:
+        p, n = node_partition(context)
+        info = ConfigRecord({"partition-id": p, "num-partitions": n, "fingerprint": fingerprint(federation(context))})
+        return Message(RecordDict({ROUTE: info}), reply_to=msg)
+
+    @app.query("setup")
+    def setup(msg: Message, context: Context) -> Message:
+        fed, cid = federation(context), client_id(msg, context)
+        state = get_message(context.state, state_prefix(cid))
+        answer, state = run_client_setup(fed, cid, get_message(msg.content), state)
+        put_message(context.state, state, state_prefix(cid))
+        return reply(msg, answer, cid)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        fed, cid = federation(context), client_id(msg, context)
+        payload = get_message(msg.content)
+        round = int(payload["round"])
+        state = committed_state(context.state, cid, int(msg.content.config_records[ROUTE][COMMIT]))
+        try:
+            answer, state = run_client(fed, cid, round, payload, state)
+        except Exception as err:  # noqa: BLE001 - the server drops this client's reply, with a one-line reason
+            log(ERROR, "feddg client %d, round %d failed:\n%s", cid, round, traceback.format_exc())
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, describe(err)), reply_to=msg)
+        put_message(context.state, state, pending_prefix(cid))  # kept once the server accepts the reply
+        context.state[pending_prefix(cid) + "round"] = MetricRecord({"round": round})
+        return reply(msg, answer, cid)
+
+    return app

@@ -1,0 +1,182 @@
+"""The ServerApp side: a Flower ``Strategy`` whose every decision is the feddg :class:`Server`'s.
+
+``run_on_grid(server, grid)`` is the whole server half on any Flower Grid (simulation or
+SuperLink):
+
+1. ``query.identify`` to every node until partitions 0..K-1 have all answered (client k is the
+   node of partition k); each node's federation fingerprint must equal the server's (same
+   config, same data, same partition).
+2. ``query.setup`` to every client, once, if the method has a setup exchange.
+3. :class:`FeddgStrategy` ``.start`` for the remaining rounds: ``configure_train`` asks
+   ``Server.configure`` for per-client messages, ``aggregate_train`` hands the replies to
+   ``Server.finish_round`` (aggregation, evaluation, metrics.jsonl, checkpoint).
+
+Flower's built-in strategies check that a reply holds exactly one ArrayRecord; feddg replies
+carry arrays *and* numbers and text (weights, statistics, Grams, histograms), hence the
+subclass. Client-side evaluation is unused: the held-out domains are evaluated on the server,
+exactly as in the in-process engine.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from feddg.algorithms.base import Reply
+from feddg.config import one_line
+from feddg.engines.flower.client import COMMIT, IDENTIFY, ROUTE, SETUP, TRAIN, fingerprint
+from feddg.engines.flower.records import get_message, put_message
+from feddg.federation.server import Server
+from feddg.federation.validation import RunStopped
+from feddg.messages import Message as FeddgMessage
+
+RoundCallback = Callable[[dict[str, Any]], None]
+#: terminal colour codes (Ray's error reasons carry them)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def outgoing(msgs: dict[int, FeddgMessage], nodes: dict[int, int], message_type: str,
+             commits: dict[int, int] | None = None) -> dict[int, Message]:
+    """One Flower Message per client, addressed to that client's SuperNode; ``commits``: the last round whose
+    reply the server accepted from each client (its node then keeps the client state of that round)."""
+    def route(cid: int) -> ConfigRecord:
+        return ConfigRecord({"client-id": cid, **({COMMIT: commits.get(cid, 0)} if commits is not None else {})})
+
+    return {cid: Message(put_message(RecordDict({ROUTE: route(cid)}), msg), nodes[cid], message_type)
+            for cid, msg in msgs.items()}
+
+
+def collect(sent: dict[int, Message], replies: Iterable[Message], timeout: float) -> tuple[list[Reply], dict[int, str]]:
+    """The replies as feddg ``Reply`` in the order sent, and why each other client gave none (its ClientApp
+    failed, or no reply within ``timeout`` seconds)."""
+    by_id = {m.metadata.message_id: cid for cid, m in sent.items()}
+    got: dict[int, FeddgMessage] = {}
+    failed: dict[int, str] = {}
+    for r in replies:
+        cid = by_id[r.metadata.reply_to_message_id]
+        if r.has_error():
+            failed[cid] = one_line(ANSI.sub("", f"node {r.metadata.src_node_id}: {r.error.reason}"))[:300]
+        else:
+            got[cid] = get_message(r.content)
+    for cid in sent:
+        if cid not in got and cid not in failed:
+            failed[cid] = f"no reply within {timeout:g} s (flower.round_timeout_s)"
+    return [Reply(cid, got[cid]) for cid in sent if cid in got], failed
+
+
+def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int]:
+    """``client_id -> node_id``: ask every node its partition until partitions 0..K-1 have all answered.
+
+    One SuperNode per client: Flower runs a node's messages with copies of one Context, so two
+    clients on one node could overwrite each other's state.
+    """
+    want, k = fingerprint(server.fed), len(server.fed.clients)
+    deadline = time.monotonic() + wait_s
+    nodes: dict[int, int] = {}
+    while len(nodes) < k:
+        new = [n for n in grid.get_node_ids() if n not in nodes.values()]
+        msgs = [Message(RecordDict({ROUTE: ConfigRecord({"node-id": n})}), n, IDENTIFY) for n in new]
+        for r in grid.send_and_receive(msgs, timeout=max(deadline - time.monotonic(), 1.0)) if msgs else []:
+            node = r.metadata.src_node_id
+            if r.has_error():
+                raise RuntimeError(f"node {node} failed to identify: {r.error.reason}")
+            info = r.content.config_records[ROUTE]
+            p, n = int(info["partition-id"]), int(info["num-partitions"])
+            if n != k or not 0 <= p < k or p in nodes:
+                raise RuntimeError(f"node {node} is partition {p} of {n}; want one node per client, partitions 0..{k - 1}")
+            if info["fingerprint"] != want:
+                raise RuntimeError(f"node {node} (partition {p}) built a different federation: same config and data?")
+            nodes[p] = node
+        if len(nodes) < k:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(k)) - set(nodes))
+                raise TimeoutError(f"partitions {missing} did not connect within flower.node_wait_s={wait_s}")
+            time.sleep(0.5)
+    log(INFO, "feddg: %d clients on %d SuperNodes", k, k)
+    return nodes
+
+
+def run_setup(server: Server, grid: Grid, nodes: dict[int, int], timeout: float) -> None:
+    """The method's one-time setup exchange with every client, as ``query.setup`` messages."""
+    request = server.setup_request()
+    if request is None:
+        server.mark_setup_done()
+        return
+    sent = outgoing({cid: request for cid in nodes}, nodes, SETUP)
+    replies, failed = collect(sent, grid.send_and_receive(list(sent.values()), timeout=timeout), timeout)
+    if failed:  # the setup exchange needs every client
+        raise RunStopped("setup exchange: " + "; ".join(f"client {cid}: {why}" for cid, why in sorted(failed.items())))
+    server.finish_setup(replies)
+
+
+class FeddgStrategy(Strategy):
+    """Delegates every round to ``server``; Flower's round r is feddg round ``server.round + r``."""
+
+    def __init__(self, server: Server, nodes: dict[int, int], on_round: RoundCallback | None = None) -> None:
+        self.server, self.nodes, self.on_round = server, nodes, on_round
+        self.offset = server.round
+        self.timeout = server.fed.cfg.flower.round_timeout_s
+        self.accepted: dict[int, int] = {}  # client -> last round whose reply was folded in
+        self._sent: dict[int, FeddgMessage] = {}
+        self._out: dict[int, Message] = {}
+        self._t0 = 0.0
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._t0 = time.perf_counter()
+        self._sent = self.server.configure(server_round + self.offset)
+        self._out = outgoing(self._sent, self.nodes, TRAIN, self.accepted)
+        return list(self._out.values())
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Fold the round's replies in the order sent (Flower hands them over together); failed, late and
+        unusable ones are dropped by the server."""
+        round = server_round + self.offset
+        fold = self.server.start_round(self._sent)
+        got, failed = collect(self._out, replies, self.timeout)
+        for cid, why in failed.items():
+            self.server.fail(fold, cid, why)
+        for reply in got:
+            self.server.receive(fold, reply)
+        timings = {"time_train_s": time.perf_counter() - self._t0}
+        row = self.server.finish_round(round, fold, timings)
+        self.accepted.update({cid: round for cid in fold.accepted})
+        if self.on_round is not None:
+            self.on_round(row)
+        return None, MetricRecord({k: v for k, v in row.items() if isinstance(v, (int, float))})
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return []  # evaluation runs in Server.finish_round, on the server's held-out domains
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def summary(self) -> None:
+        fed = self.server.fed
+        log(INFO, "\t├── feddg method: %s, %d clients", fed.method.name, len(fed.clients))
+        log(INFO, "\t└── rounds %d..%d", self.offset + 1, self.server.rounds)
+
+
+def run_on_grid(server: Server, grid: Grid, on_round: RoundCallback | None = None) -> dict[str, Any]:
+    """Identify nodes, run the setup exchange and the remaining rounds; returns results.json's content."""
+    fc = server.fed.cfg.flower
+    nodes = discover_clients(grid, server, fc.node_wait_s)
+    run_setup(server, grid, nodes, fc.round_timeout_s)
+    if server.round < server.rounds:
+        FeddgStrategy(server, nodes, on_round).start(
+            grid, ArrayRecord(), num_rounds=server.rounds - server.round, timeout=fc.round_timeout_s
+        )
+    return server.write_results()

@@ -1,0 +1,73 @@
+"""The Flower simulation engine: the same Server and client half, moved by Flower's Message API.
+
+``run_flower(server)`` starts Flower's Simulation Runtime (Ray, on 127.0.0.1 only) with one
+virtual SuperNode per client (partition-id k is client k). The ServerApp runs in
+a thread of this process and drives ``server`` itself, so metrics.jsonl, checkpoint.pt and
+results.json land in the run directory exactly as with the in-process engine. Each Ray actor
+rebuilds the Federation from the experiment's YAML text (see ``flower_client``).
+
+For a real deployment (SuperLink + SuperNodes) see ``flower_app`` and docs/flower.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+
+from feddg.config import dump_config
+from feddg.engines.flower.client import FederationFactory, make_client_app
+from feddg.engines.flower.server import RoundCallback, run_on_grid
+from feddg.federation.server import Server
+from feddg.federation.setup import build_federation
+from feddg.federation.validation import RunStopped
+
+LOOPBACK = "127.0.0.1"
+
+
+def backend_config(server: Server) -> dict[str, Any]:
+    """Ray settings: loopback only, no dashboard, client resources from ``flower.*``."""
+    fc = server.fed.cfg.flower
+    init_args: dict[str, Any] = {"_node_ip_address": LOOPBACK, "include_dashboard": False}
+    if fc.ray_num_cpus is not None:
+        init_args["num_cpus"] = fc.ray_num_cpus
+    return {
+        "init_args": init_args,
+        "client_resources": {"num_cpus": fc.client_num_cpus, "num_gpus": fc.client_num_gpus},
+    }
+
+
+def run_flower(
+    server: Server, on_round: RoundCallback | None = None, *, factory: FederationFactory = build_federation
+) -> dict[str, Any]:
+    """Run the remaining rounds of ``server`` on Flower's simulation engine; returns results.json's content.
+
+    ``factory`` rebuilds the Federation from the config inside each ClientApp (tests pass a toy one).
+    """
+    results: dict[str, Any] = {}
+    stopped: list[RunStopped] = []
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            results.update(run_on_grid(server, grid, on_round))
+        except RunStopped as err:  # raised again below, outside Flower's thread
+            stopped.append(err)
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    cfg = server.fed.cfg
+    run_simulation(
+        server_app=server_app,
+        client_app=make_client_app(dump_config(cfg), factory),
+        num_supernodes=len(server.fed.clients),
+        backend_config=backend_config(server),
+    )
+    if stopped:
+        raise stopped[0]
+    if not results:
+        raise RuntimeError("the Flower ServerApp ended without results (see the log above)")
+    return results

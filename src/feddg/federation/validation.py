@@ -1,0 +1,79 @@
+"""What the server checks of every client reply before folding it in (docs/reliability.md).
+
+A reply that fails a check is dropped like one that never came: the round goes on with the others
+(``federation.min_clients``), and metrics.jsonl records the client and the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from feddg.messages import WEIGHT_PREFIX, Message
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+class RunStopped(RuntimeError):
+    """The federation cannot go on (too few usable replies, no client worker can start); the run
+    directory keeps its last checkpoint. The message is one line."""
+
+
+def shapes_of(weights: Mapping[str, object]) -> Shapes:
+    """``w/`` key -> shape of the arrays in ``weights``."""
+    return {k: tuple(np.shape(v)) for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
+
+
+def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights: bool) -> str | None:
+    """Why ``reply`` must not be folded in, or ``None``.
+
+    ``sent`` is what the server sent this client, ``declared`` the shapes of the model's ``w/`` arrays.
+    Checks: ``num_examples`` a positive int; every float array and number finite; every ``w/`` array
+    one the model declares, of the shape sent (or declared); with ``all_weights`` (methods that average
+    the weights) exactly the ``w/`` keys sent, or all declared ones when none were sent.
+    """
+    n = reply.get("num_examples")
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n <= 0:
+        return f"num_examples is {n!r}, not a positive int"
+    for key, value in reply.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "fc" and not np.isfinite(value).all():
+            return f"{'NaN' if np.isnan(value).any() else 'Inf'} in {key}"
+        if isinstance(value, float | np.floating) and not math.isfinite(value):
+            return f"{key} is {value}"
+    got = shapes_of(reply)
+    for key, shape in got.items():
+        want = tuple(np.shape(sent[key])) if key in sent else declared.get(key)
+        if want is None:
+            return f"unexpected weight {key}"
+        if shape != want:
+            return f"{key} has shape {shape}, expected {want}"
+    if all_weights:
+        expected = [k for k in sent if k.startswith(WEIGHT_PREFIX)] or list(declared)
+        missing = [k for k in expected if k not in got]
+        if missing:
+            return f"missing {missing[0]}" + (f" and {len(missing) - 1} more weights" if len(missing) > 1 else "")
+        extra = sorted(set(got) - set(expected))
+        if extra:
+            return f"unexpected weight {extra[0]}"
+    return None
+
+
+def update_norm(reply: Message, sent: Message) -> float:
+    """``‖w_k − w_sent‖`` over the float ``w/`` arrays the reply shares with what was sent, in float64."""
+    total = 0.0
+    for key, value in reply.items():
+        if key.startswith(WEIGHT_PREFIX) and key in sent and np.asarray(value).dtype.kind == "f":
+            diff = np.asarray(value, dtype=np.float64) - np.asarray(sent[key], dtype=np.float64)
+            total += float(np.dot(diff.ravel(), diff.ravel()))
+    return math.sqrt(total)
+
+
+def outliers(norms: Mapping[int, float], factor: float) -> dict[int, str]:
+    """Clients whose update norm exceeds ``factor`` × the median of ``norms``, with the reason."""
+    if not norms:
+        return {}
+    median = float(np.median(list(norms.values())))
+    return {cid: f"update norm {n:.4g} > {factor:g} x median {median:.4g}"
+            for cid, n in norms.items() if n > factor * median}

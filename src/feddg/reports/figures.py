@@ -1,0 +1,110 @@
+"""Figures of one run beyond curves.png and domains.png: bytes, time, and the method's diagnostics.
+
+Diagnostics are drawn from whatever metrics.jsonl holds, grouped by key: ``prefix/name`` is one
+panel, ``prefix/<layer>/name`` one panel per ``prefix/name`` with a line per layer, and
+``name/<client id>`` one panel with a line per client, all of them in the figure ``per client``
+(hFedF's GradAlign fusion weights and cosines).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from collections import defaultdict
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from feddg.evaluation.plots import integer_rounds
+
+ENGINE_KEYS = {"round", "lr", "clients", "train_loss", "bytes_down", "bytes_up", "time_train_s", "time_aggregate_s", "time_eval_s",
+               "time_round_s"}
+TIME_PARTS = (("time_train_s", "train (clients)"), ("time_aggregate_s", "aggregate"), ("time_eval_s", "evaluate"))
+Series = dict[str, list[tuple[int, float]]]
+
+
+def png_uri(fig: plt.Figure) -> str:
+    """``fig`` as a ``data:image/png;base64,...`` URI (closes it)."""
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def communication(metrics: list[dict[str, Any]]) -> plt.Figure:
+    """Bytes sent down (server -> clients) and up (clients -> server) per round, all clients together."""
+    peak = max(max(m["bytes_down"], m["bytes_up"]) for m in metrics)
+    scale, unit = next((s, u) for s, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")) if peak >= s or s == 1)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    rounds = [m["round"] for m in metrics]
+    for key, style in (("bytes_down", "-o"), ("bytes_up", "-s")):
+        ax.plot(rounds, [m[key] / scale for m in metrics], style, markersize=3, label=key.removeprefix("bytes_"))
+    integer_rounds(ax)
+    ax.set(ylabel=unit, ylim=(0, None), title="bytes per round, all clients")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def timing(metrics: list[dict[str, Any]]) -> plt.Figure:
+    """Seconds per round, stacked: client training, aggregation, evaluation."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    rounds = [m["round"] for m in metrics]
+    bottom = [0.0] * len(metrics)
+    for key, label in TIME_PARTS:
+        vals = [float(m.get(key, 0.0)) for m in metrics]
+        ax.bar(rounds, vals, bottom=bottom, label=label, width=0.7)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    integer_rounds(ax)
+    ax.set(ylabel="seconds", title="time per round")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def schedule(metrics: list[dict[str, Any]]) -> plt.Figure:
+    """Learning rate sent to the clients and number of clients sampled, per round."""
+    return diagnostics({k: {k: [(m["round"], m[k]) for m in metrics if k in m]} for k in ("lr", "clients")})
+
+
+def diagnostic_panels(metrics: list[dict[str, Any]]) -> dict[str, dict[str, Series]]:
+    """``{figure: {panel: {line: [(round, value), ...]}}}`` for every numeric key that is not an
+    engine key or an accuracy; keys without a prefix go to the figure ``other``."""
+    figs: dict[str, dict[str, Series]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for m in metrics:
+        for key, val in m.items():
+            if key in ENGINE_KEYS or "acc" in key or isinstance(val, bool) or not isinstance(val, int | float):
+                continue
+            parts = key.split("/")
+            if len(parts) == 1:
+                fig, panel, line = "other", key, key
+            elif parts[-1].isdigit():
+                fig, panel, line = "per client", "/".join(parts[:-1]), f"client {parts[-1]}"
+            elif len(parts) > 2:
+                fig, panel, line = parts[0], f"{parts[0]}/…/{parts[-1]}", "/".join(parts[1:-1])
+            else:
+                fig, panel, line = parts[0], key, key
+            figs[fig][panel][line].append((m["round"], float(val)))
+    return {f: {p: dict(lines) for p, lines in panels.items()} for f, panels in figs.items()}
+
+
+def diagnostics(panels: dict[str, Series]) -> plt.Figure:
+    """One panel per diagnostic, a line per layer or client (legend when there are few)."""
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.8 * rows), squeeze=False)
+    for ax, (name, lines) in zip(axes.flat, sorted(panels.items())):
+        for line, pts in lines.items():
+            ax.plot(*zip(*pts), "-o", markersize=2, label=line)
+        integer_rounds(ax)
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        if len(lines) <= 10 and set(lines) != {name}:
+            ax.legend(fontsize=6)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    return fig

@@ -1,0 +1,124 @@
+"""``feddg report``: a self-contained report.html for a run directory (or a sweep directory)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feddg.config import read_yaml
+from feddg.evaluation.plots import plot_run, read_metrics, run_title
+from feddg.reports import figures
+from feddg.reports.counts import counts_for, run_counts
+from feddg.reports.page import REPORT, file_uri, page_context, render
+from feddg.reports.style_grid import style_grid
+
+ROLE_ORDER = ("id", "val", "ood", "global_id", "global_ood")
+
+
+def method_figures(run_dir: str | Path) -> list[Path]:
+    """Figures that rebuild the run's federation: ``styles.png`` for PARDON/CCST runs (PARDON Fig. 8)."""
+    grid = style_grid(Path(run_dir))
+    return [grid] if grid is not None else []
+
+
+def report(path: str | Path) -> list[Path]:
+    """``report.html`` (first) and the PNGs drawn for it, for a run or a sweep directory."""
+    from feddg.reports.sweep import is_sweep_dir, sweep_report
+
+    path = Path(path)
+    if is_sweep_dir(path):
+        return [sweep_report(path)]
+    if not (path / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{path} is neither a run directory (metrics.jsonl) nor a sweep directory (runs.jsonl)")
+    return run_report(path)
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested dicts as dotted ``(key, value)`` rows."""
+    rows: list[tuple[str, Any]] = []
+    for k, v in tree.items():
+        rows += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return rows
+
+
+def domain_rows(final: dict[str, float], counts: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per ``<role>_acc/<domain>`` key: accuracy, samples, correct predictions."""
+    n_of = counts_for(list(final), counts)
+    rows = []
+    for key, acc in final.items():
+        if "/" in key:
+            role, dom = key.split("/", 1)
+            n = n_of.get(key)
+            rows.append({"domain": dom, "role": role.removesuffix("_acc"), "acc": acc, "n": n,
+                         "correct": None if n is None else round(acc * n / 100)})
+    rank = {r: i for i, r in enumerate(ROLE_ORDER)}
+    return sorted(rows, key=lambda r: rank.get(r["role"], len(rank)))
+
+
+def run_report(run_dir: Path) -> list[Path]:
+    """Write curves.png, domains.png, the method's figures and report.html into ``run_dir``."""
+    metrics = read_metrics(run_dir)
+    if not metrics:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no rounds yet")
+    results = _json(run_dir / "results.json") or {}
+    last = next((m for m in reversed(metrics) if "ood_acc" in m), metrics[-1])
+    final = results.get("final") or {k: v for k, v in last.items() if "acc" in k}
+    counts, num_classes, notes = run_counts(run_dir)
+    pngs = plot_run(run_dir, num_classes, counts_for(list(final), counts))
+    extra = method_figures(run_dir)
+    config_path = run_dir / "config.yaml"
+    config_text = config_path.read_text() if config_path.is_file() else ""
+    raw = read_yaml(config_path) if config_text else {}
+    given = {k: (raw.get(k) or {}) for k in ("method", "data", "split", "federation")}  # a run still in progress
+    provenance = _json(run_dir / "provenance.json")
+    bytes_keys = sorted({k for m in metrics for k in m if "bytes" in k})
+    summary = [("method", results.get("method", given["method"].get("name", "?"))),
+               ("dataset", results.get("dataset", given["data"].get("dataset", "?"))),
+               ("held out", ", ".join(results.get("target", [])) or given["split"].get("target") or "?"),
+               ("seed", results.get("seed", raw.get("seed", "?"))), ("rounds", len(metrics)),
+               ("clients", results.get("num_clients", metrics[-1].get("clients"))),
+               ("engine", given["federation"].get("engine", "inprocess"))]
+    summary += [(f"{k} (%)", f"{final[k]:.2f}") for k in ("ood_acc", "val_acc", "id_acc", "global_ood_acc") if k in final]
+    summary += [("chance (%)", f"{100 / num_classes:.3g}")] if num_classes else []
+    summary += [("time (s)", f"{sum(m.get('time_round_s', 0.0) for m in metrics):.1f}"),
+                ("sent down / up", " / ".join(_size(sum(m[k] for m in metrics)) for k in ("bytes_down", "bytes_up")))]
+    out = render(
+        "run.html.j2", run_dir / REPORT, **page_context(run_title(run_dir), str(run_dir), notes),
+        subtitle=f"run directory {run_dir}", summary=summary, last_round=last["round"],
+        method=summary[0][1],
+        curves={"title": "accuracy and loss", "uri": file_uri(pngs[0]),
+                "caption": "mean accuracy over domains per evaluated round; dotted: chance level"},
+        domains={"title": "per domain", "uri": file_uri(pngs[1]), "caption": "n = samples evaluated"}
+        if len(pngs) > 1 else None,
+        domain_rows=domain_rows(final, counts),
+        communication={"title": "bytes per round", "uri": figures.png_uri(figures.communication(metrics)),
+                       "caption": "message bytes (arrays + scalars) over all sampled clients"},
+        bytes_rows=[(k, float(np.mean([m[k] for m in metrics if k in m])) / 1024) for k in bytes_keys],
+        timing={"title": "time per round", "uri": figures.png_uri(figures.timing(metrics)),
+                "caption": "wall-clock seconds: client training (all clients), aggregation, evaluation"},
+        schedule={"title": "schedule", "uri": figures.png_uri(figures.schedule(metrics)), "caption": ""},
+        diagnostics=[{"title": name, "uri": figures.png_uri(figures.diagnostics(panels)), "caption": ""}
+                     for name, panels in sorted(figures.diagnostic_panels(metrics).items())],
+        method_figures=[{"title": p.name, "uri": file_uri(p), "caption": ""} for p in extra],
+        hierarchy=_flat(results["hierarchy"]) if "hierarchy" in results else [],
+        method_params=_flat(results.get("method_params", {})),
+        config_text=config_text, provenance_text=json.dumps(provenance, indent=2) if provenance else "",
+        files=[(p.name, _size(p.stat().st_size)) for p in sorted(run_dir.iterdir())
+               if p.is_file() and p.name != REPORT],
+    )
+    return [out, *pngs, *extra]

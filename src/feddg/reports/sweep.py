@@ -1,0 +1,200 @@
+"""The report of a sweep directory (feddg.sweep): mean ± sample std and 95 % CI per method and target,
+bars with each seed as a dot, accuracy curves as mean ± std bands, per-domain bars over seeds."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from feddg.config import read_yaml
+from feddg.evaluation.plots import chance_line, draw_domains, integer_rounds, read_metrics
+from feddg.reports.counts import run_counts
+from feddg.reports.figures import png_uri
+from feddg.reports.page import REPORT, page_context, render
+
+RUNS = "runs.jsonl"
+AVG = "avg"
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean, sample std and 95 % Student-t confidence interval of ``n`` seeds (std/CI NaN for n = 1)."""
+
+    mean: float
+    std: float
+    lo: float
+    hi: float
+    n: int
+    values: tuple[float, ...]
+
+
+def stat(values: list[float]) -> Stat:
+    from scipy.stats import t
+
+    n, mean = len(values), float(np.mean(values))
+    if n < 2:
+        return Stat(mean, math.nan, math.nan, math.nan, n, tuple(values))
+    std = float(np.std(values, ddof=1))
+    half = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n)
+    return Stat(mean, std, mean - half, mean + half, n, tuple(values))
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (path / RUNS).is_file() or any(path.glob("*/*/seed*/results.json"))
+
+
+def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """runs.jsonl's rows (variant, target, seed, run_dir, final accuracies); for a sweep still running,
+    the finished runs' results.json. ``run_dir`` is looked up inside ``sweep_dir`` first (it may have moved)."""
+    if (sweep_dir / RUNS).is_file():
+        rows = [json.loads(line) for line in (sweep_dir / RUNS).read_text().splitlines() if line.strip()]
+    else:
+        rows = []
+        for res in sorted(sweep_dir.glob("*/*/seed*/results.json")):
+            r = json.loads(res.read_text())
+            rows.append({"variant": res.parts[-4], "target": res.parts[-3], "seed": r["seed"],
+                         "run_dir": str(res.parent), **r["final"], "time_total_s": r["time_total_s"]})
+    for r in rows:
+        given = Path(r["run_dir"])
+        local = sweep_dir.joinpath(*given.parts[-3:])
+        r["run_dir"] = str(local if local.is_dir() else given)
+    return rows
+
+
+def cells(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str], dict[tuple[str, str], Stat]]:
+    """Variants, targets (+ ``avg``: per seed the mean over targets, seeds complete on all) and their stats."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    targets = list(dict.fromkeys(r["target"] for r in rows))
+    vals: dict[tuple[str, str], list[float]] = defaultdict(list)
+    by_seed: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if metric in r:
+            vals[(r["variant"], r["target"])].append(float(r[metric]))
+            by_seed[(r["variant"], r["seed"])][r["target"]] = float(r[metric])
+    if len(targets) > 1:
+        for (v, _), per_target in by_seed.items():
+            if len(per_target) == len(targets):
+                vals[(v, AVG)].append(float(np.mean(list(per_target.values()))))
+    columns = targets + ([AVG] if len(targets) > 1 else [])
+    return variants, columns, {k: stat(v) for k, v in vals.items()}
+
+
+def bars(rows: list[dict[str, Any]], metric: str, num_classes: int | None) -> plt.Figure:
+    """Grouped bars per target: mean per variant, error bar = sample std, a dot per seed."""
+    variants, columns, st = cells(rows, metric)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(columns) * max(1, len(variants)) * 0.6 + 2), 3.8))
+    width = 0.8 / len(variants)
+    for j, v in enumerate(variants):
+        for i, c in enumerate(columns):
+            s = st.get((v, c))
+            if s is None:
+                continue
+            x = i - 0.4 + width * (j + 0.5)
+            ax.bar(x, s.mean, width * 0.92, color=f"C{j}", label=v if i == 0 else None,
+                   yerr=None if math.isnan(s.std) else s.std, capsize=3)
+            ax.plot(x + np.linspace(-width / 5, width / 5, s.n), s.values, "o", color="black", markersize=2.5, zorder=3)
+    chance_line(ax, num_classes)
+    ax.set_xticks(range(len(columns)), columns)
+    ax.set(ylabel=f"{metric} (%)", ylim=(0, 100), title=f"{metric}: mean ± sample std, dots = seeds")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncols=min(4, len(variants) + 1))
+    return fig
+
+
+def curves(rows: list[dict[str, Any]], metric: str, num_classes: int | None) -> plt.Figure:
+    """Per target, ``metric`` per evaluated round: mean over seeds with a ± sample std band, per variant."""
+    variants, columns, _ = cells(rows, metric)
+    targets = [c for c in columns if c != AVG]
+    fig, axes = plt.subplots(1, len(targets), figsize=(3.6 * len(targets) + 0.6, 3.2), squeeze=False, sharey=True)
+    for ax, target in zip(axes[0], targets):
+        for j, v in enumerate(variants):
+            per_seed = [{m["round"]: m[metric] for m in read_metrics(Path(r["run_dir"])) if metric in m}
+                        for r in rows if r["variant"] == v and r["target"] == target]
+            rounds = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+            if not rounds:
+                continue
+            y = np.array([[s[k] for k in rounds] for s in per_seed])
+            mean = y.mean(0)
+            ax.plot(rounds, mean, "-o", color=f"C{j}", markersize=3, label=v)
+            if len(per_seed) > 1:
+                sd = y.std(0, ddof=1)
+                ax.fill_between(rounds, mean - sd, mean + sd, color=f"C{j}", alpha=0.2)
+        chance_line(ax, num_classes)
+        integer_rounds(ax)
+        ax.set(title=f"held out {target}", ylim=(0, 100))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"{metric} (%)")
+    axes[0][0].legend(fontsize=7)
+    return fig
+
+
+def domains(rows: list[dict[str, Any]], variant: str, counts: dict[str, dict[str, int]]) -> plt.Figure:
+    """Per target (one panel each), per-domain accuracy of ``variant`` over its seeds."""
+    targets = list(dict.fromkeys(r["target"] for r in rows if r["variant"] == variant))
+    fig, axes = plt.subplots(1, len(targets), figsize=(3.4 * len(targets) + 0.6, 3.6), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        runs = [r for r in rows if r["variant"] == variant and r["target"] == target]
+        keys = [k for k in runs[0] if "acc/" in k]
+        draw_domains(ax, {k: [r[k] for r in runs if k in r] for k in keys}, counts.get(target), f"held out {target}")
+    return fig
+
+
+def table(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
+    """Header and rows of the HTML table; the best mean of each column is marked."""
+    variants, columns, st = cells(rows, metric)
+    best = {c: max((st[(v, c)].mean for v in variants if (v, c) in st), default=None) for c in columns}
+    return {"columns": columns, "rows": [
+        (v, [(st.get((v, c)), st.get((v, c)) is not None and st[(v, c)].mean == best[c]) for c in columns])
+        for v in variants]}
+
+
+def sweep_report(sweep_dir: Path) -> Path:
+    """Write ``report.html`` into ``sweep_dir``."""
+    rows = sweep_rows(sweep_dir)
+    if not rows:
+        raise ValueError(f"{sweep_dir} holds no finished runs yet")
+    first_cfg = Path(rows[0]["run_dir"]) / "config.yaml"
+    name = read_yaml(first_cfg).get("name", sweep_dir.name) if first_cfg.is_file() else sweep_dir.name
+    csv_metrics = [p.stem.removeprefix("table_") for p in sorted(sweep_dir.glob("table_*.csv"))]
+    metrics: list[str] = [m for m in ("ood_acc", "val_acc", "id_acc") if m in csv_metrics or (not csv_metrics and m in rows[0])]
+    metrics += [m for m in csv_metrics if m not in metrics]
+    counts: dict[str, dict[str, int]] = {}
+    num_classes: int | None = None
+    notes: list[str] = []
+    for r in rows:  # per target, the sample counts of its first run
+        if r["target"] not in counts:
+            c, num_classes, notes = run_counts(Path(r["run_dir"]))
+            counts[r["target"]] = c
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    seeds = sorted({r["seed"] for r in rows})
+    summary = [("runs", len(rows)), ("variants", len(variants)), ("targets", len({r["target"] for r in rows})),
+               ("seeds", ", ".join(map(str, seeds))), ("time (s)", f"{sum(r.get('time_total_s', 0) for r in rows):.0f}")]
+    summary += [("chance (%)", f"{100 / num_classes:.3g}")] if num_classes else []
+    sections = [{"metric": m, "table": table(rows, m),
+                 "bars": {"title": f"{m} per target", "uri": png_uri(bars(rows, m, num_classes)),
+                          "caption": "bars: mean over seeds; error bars: sample std; dots: individual seeds; "
+                                     "dotted: chance"},
+                 "curves": {"title": f"{m} per round", "uri": png_uri(curves(rows, m, num_classes)),
+                            "caption": "mean over seeds per evaluated round, band: ± sample std"}}
+                for m in metrics]
+    per_domain = [{"title": v, "uri": png_uri(domains(rows, v, counts)),
+                   "caption": "mean over seeds, error bars: sample std, dots: seeds; n: samples evaluated"}
+                  for v in variants]
+    cfg_text = first_cfg.read_text() if first_cfg.is_file() else ""
+    run_rows = [{**r, "rel": Path(r["run_dir"]).relative_to(sweep_dir).as_posix()
+                 if Path(r["run_dir"]).is_relative_to(sweep_dir) else r["run_dir"]} for r in rows]
+    return render("sweep.html.j2", sweep_dir / REPORT, **page_context(f"sweep: {name}", str(sweep_dir), notes),
+                  subtitle=f"{len(variants)} variants × {len(counts)} targets × {len(seeds)} seeds",
+                  summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows,
+                  base_config=cfg_text)
+

@@ -1,0 +1,16 @@
+"""Seeds derived from integer keys (seed, round, client, purpose...), so every random stream is
+reproducible on its own: resumes, engines and worker processes see the same draws."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def derived_seed(*keys: int, bits: int = 63) -> int:
+    """A ``bits``-bit seed (63 or 31) from integer keys via ``np.random.SeedSequence``."""
+    seq = np.random.SeedSequence([int(k) for k in keys])
+    if bits == 63:
+        return int(seq.generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+    if bits == 31:
+        return int(seq.generate_state(1)[0] >> 1)
+    raise ValueError(f"bits must be 63 or 31, got {bits}")

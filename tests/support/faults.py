@@ -1,0 +1,67 @@
+"""A test method that injects client faults, and the toy federation factory that worker processes and
+Flower's ClientApps import by module path (importing this module registers the method there too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+from pydantic import Field
+from toy import ToyDomains, ToyNet
+
+from feddg.algorithms import create_method
+from feddg.algorithms.base import ClientContext, ClientState, Params
+from feddg.algorithms.fedavg import FedAvg
+from feddg.algorithms.registry import METHODS
+from feddg.config import ExperimentConfig
+from feddg.federation.setup import Federation, make_clients, make_split, make_topology
+from feddg.messages import Message
+
+
+class FaultyParams(Params):
+    #: ``"round:client"`` -> raise | nan | sleep | kill | scale
+    faults: dict[str, str] = Field(default_factory=dict)
+    sleep_s: float = 60.0
+
+
+class Faulty(FedAvg):
+    """FedAvg whose client ``k`` misbehaves in the rounds ``params.faults`` names."""
+
+    name = "faulty"
+    Params = FaultyParams
+
+    def client_update(
+        self, model: torch.nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        fault = self.params.faults.get(f"{ctx.round}:{ctx.client_id}")
+        if fault == "raise":
+            raise RuntimeError(f"injected failure of client {ctx.client_id}")
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "sleep":
+            time.sleep(self.params.sleep_s)
+        reply, state = super().client_update(model, msg, client_state, ctx)
+        state = {"updates": int(client_state.get("updates", 0)) + 1}  # a client state to check it is not advanced
+        if fault == "nan":
+            key = next(k for k, v in reply.items() if isinstance(v, np.ndarray) and v.dtype.kind == "f")
+            reply[key] = np.full_like(reply[key], np.nan)
+        if fault == "scale":
+            reply = {k: v * 30 if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v for k, v in reply.items()}
+        return reply, state
+
+
+METHODS.setdefault(Faulty.name, Faulty)
+
+
+def toy_federation_of(cfg: ExperimentConfig) -> Federation:
+    """The toy federation (tests/toy.py) of ``cfg``: what workers and ClientApps rebuild."""
+    ds = ToyDomains()
+    split = make_split(ds, cfg)
+    clients = make_clients(ds, split, cfg)
+    torch.manual_seed(cfg.seed)
+    method = create_method(cfg.method.name, cfg.method.params)
+    model = method.prepare_model(ToyNet())
+    return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))

@@ -1,0 +1,166 @@
+"""A real Flower deployment on this machine, every listener on 127.0.0.1 (Linux).
+
+One ``flower-superlink`` and one ``flower-supernode`` per client, as separate processes, and
+the feddg Flower App submitted with ``flwr run --stream``: exactly the shell recipe of
+docs/flower.md, driven from Python for the deployment test and ``benchmarks/bench_engines.py``.
+``stop()`` terminates them gracefully and reports any process of theirs still alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from feddg.config import ExperimentConfig
+from feddg.engines.flower.app import run_config_toml
+
+LOOPBACK = "127.0.0.1"
+#: the Flower App directory of a source checkout (components live in the installed package)
+APP_DIR = Path(__file__).resolve().parents[2] / "flower"
+CONNECTION = "feddg-local"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {LOOPBACK}:{port} after {timeout} s") from None
+            time.sleep(0.2)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state, ppid, ..., starttime at [19])."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def process_tree(roots: list[int]) -> set[tuple[int, str]]:
+    """``(pid, start time)`` of ``roots`` and all their live descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
+            children.setdefault(int(st[1]), []).append(int(entry.name))
+    out, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if (st := _stat(pid)) is not None and st[0] != "Z":
+            out.add((pid, st[19]))
+            todo += children.get(pid, [])
+    return out
+
+
+def alive(procs: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Those of ``procs`` still running (same pid *and* start time, not a zombie)."""
+    return {(pid, start) for pid, start in procs if (st := _stat(pid)) is not None and st[0] != "Z" and st[19] == start}
+
+
+class LocalDeployment:
+    """SuperLink + ``num_nodes`` SuperNodes (partition ids 0..num_nodes-1) under ``workdir``."""
+
+    def __init__(self, workdir: Path, num_nodes: int, env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.num_nodes = num_nodes
+        self.bin = Path(sys.executable).parent
+        self.port = free_port()
+        self.node_ports = [free_port() for _ in range(num_nodes)]
+        home = self.workdir / "flwr-home"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "{LOOPBACK}:{self.port}"\ninsecure = true\n'
+        )
+        self.env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{self.bin}{os.pathsep}{os.environ['PATH']}",
+                    **(env or {})}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[IO[bytes]] = []
+        self.seen: set[tuple[int, str]] = set()
+
+    def _spawn(self, name: str, *args: str) -> None:
+        self.logs.append(open(self.workdir / f"{name}.log", "wb"))  # noqa: SIM115 - closed in stop()
+        self.procs.append(
+            subprocess.Popen([str(self.bin / args[0]), *args[1:]], cwd=self.workdir, env=self.env,
+                             stdout=self.logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+        )
+
+    def start(self, timeout: float = 120.0) -> LocalDeployment:
+        """Start the SuperLink, then the SuperNodes; return once all of them listen."""
+        self._spawn("superlink", "flower-superlink", "--insecure", "--host", LOOPBACK, "--port", str(self.port),
+                    "--disable-runtime-dependency-installation")
+        wait_for_port(self.port, timeout)
+        for p, port in enumerate(self.node_ports):
+            self._spawn(f"supernode-{p}", "flower-supernode", "--insecure", "--superlink", f"{LOOPBACK}:{self.port}",
+                        "--host", LOOPBACK, "--port", str(port),
+                        "--node-config", f"partition-id={p} num-partitions={self.num_nodes}")
+        for port in self.node_ports:
+            wait_for_port(port, timeout)
+        return self
+
+    def snapshot(self) -> set[tuple[int, str]]:
+        """The deployment's live processes now (SuperExecs, ServerApp, ClientApps included); remembered for stop()."""
+        tree = process_tree([p.pid for p in self.procs])
+        self.seen |= tree
+        return tree
+
+    def run(self, cfg: ExperimentConfig, run_dir: Path, timeout: float = 600.0,
+            app_dir: Path = APP_DIR) -> subprocess.CompletedProcess[str]:
+        """``flwr run <app> feddg-local --run-config run.toml --stream``: blocks until the run ends."""
+        toml = self.workdir / "run.toml"
+        toml.write_text(run_config_toml(cfg, run_dir))
+        return subprocess.run([str(self.bin / "flwr"), "run", str(app_dir), CONNECTION, "--run-config", str(toml),
+                               "--stream"], cwd=self.workdir, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def stop(self, timeout: float = 60.0) -> set[tuple[int, str]]:
+        """SIGTERM the SuperNodes, then the SuperLink (process groups, as Ctrl+C in their terminals would);
+        wait for all their processes; return those still alive.
+
+        Anything left after ``timeout`` is killed, so no process outlives the deployment.
+        """
+        self.snapshot()
+        for proc in reversed(self.procs):  # SuperNodes first, the SuperLink last
+            if proc.poll() is None:  # each is a process-group leader: its SuperExec gets the signal too
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while alive(self.seen) and time.monotonic() < deadline:
+            for proc in self.procs:
+                proc.poll()  # reap: a SuperExec watches its parent's pid, which a zombie still holds
+            time.sleep(0.5)
+        left = alive(self.seen)
+        for pid, _ in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait(timeout=10)
+        for log in self.logs:
+            log.close()
+        return left
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,160 @@
+"""Local augmentation baselines (FedFA Table 10): the formulas on hand-made tensors, the stage hooks,
+config validation, and one reproducible training round with each, alone and with FedFA^l."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from toy import ToyDomains
+
+from feddg.algorithms import create_method
+from feddg.algorithms.components.augment import Augmenter, mix, mixstyle, moex, parse_augment, soft_targets
+from feddg.config import ConfigError, build_config
+from feddg.engines.inprocess import run_inprocess
+from feddg.federation.server import Server
+from feddg.federation.setup import Federation, make_clients, make_split, make_topology
+from feddg.models import create_model
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+# --- the formulas ----------------------------------------------------------------------------------
+def test_mixup_is_the_convex_combination():
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])
+    assert torch.allclose(mix(a, b, 0.25), torch.tensor([2.5, 4.25]))  # 0.25·a + 0.75·b
+
+
+def test_soft_targets_interpolate_one_hot_labels():
+    y, perm = torch.tensor([0, 1, 2]), torch.tensor([2, 0, 1])
+    expected = torch.tensor([[0.7, 0.0, 0.3], [0.3, 0.7, 0.0], [0.0, 0.3, 0.7]])
+    assert torch.allclose(soft_targets(y, perm, 0.7, 3), expected)
+    # cross-entropy with the soft target is λ CE(y_i) + (1−λ) CE(y_j)
+    logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, 1.0, 3.0], [2.0, 0.0, 1.0]])
+    mixed = 0.7 * F.cross_entropy(logits, y) + 0.3 * F.cross_entropy(logits, y[perm])
+    assert torch.allclose(F.cross_entropy(logits, soft_targets(y, perm, 0.7, 3)), mixed)
+
+
+def test_mixstyle_mixes_channel_mean_and_std():
+    # sample 0: values [1, 3] -> μ 2, σ 1; sample 1: [2, 10] -> μ 6, σ 4 (one channel, 1×2 map)
+    x = torch.tensor([[[[1.0, 3.0]]], [[[2.0, 10.0]]]])
+    out = mixstyle(x, torch.tensor([1, 0]), torch.tensor([0.5, 1.0]))
+    # sample 0: μ_mix = 0.5·2 + 0.5·6 = 4, σ_mix = 0.5·1 + 0.5·4 = 2.5 -> (x − 2)/1 · 2.5 + 4; sample 1 (λ = 1) kept
+    assert torch.allclose(out, torch.tensor([[[[1.5, 6.5]]], [[[2.0, 10.0]]]]), **TOL)
+
+
+def test_moex_exchanges_positional_moments():
+    # PONO over channels at the single position: sample 0 channels [1, 3] (μ 2, σ 1), sample 1 [2, 10] (μ 6, σ 4)
+    x = torch.tensor([[1.0, 3.0], [2.0, 10.0]]).view(2, 2, 1, 1)
+    out = moex(x, torch.tensor([1, 0]))
+    # x̂_0 = (x_0 − 2)/1 · 4 + 6 = [2, 10];  x̂_1 = (x_1 − 6)/4 · 1 + 2 = [1, 3]
+    assert torch.allclose(out.view(2, 2), torch.tensor([[2.0, 10.0], [1.0, 3.0]]), **TOL)
+
+
+# --- the hooks --------------------------------------------------------------------------------------
+def _cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return create_model("cnn", num_classes=4, in_channels=1, image_size=16)
+
+
+def test_mixup_step_mixes_inputs_and_labels_with_the_drawn_lambda():
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    with Augmenter(_cnn(), parse_augment([{"name": "mixup", "alpha": 0.2}]), seed=7, num_classes=4) as aug:
+        xm, target = aug.step(x, y)
+    rng = np.random.default_rng(7)  # the same draws, in the same order: λ, then the permutation
+    lam, perm = float(rng.beta(0.2, 0.2)), torch.as_tensor(rng.permutation(4))
+    assert torch.allclose(xm, lam * x + (1 - lam) * x[perm])
+    assert torch.allclose(target, soft_targets(y, perm, lam, 4))
+
+
+def test_manifold_mixup_mixes_the_chosen_stage_output_and_the_hooks_go_away():
+    model = _cnn().train()
+    seen = []  # the input of stage 3 is the output of stage 2 (after our hook)
+    model.blocks[2].register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    model(x)
+    spec = parse_augment([{"name": "manifold_mixup", "alpha": 1.0, "stages": [2]}])
+    with Augmenter(model, spec, seed=3, num_classes=4) as aug:
+        x_out, target = aug.step(x, y)
+        model(x_out)
+    rng = np.random.default_rng(3)  # λ, the stage, the permutation
+    lam, _, perm = float(rng.beta(1.0, 1.0)), rng.choice([2]), torch.as_tensor(rng.permutation(4))
+    assert torch.equal(x_out, x)  # stage 2, not the input
+    assert torch.allclose(seen[1], mix(seen[0], seen[0][perm], lam), **TOL)
+    assert torch.allclose(target, soft_targets(y, perm, lam, 4))
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 1  # only the test's own hook is left
+
+
+def test_hooks_leave_eval_passes_alone():
+    model = _cnn()
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    model.eval()
+    ref = model(x)
+    with Augmenter(model, parse_augment([{"name": "mixstyle", "p": 1.0, "stages": [1, 2]}]), 0, 4) as aug:
+        aug.step(x, y)
+        assert torch.equal(model(x), ref)
+
+
+# --- config ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("augment", "method", "message"), [
+    ([{"name": "mixup"}, {"name": "moex"}], "fedavg", "at most one label-mixing"),
+    ([{"name": "mixup", "beta": 1}], "fedavg", "optim.augment.0.mixup.beta: unknown key"),
+    ([{"name": "cutmix"}], "fedavg", "does not match"),
+    ([{"name": "mixstyle", "stages": [0]}], "fedavg", "1-based"),
+    ([{"name": "mixstyle"}], "fpl", "own local loop"),
+    ([{"name": "mixup"}], "pardon", "hard labels"),
+])
+def test_bad_augment_lists_fail_at_load(augment, method, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({"method": {"name": method}, "optim": {"augment": augment}})
+
+
+# --- training rounds --------------------------------------------------------------------------------
+class Toy16(ToyDomains):
+    """The toy domains upsampled to 16 px, so the zoo's cnn (three 2× pools) runs on them."""
+
+    def __init__(self) -> None:
+        super().__init__(per_class_domain=12)
+        self.x = F.interpolate(self.x, size=16)
+        self.image_shape = (1, 16, 16)
+
+
+def _server(tmp_path, name, *over):
+    cfg = build_config({"partition": {"kind": "by_domain", "num_clients": 2}, "split": {"target": "c"},
+                        "federation": {"rounds": 1, "batch_size": 8}, "optim": {"lr": 0.05}, "device": "cpu"},
+                       list(over))
+    ds = Toy16()
+    split = make_split(ds, cfg)
+    clients = make_clients(ds, split, cfg)
+    torch.manual_seed(0)
+    method = create_method(cfg.method.name, cfg.method.params)
+    model = method.prepare_model(create_model("cnn", num_classes=4, in_channels=1, image_size=16))
+    fed = Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))
+    server = Server(fed, tmp_path / name)
+    run_inprocess(server)
+    return server
+
+
+AUGMENTS = {
+    "mixup": "[{name: mixup, alpha: 0.2}]",
+    "manifold_mixup": "[{name: manifold_mixup, stages: [0, 1, 2, 3]}]",
+    "mixstyle": "[{name: mixstyle, p: 1.0, stages: [1, 2]}]",
+    "moex": "[{name: moex, p: 1.0}]",
+}
+
+
+@pytest.mark.parametrize("name", list(AUGMENTS))
+def test_a_round_with_each_augmentation_runs_and_is_reproducible(tmp_path, name):
+    over = f"optim.augment={AUGMENTS[name]}"
+    a, b = _server(tmp_path, "a", over), _server(tmp_path, "b", over)
+    plain = _server(tmp_path, "plain")
+    wa, wb, wp = a.state["weights"], b.state["weights"], plain.state["weights"]
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+    assert max(float(np.abs(wa[k] - wp[k]).max()) for k in wa) > 1e-5  # the augmentation changed training
+    assert np.isfinite(a.metrics[0]["train_loss"])
+
+
+def test_fedfa_l_composes_with_a_feature_level_augmentation(tmp_path):
+    over = ["method.name=fedfa", "method.params.lambda_h=0", f"optim.augment={AUGMENTS['mixstyle']}"]
+    a, b = _server(tmp_path, "a", *over), _server(tmp_path, "b", *over)
+    assert all(np.array_equal(a.state["weights"][k], b.state["weights"][k]) for k in a.state["weights"])
+    assert "ffa/1/gamma_mu" in a.state["broadcast"]  # FFA's statistics still flowed

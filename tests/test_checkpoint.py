@@ -1,0 +1,74 @@
+"""Checkpoints: two kept, verified on load, a damaged latest falls back to the previous one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from feddg.federation.checkpoint import (
+    CHECKPOINT,
+    PREVIOUS,
+    CheckpointError,
+    CheckpointWarning,
+    has_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+def _save_two(run_dir) -> None:
+    for r in (1, 2):
+        save_checkpoint(run_dir, {"round": r, "w": np.full(1000, r, dtype=np.float32)})
+
+
+def test_the_last_two_are_kept_and_the_latest_is_loaded(tmp_path):
+    assert load_checkpoint(tmp_path) is None and not has_checkpoint(tmp_path)
+    _save_two(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PREVIOUS, CHECKPOINT]
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt["round"] == 2 and np.array_equal(ckpt["w"], np.full(1000, 2, dtype=np.float32))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "garbage", "delete"])
+def test_a_damaged_latest_falls_back_to_the_previous_with_a_warning(tmp_path, damage):
+    _save_two(tmp_path)
+    latest = tmp_path / CHECKPOINT
+    data = latest.read_bytes()
+    if damage == "truncate":
+        latest.write_bytes(data[: len(data) // 2])
+    elif damage == "flip a byte":
+        latest.write_bytes(data[:-100] + bytes([data[-100] ^ 1]) + data[-99:])
+    elif damage == "garbage":
+        latest.write_bytes(b"\x00" * 64)
+    else:
+        latest.unlink()  # a crash between the two renames of a rotation
+    with pytest.warns(CheckpointWarning) as record:
+        ckpt = load_checkpoint(tmp_path)
+    assert ckpt["round"] == 1
+    msg = str(record[0].message)
+    assert str(latest) in msg and str(tmp_path / PREVIOUS) in msg and "\n" not in msg
+
+
+def test_no_readable_checkpoint_is_one_error_naming_every_file(tmp_path):
+    save_checkpoint(tmp_path, {"round": 1})
+    latest = tmp_path / CHECKPOINT
+    latest.write_bytes(latest.read_bytes()[:-10])  # a truncated single checkpoint is detected
+    with pytest.raises(CheckpointError, match="damaged") as err:
+        load_checkpoint(tmp_path)
+    assert str(latest) in str(err.value)
+    _save_two(tmp_path)
+    for name in (CHECKPOINT, PREVIOUS):
+        (tmp_path / name).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path)
+    assert str(latest) in str(err.value) and str(tmp_path / PREVIOUS) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_plain_torch_archive_from_before_digests_still_loads(tmp_path):
+    torch.save({"round": 7}, tmp_path / CHECKPOINT)
+    assert load_checkpoint(tmp_path) == {"round": 7}
+    (tmp_path / CHECKPOINT).write_bytes((tmp_path / CHECKPOINT).read_bytes()[:40])
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        load_checkpoint(tmp_path)

@@ -1,0 +1,87 @@
+"""Extra evaluation targets (eval.extra) during a run, and `feddg eval` on a finished run's checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from toy import ToyDomains, toy_federation
+from typer.testing import CliRunner
+
+from feddg.cli import app
+from feddg.config import ExtraEvalConfig, build_config
+from feddg.engines.inprocess import run_inprocess
+from feddg.federation.server import Server
+from feddg.federation.setup import ExtraTarget, load_extra_target
+
+
+def _run_with_the_training_data_as_extra(tmp_path, *over):
+    fed = toy_federation("federation.rounds=2", *over)
+    fed.extra = [ExtraTarget("again", fed.dataset)]  # every sample of the toy domains, as a second "dataset"
+    server = Server(fed, tmp_path / "run")
+    return server, run_inprocess(server)
+
+
+def test_an_extra_target_is_evaluated_like_the_held_out_domain(tmp_path):
+    server, results = _run_with_the_training_data_as_extra(tmp_path)
+    final = results["final"]
+    assert final["extra/again_acc/c"] == final["ood_acc/c"]  # c is the held-out domain: the same samples
+    assert set(final) >= {"extra/again_acc/a", "extra/again_acc/b", "extra/again_acc"}
+    assert final["extra/again_acc"] == pytest.approx(sum(final[f"extra/again_acc/{d}"] for d in "abc") / 3)
+    assert results["extra"] == {"again": {"dataset": "toy", "domains": ["a", "b", "c"]}}
+    assert all("extra/again_acc" in row for row in server.metrics)  # every eval round
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["final"] == final
+
+
+def test_a_personalised_method_reports_the_clients_mean_and_the_global_model(tmp_path):
+    _, results = _run_with_the_training_data_as_extra(tmp_path, "method.name=local")
+    final = results["final"]
+    assert final["extra/again_acc/c"] == final["ood_acc/c"]  # mean over the clients' own models
+    assert final["extra/again_global_acc/c"] == final["global_ood_acc/c"]
+
+
+def test_an_extra_target_needs_the_training_datas_classes_and_image_shape(cache_dir):
+    cfg = build_config({}, [f"data.cache_dir={cache_dir}"])
+    with pytest.raises(ValueError, match=r"^eval.extra cm: colored-mnist has classes \['0-4', '5-9'\], the training"):
+        load_extra_target(ExtraEvalConfig(name="cm", dataset="colored-mnist"), cfg, _digits_like(ToyDomains()))
+    with pytest.raises(ValueError, match=r"^eval.extra rm: rotated-mnist has images of shape \(1, 28, 28\), the model"):
+        load_extra_target(ExtraEvalConfig(name="rm", dataset="rotated-mnist", domains=["0"]), cfg,
+                          _digits_like(ToyDomains()))
+    with pytest.raises(ValueError, match=r"^eval.extra d: bad domains \['mars'\] for digits-dg"):
+        load_extra_target(ExtraEvalConfig(name="d", dataset="digits-dg", domains=["mars"]), cfg, ToyDomains())
+
+
+def _digits_like(ds: ToyDomains) -> ToyDomains:
+    ds.classes = [str(k) for k in range(10)]
+    ds.image_shape = (3, 28, 28)
+    return ds
+
+
+TINY = ["-o", "data.max_per_domain=150", "-o", "partition.num_clients=3", "-o", "federation.rounds=1",
+        "-o", "model.name=lenet", "-o", "split.target=uci", "-o", "federation.workers=1", "-o", "device=cpu"]
+
+
+def test_run_with_an_extra_target_then_feddg_eval_gives_the_same_accuracy(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    run_dir = tmp_path / "r"
+    extra = "eval.extra=[{name: uci150, dataset: digits-dg, domains: [uci], max_per_domain: 150}]"
+    res = CliRunner().invoke(app, ["run", "configs/demo.yaml", *TINY, "-o", extra, "--run-dir", str(run_dir),
+                                   "--quiet"])
+    assert res.exit_code == 0, res.output
+    final = json.loads((run_dir / "results.json").read_text())["final"]
+    assert final["extra/uci150_acc/uci"] == final["ood_acc/uci"]  # the same 150 samples, the same model
+    assert "extra/uci150" in res.output  # in the run's table
+
+    res = CliRunner().invoke(app, ["eval", str(run_dir), "--dataset", "digits-dg", "--domains", "uci,mnist",
+                                   "--max-per-domain", "150"])
+    assert res.exit_code == 0, res.output
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in res.output.splitlines()
+            if line.count("│") == 3}
+    assert rows["uci"] == f"{final['ood_acc/uci']:.2f}" and "mnist" in rows and "mean" in rows
+
+    for args, words in ((["--dataset", "colored-mnist"], ["classes"]), (["--dataset", "nope"], ["nope"])):
+        res = CliRunner().invoke(app, ["eval", str(run_dir), *args])
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and all(w in lines[0] for w in words), res.output
+    res = CliRunner().invoke(app, ["eval", str(tmp_path), "--dataset", "digits-dg"])
+    assert res.exit_code == 2 and "not a run directory" in res.output

@@ -1,0 +1,208 @@
+"""Fault-tolerant rounds (issue 12): a client that raises, returns NaN, hangs, loses its worker or sends an
+outlier is dropped and logged, and the run ends as a run without that client in those rounds would.
+
+The faulty runs and their references differ in one way only: the reference's server never sends to the
+dropped clients. Its fold is normalised by the example total of the clients it sampled; the faulty run's
+by the total it expected, rescaled by ``expected / arrived`` at the end (``WeightedSum.mean``) — the same
+sum with one more float64 multiplication, so the weights agree to rounding, not bit for bit. With
+``reject_outliers`` the replies are held and folded at the round's end over the survivors only: bit for bit.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from support.faults import toy_federation_of
+
+from feddg.config import ConfigError, build_config
+from feddg.engines.inprocess import run_inprocess, run_round
+from feddg.engines.workers import WorkerPool
+from feddg.federation.checkpoint import load_checkpoint
+from feddg.federation.server import Server
+from feddg.federation.validation import RunStopped, check_reply, outliers, shapes_of
+
+BASE = {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
+        "federation": {"rounds": 3, "batch_size": 16}, "optim": {"lr": 0.1}, "device": "cpu"}
+
+
+def faulty_config(faults: dict[str, str], *overrides: str, **params: float):
+    return build_config({**BASE, "method": {"name": "faulty", "params": {"faults": faults, **params}}}, list(overrides))
+
+
+def dropped(faults: dict[str, str]) -> dict[int, set[int]]:
+    """round -> the clients a fault removes from it."""
+    out: dict[int, set[int]] = {}
+    for key in faults:
+        r, c = (int(x) for x in key.split(":"))
+        out.setdefault(r, set()).add(c)
+    return out
+
+
+def reference(tmp_path, drops: dict[int, set[int]], *overrides: str) -> Server:
+    """The same run without faults, whose server never sends to the ``drops`` clients of each round."""
+    server = Server(toy_federation_of(faulty_config({}, *overrides)), tmp_path / "reference")
+    configure = server.configure
+    server.configure = lambda r: {c: m for c, m in configure(r).items() if c not in drops.get(r, set())}
+    run_inprocess(server)
+    return server
+
+
+def assert_close_weights(got: dict, want: dict, rtol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=rtol, atol=1e-7, err_msg=k)
+
+
+def failures(server: Server) -> dict[int, dict[str, str]]:
+    """round -> clients_failed_reasons, from metrics.jsonl (absent: none failed)."""
+    rows = [json.loads(line) for line in (server.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row.get("clients_failed", 0) == len(row.get("clients_failed_reasons", {}))
+        assert row["clients"] == 4 - row.get("clients_failed", 0)
+    return {row["round"]: row["clients_failed_reasons"] for row in rows if "clients_failed" in row}
+
+
+@pytest.fixture
+def one_thread():
+    """Workers and Ray actors use one torch thread; so does the sequential reference they are compared with."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- validation --------------------------------------------------------------------------------
+SENT = {"w/a": np.zeros((2, 3), np.float32), "w/n": np.array(0, np.int64), "lr": 0.1}
+GOOD = {"w/a": np.ones((2, 3), np.float32), "w/n": np.array(4, np.int64), "num_examples": 10, "train_loss": 0.5}
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"w/a": np.array([[1, np.nan, 0], [0, 0, 0]], np.float32)}, "NaN in w/a"),
+    ({"stat/x": np.array([np.inf])}, "Inf in stat/x"),
+    ({"train_loss": float("nan")}, "train_loss is nan"),
+    ({"w/a": np.ones((3, 2), np.float32)}, "w/a has shape (3, 2), expected (2, 3)"),
+    ({"w/b": np.ones(2, np.float32)}, "unexpected weight w/b"),
+    ({"num_examples": 0}, "num_examples is 0, not a positive int"),
+    ({"num_examples": 2.5}, "num_examples is 2.5, not a positive int"),
+    ({"num_examples": True}, "num_examples is True, not a positive int"),
+])
+def test_check_reply_names_what_is_wrong(change, reason):
+    assert check_reply({**GOOD, **change}, SENT, shapes_of(SENT), all_weights=True) == reason
+
+
+def test_check_reply_accepts_a_good_reply_and_knows_which_weights_must_come_back():
+    declared = shapes_of(SENT)
+    assert check_reply(GOOD, SENT, declared, all_weights=True) is None
+    partial = {k: v for k, v in GOOD.items() if k != "w/n"}
+    assert check_reply(partial, SENT, declared, all_weights=True) == "missing w/n"
+    assert check_reply(partial, SENT, declared, all_weights=False) is None  # hFedF replies buffers only
+    assert check_reply(partial, {}, declared, all_weights=True) == "missing w/n"  # nothing sent: the model's keys
+    assert check_reply({"num_examples": 3}, {}, declared, all_weights=False) is None
+    assert check_reply({"w/b": np.ones(2)}, {}, declared, all_weights=False) == "num_examples is None, not a positive int"
+
+
+def test_outliers_compare_with_the_median():
+    assert outliers({0: 1.0, 1: 1.2, 2: 0.9, 3: 5.0}, 3.0) == {3: "update norm 5 > 3 x median 1.1"}
+    assert outliers({0: 1.0, 1: 1.5}, 2.0) == {}
+
+
+def test_a_timeout_needs_workers_and_is_not_for_flower():
+    with pytest.raises(ConfigError, match="client_timeout_s needs workers >= 2"):
+        build_config(BASE, ["federation.client_timeout_s=5"])
+    with pytest.raises(ConfigError, match="flower.round_timeout_s"):
+        build_config(BASE, ["federation.client_timeout_s=5", "federation.engine=flower", "federation.workers=2"])
+    assert build_config(BASE, ["federation.client_timeout_s=5", "federation.workers=auto"]).federation.workers == "auto"
+
+
+# --- the in-process engine, sequential -----------------------------------------------------------
+def test_a_raising_and_a_nan_client_are_dropped_and_the_rest_trains_on(tmp_path):
+    faults = {"1:1": "raise", "2:2": "nan"}
+    server = Server(toy_federation_of(faulty_config(faults)), tmp_path / "faulty")
+    run_inprocess(server)
+    assert failures(server) == {1: {"1": "RuntimeError: injected failure of client 1"}, 2: {"2": "NaN in w/conv.weight"}}
+    ref = reference(tmp_path, dropped(faults))
+    assert_close_weights(server.state["weights"], ref.state["weights"])
+    # a failed client's state is not advanced: 3 rounds, one of them failed
+    assert {c: s["updates"] for c, s in server.client_states.items()} == {0: 3, 1: 2, 2: 2, 3: 3}
+    assert server.client_states == ref.client_states
+
+
+def test_an_outlier_update_is_rejected_and_the_rest_folds_bit_for_bit(tmp_path):
+    faults = {"2:3": "scale"}
+    server = Server(toy_federation_of(faulty_config(faults, "federation.reject_outliers=3")), tmp_path / "faulty")
+    run_inprocess(server)
+    reasons = failures(server)
+    assert list(reasons) == [2] and list(reasons[2]) == ["3"] and reasons[2]["3"].startswith("update norm")
+    ref = reference(tmp_path, dropped(faults))
+    for k, v in ref.state["weights"].items():
+        np.testing.assert_array_equal(server.state["weights"][k], v, err_msg=k)
+
+
+def test_too_few_clients_stop_the_run_with_the_last_checkpoint_intact(tmp_path):
+    faults = {"2:0": "raise", "2:1": "nan", "2:2": "raise"}
+    run_dir = tmp_path / "run"
+    server = Server(toy_federation_of(faulty_config(faults, "federation.min_clients=2")), run_dir)
+    with pytest.raises(RunStopped) as err:
+        run_inprocess(server)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("round 2: 1 of 4 clients replied usably")
+    assert "client 1: NaN in w/conv.weight" in message and "last checkpoint (round 1) is intact" in message
+    assert load_checkpoint(run_dir)["round"] == 1
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1 and not (run_dir / "results.json").exists()
+    # the cause fixed, the run resumes from round 1 and ends as a run that never failed
+    resumed = Server(toy_federation_of(faulty_config({}, "federation.min_clients=2")), run_dir, resume=True)
+    run_inprocess(resumed)
+    clean = Server(toy_federation_of(faulty_config({})), tmp_path / "clean")
+    run_inprocess(clean)
+    for k, v in clean.state["weights"].items():
+        np.testing.assert_array_equal(resumed.state["weights"][k], v, err_msg=k)
+
+
+def test_a_round_that_samples_fewer_than_min_clients_stops_before_it_starts(tmp_path):
+    cfg = faulty_config({}, "federation.client_fraction=0.25", "federation.min_clients=2")
+    with pytest.raises(RunStopped, match="samples 1 clients, fewer than federation.min_clients=2"):
+        run_inprocess(Server(toy_federation_of(cfg), tmp_path / "run"))
+
+
+# --- the in-process engine, worker processes -----------------------------------------------------
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_workers_survive_a_raise_a_nan_a_hang_and_a_killed_worker(tmp_path, one_thread, start):
+    faults = {"1:1": "raise", "2:2": "nan", "3:0": "sleep", "4:3": "kill"}
+    over = ("federation.rounds=4", "federation.workers=2", "federation.client_timeout_s=5")
+    cfg = faulty_config(faults, *over)
+    server = Server(toy_federation_of(cfg), tmp_path / "faulty")
+    server.mark_setup_done()
+    fed = server.fed if start == "fork" else None  # fork: workers inherit the federation, replacements too
+    with WorkerPool(cfg, 2, factory=toy_federation_of, timeout_s=5, fed=fed) as pool:
+        started = {w.proc.pid for w in pool.workers}
+        for r in range(1, 5):
+            run_round(server, r, pool)
+        assert len(pool.workers) == 2 and all(w.proc.is_alive() for w in pool.workers)
+        assert started - {w.proc.pid for w in pool.workers}, "the hung and the killed worker were replaced"
+    assert failures(server) == {
+        1: {"1": "RuntimeError: injected failure of client 1"},
+        2: {"2": "NaN in w/conv.weight"},
+        3: {"0": "timed out after 5 s (federation.client_timeout_s)"},
+        4: {"3": "its worker process died (SIGKILL)"},
+    }
+    ref = reference(tmp_path, dropped(faults), "federation.rounds=4")
+    assert_close_weights(server.state["weights"], ref.state["weights"])
+    assert {c: s["updates"] for c, s in server.client_states.items()} == {0: 3, 1: 3, 2: 3, 3: 3}
+
+
+# --- Flower's Simulation Runtime -----------------------------------------------------------------
+@pytest.mark.slow
+def test_flower_simulation_drops_a_raise_a_nan_and_a_late_reply(tmp_path, one_thread):
+    from feddg.engines.flower.simulation import run_flower
+
+    faults = {"1:1": "raise", "1:3": "sleep", "2:2": "nan"}
+    over = ("federation.rounds=2", "flower.ray_num_cpus=2", "flower.round_timeout_s=15")
+    server = Server(toy_federation_of(faulty_config(faults, *over, sleep_s=20)), tmp_path / "faulty")
+    run_flower(server, factory=toy_federation_of)
+    reasons = failures(server)
+    assert reasons[1]["1"].endswith("RuntimeError: injected failure of client 1") and reasons[1]["1"].startswith("node ")
+    assert reasons[1]["3"] == "no reply within 15 s (flower.round_timeout_s)"
+    assert reasons[2] == {"2": "NaN in w/conv.weight"} and len(reasons[1]) == 2
+    ref = reference(tmp_path, dropped(faults), "federation.rounds=2")
+    assert_close_weights(server.state["weights"], ref.state["weights"])

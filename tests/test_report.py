@@ -1,0 +1,191 @@
+"""`feddg report`: the figures' content, report.html of a run and of a sweep, and both pages in a real browser."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+from typer.testing import CliRunner
+
+from feddg.cli import app
+from feddg.config import build_config, read_yaml
+from feddg.evaluation.plots import draw_accuracy, draw_domains
+from feddg.experiment import run_experiment
+from feddg.reports import figures
+from feddg.reports.counts import sample_counts
+from feddg.reports.run import report
+from feddg.sweep import run_sweep
+
+TINY = {"data": {"dataset": "digits-dg", "max_per_domain": 40}, "partition": {"kind": "by_domain", "num_clients": 3},
+        "model": {"name": "lenet"}, "federation": {"rounds": 3, "batch_size": 32}, "split": {"target": "uci"},
+        "device": "cpu"}
+IMG = re.compile(r'<img src="data:image/png;base64,([^"]+)"')
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, cache_dir) -> Path:
+    out = tmp_path_factory.mktemp("run") / "r"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDDG_CACHE", str(cache_dir))
+        run_experiment(build_config(TINY), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_pages(run_dir) -> list[Path]:
+    return report(run_dir)
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory, cache_dir) -> Path:
+    base = tmp_path_factory.mktemp("sweep")
+    spec = {**TINY, "name": "tiny", "federation": {"rounds": 2, "batch_size": 32},
+            "sweep": {"targets": ["uci", "mnist"], "seeds": [0, 1],
+                      "variants": {"FedProx": {"method.name": "fedprox", "method.params.mu": 0.1}}}}
+    (base / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDDG_CACHE", str(cache_dir))
+        run_sweep(base / "sweep.yaml", out_dir=base / "out", progress=False)
+    return base / "out"
+
+
+@pytest.fixture(scope="module")
+def sweep_page(sweep_dir) -> Path:
+    return report(sweep_dir)[0]
+
+
+def _images(html: str) -> list[Image.Image]:
+    imgs = [Image.open(io.BytesIO(base64.b64decode(b))) for b in IMG.findall(html)]
+    for img in imgs:
+        img.load()  # decodes the whole PNG: a truncated or corrupt one raises
+    return imgs
+
+
+def test_accuracy_axes_have_integer_rounds_and_the_chance_line():
+    fig, ax = plt.subplots()
+    draw_accuracy(ax, [{"round": r, "ood_acc": 10.0 * r} for r in (1, 2, 3, 4)], num_classes=10)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    chance = [ln for ln in ax.get_lines() if ln.get_label().startswith("chance")]
+    assert len(chance) == 1 and chance[0].get_ydata()[0] == pytest.approx(10.0)
+    plt.close(fig)
+
+
+def test_domain_bars_show_seed_spread_and_sample_counts():
+    fig, ax = plt.subplots()
+    draw_domains(ax, {"id_acc/a": [50.0, 60.0, 70.0], "ood_acc/b": [30.0]}, {"id_acc/a": 120, "ood_acc/b": 400})
+    bars = [c for c in ax.containers if hasattr(c, "patches")]
+    assert [round(b.patches[0].get_height(), 6) for b in bars] == [60.0, 30.0]
+    assert bars[0].errorbar is not None and bars[1].errorbar is None  # several seeds -> sample std, one -> none
+    err_segment = bars[0].errorbar.lines[2][0].get_segments()[0]
+    assert err_segment[1][1] - err_segment[0][1] == pytest.approx(2 * np.std([50, 60, 70], ddof=1))
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a\nn=120", "b\nn=400"]
+    plt.close(fig)
+
+
+def test_method_diagnostics_are_grouped_by_key_prefix_layer_and_client():
+    rows = [{"round": r, "lr": 0.1, "train_loss": 1.0, "ood_acc": 50.0, "ood_acc/b": 50.0, "fot/passes": 2,
+             "fot/conv1/moved": 0.1 * r, "fot/fc/moved": 0.2 * r, "gradalign_theta/0": 0.4, "gradalign_theta/1": 0.6,
+             "hn_grad_norm": 1.5} for r in (1, 2)]
+    panels = figures.diagnostic_panels(rows)
+    assert panels == {
+        "fot": {"fot/passes": {"fot/passes": [(1, 2.0), (2, 2.0)]},
+                "fot/…/moved": {"conv1": [(1, 0.1), (2, 0.2)], "fc": [(1, 0.2), (2, 0.4)]}},
+        "per client": {"gradalign_theta": {"client 0": [(1, 0.4), (2, 0.4)], "client 1": [(1, 0.6), (2, 0.6)]}},
+        "other": {"hn_grad_norm": {"hn_grad_norm": [(1, 1.5), (2, 1.5)]}},
+    }  # accuracies, lr, loss, bytes and times are drawn elsewhere
+    fig = figures.diagnostics(panels["fot"])
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["fot/passes", "fot/…/moved"]
+    plt.close(fig)
+
+
+def test_run_report_has_per_domain_counts_bytes_time_and_config(run_dir, run_pages):
+    paths = run_pages
+    assert paths[0] == run_dir / "report.html" and {p.name for p in paths[1:]} == {"curves.png", "domains.png"}
+    html = paths[0].read_text()
+    counts, classes = sample_counts(build_config(read_yaml(run_dir / "config.yaml")))
+    assert classes == 10 and counts["ood_acc/uci"] == 40
+    results = json.loads((run_dir / "results.json").read_text())
+    for key, acc in results["final"].items():
+        if "/" in key:
+            role, dom = key.split("/")
+            row = f"<tr><td>{dom}</td><td class=\"text\">{role.removesuffix('_acc')}</td><td>{acc:.2f}</td>"
+            assert row in html and f"<td>{counts[key]}</td>" in html[html.index(row):html.index(row) + 200], key
+    for text in ("bytes per round", "time per round", "chance (%)", "config.yaml", "name: fedavg", "bytes_down"):
+        assert text in html, text
+    imgs = _images(html)
+    assert len(imgs) == len(re.findall(r"<img ", html)) >= 5  # curves, domains, bytes, time, schedule
+    assert all(img.width > 300 and img.height > 200 for img in imgs)
+    assert "http://" not in html and "https://" not in html  # nothing to fetch
+
+
+def test_sweep_report_tables_mean_sample_std_and_ci(sweep_dir, sweep_page):
+    html = sweep_page.read_text()
+    rows = [json.loads(line) for line in (sweep_dir / "runs.jsonl").read_text().splitlines()]
+    vals = [r["ood_acc"] for r in rows if r["variant"] == "FedProx" and r["target"] == "mnist"]
+    from scipy.stats import t
+
+    mean, sd = np.mean(vals), np.std(vals, ddof=1)
+    half = t.ppf(0.975, len(vals) - 1) * sd / math.sqrt(len(vals))
+    cell = f"{mean:.1f} ± {sd:.1f}"
+    assert cell in html and f"[{mean - half:.1f}, {mean + half:.1f}] n=2" in html
+    assert html.count("<th>avg</th>") == 2  # ood_acc and id_acc tables, with the mean over targets
+    # per metric: bars + curves; per variant: per-domain bars
+    assert len(_images(html)) == 2 * 2 + 1
+    for r in rows:
+        assert Path(r["run_dir"]).relative_to(sweep_dir).as_posix() in html
+
+
+def test_report_of_a_folder_that_is_neither_run_nor_sweep_is_one_line(tmp_path):
+    res = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 2 and "neither a run directory" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.slow
+def test_report_of_a_flower_simulation_run(tmp_path, cache_dir, monkeypatch):
+    pytest.importorskip("flwr")
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    cfg = build_config({**TINY, "federation": {"rounds": 2, "batch_size": 32, "engine": "flower"},
+                        "flower": {"ray_num_cpus": 1}})
+    run_experiment(cfg, tmp_path / "flower", progress=False)
+    html = report(tmp_path / "flower")[0].read_text()
+    assert "<b>flower</b><span>engine</span>" in html and "<td>uci</td>" in html
+    assert len(_images(html)) >= 5
+
+
+def _chromium() -> str | None:
+    return next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+@pytest.mark.parametrize("which", ["run", "sweep"])
+def test_report_renders_in_headless_chromium(which, request, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium binary on PATH (`make setup` installs Debian's chromium where apt exists)")
+    page = request.getfixturevalue("run_pages")[0] if which == "run" else request.getfixturevalue("sweep_page")
+    shot = tmp_path / "shot.png"
+    res = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000",
+         "--window-size=1280,2000", f"--screenshot={shot}", "--dump-dom", page.as_uri()],
+        check=False, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    console = [line for line in res.stderr.splitlines() if "CONSOLE" in line]
+    assert not console, console  # no JavaScript error (or any console message)
+    body = re.search(r"<body([^>]*)>", res.stdout).group(1)  # set by the page's own image check on load
+    n_img = len(re.findall(r"<img ", page.read_text()))
+    assert f'data-images="{n_img}"' in body and 'data-broken-images="0"' in body, body
+    pixels = np.asarray(Image.open(shot).convert("RGB"))
+    assert pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 100  # a page, not a blank

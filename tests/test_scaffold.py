@@ -1,0 +1,113 @@
+"""SCAFFOLD: control variates against their closed form on a quadratic, FedAvg at c = c_i = 0, the server step."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+from toy import toy_federation
+
+from feddg.algorithms import Reply, ServerContext
+from feddg.algorithms.fedavg import FedAvg
+from feddg.algorithms.scaffold import CONTROL, DELTA, OWN, Scaffold, ScaffoldParams, option2
+from feddg.federation.client import client_context
+from feddg.messages import weights_of
+
+
+def test_option2_closed_form():
+    got = option2(np.array([1.0]), np.array([0.5]), np.array([2.0]), np.array([1.0]), steps=4, lr=0.25)
+    np.testing.assert_allclose(got, [1.0 - 0.5 + 1.0 / (4 * 0.25)])
+
+
+class Point(nn.Module):
+    """One parameter ``w``; the data only define each client's target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([3.0]))
+
+
+def quadratic(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """``f_i(w) = ½ (w − a_i)²`` with ``a_i`` the mean pixel of client i's data (one full batch an epoch)."""
+    return 0.5 * ((model.w - x.mean()) ** 2).sum()
+
+
+class QuadraticScaffold(Scaffold):
+    loss_fn = staticmethod(quadratic)
+
+
+def _targets(fed):
+    return np.array([float(fed.dataset.x[c.train_idx].mean()) for c in fed.clients])
+
+
+@pytest.mark.parametrize("control", ["option2", "option1"])
+def test_on_a_quadratic_the_variates_are_the_gradients_and_every_client_takes_the_global_step(control):
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
+    a, lr = _targets(fed), 0.1
+    assert np.ptp(a) > 0.5  # the clients' optima differ: plain local SGD drifts apart
+    method, model = QuadraticScaffold(ScaffoldParams(control=control)), Point()
+    state = method.server_init(model, ServerContext(4, 2, 4, 0))
+    cstates: dict[int, dict] = {}
+
+    def run(round, epochs):
+        replies = []
+        for cid in range(4):
+            msg = {**method.client_config(state, cid, round), "lr": lr, "round": round}
+            ctx = replace(client_context(fed, cid, round), local_epochs=epochs)
+            reply, cstates[cid] = method.client_update(model, msg, cstates.get(cid, {}), ctx)
+            replies.append(Reply(cid, reply))
+        return replies
+
+    x0 = float(state["weights"]["w/w"][0])
+    replies = run(1, epochs=1)  # K = 1 step from x0: c_i⁺ = ∇f_i(x0) = x0 − a_i exactly (option I and II)
+    np.testing.assert_allclose([cstates[k][OWN + "w"][0] for k in range(4)], x0 - a, rtol=1e-5)
+    state, _ = method.aggregate(state, replies)
+    np.testing.assert_allclose(state["control"]["w"], np.mean(x0 - a), rtol=1e-5)  # c = mean_i c_i (all sampled)
+    np.testing.assert_allclose(state["weights"]["w/w"], x0 - lr * (x0 - a.mean()), rtol=1e-5)
+
+    x1 = float(state["weights"]["w/w"][0])
+    replies = run(2, epochs=5)  # g − c_i + c = (y − a_i) − (x0 − a_i) + (x0 − ā) = y − ā: GD on f = mean f_i
+    for r in replies:
+        np.testing.assert_allclose(r.message["w/w"], a.mean() + (1 - lr) ** 5 * (x1 - a.mean()), rtol=1e-5)
+
+
+def test_with_zero_variates_the_first_round_is_fedavgs():
+    fed = toy_federation("method.name=scaffold", "optim.momentum=0")
+    state = Scaffold().server_init(fed.model, ServerContext(4, 3, 4, 0))
+    w0 = weights_of(fed.model)
+    replies, avg_replies = [], []
+    for cid in range(4):
+        msg = {**Scaffold().client_config(state, cid, 1), "lr": 0.1, "round": 1}
+        avg, _ = FedAvg().client_update(fed.model, {**w0, "lr": 0.1, "round": 1}, {}, client_context(fed, cid, 1))
+        reply, cstate = Scaffold().client_update(fed.model, msg, {}, client_context(fed, cid, 1))
+        assert all(np.array_equal(reply[k], avg[k]) for k in avg if k.startswith("w/"))
+        assert set(reply) == {*avg, *(DELTA + n for n, _ in fed.model.named_parameters())}
+        assert set(cstate) == {OWN + n for n, _ in fed.model.named_parameters()}
+        replies.append(Reply(cid, reply))
+        avg_replies.append(Reply(cid, avg))
+    new, _ = Scaffold().aggregate(state, replies)
+    ref, _ = FedAvg().aggregate(state, avg_replies)
+    assert all(np.array_equal(new["weights"][k], ref["weights"][k]) for k in ref["weights"])
+    assert set(msg) - {"lr", "round"} == {*w0, *(CONTROL + n for n, _ in fed.model.named_parameters())}
+
+
+def test_server_step_and_control_update():
+    state = {"weights": {"w/p": np.array([1.0], np.float32), "w/b": np.array([0.0], np.float32)},
+             "control": {"p": np.array([0.5], np.float32)}, "num_clients": 4}
+    replies = [Reply(0, {"w/p": np.array([2.0], np.float32), "w/b": np.array([1.0], np.float32),
+                         DELTA + "p": np.array([0.4], np.float32), "num_examples": 10}),
+               Reply(1, {"w/p": np.array([4.0], np.float32), "w/b": np.array([3.0], np.float32),
+                         DELTA + "p": np.array([0.8], np.float32), "num_examples": 30})]
+    new, _ = Scaffold(ScaffoldParams(server_lr=0.5)).aggregate(state, replies)
+    np.testing.assert_allclose(new["weights"]["w/p"], 1.0 + 0.5 * (3.5 - 1.0))  # x + η_g (ȳ − x), ȳ n-weighted
+    np.testing.assert_allclose(new["weights"]["w/b"], 2.5)  # buffers (not in control): FedAvg
+    np.testing.assert_allclose(new["control"]["p"], 0.5 + (0.4 + 0.8) / 4, rtol=1e-6)  # c + (1/N) Σ_S Δc_i
+
+
+def test_option2_refuses_momentum():
+    fed = toy_federation("method.name=scaffold")  # optim.momentum defaults to 0.9
+    msg = {**Scaffold().client_config(Scaffold().server_init(fed.model, ServerContext(4, 3, 4, 0)), 0, 1),
+           "lr": 0.1, "round": 1}
+    with pytest.raises(ValueError, match="momentum=0"):
+        Scaffold().client_update(fed.model, msg, {}, client_context(fed, 0, 1))

@@ -1,0 +1,130 @@
+"""Scale (issue 13): the streaming fold is bit-equal to the all-at-once mean and holds O(model); the lazy
+method registry; the cnn4 model; the scale configs' partitions; forked workers that rebuild nothing."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.faults import toy_federation_of
+
+from feddg.aggregation.mean import WeightedSum, weighted_mean, weighted_mean_messages
+from feddg.algorithms.base import Reply
+from feddg.algorithms.registry import METHODS, create_method, method_class
+from feddg.bench.memory import model_bytes, peak_extra_bytes, synthetic_reply, synthetic_weights
+from feddg.config import build_config, load_config
+from feddg.data.partition import make_partition
+from feddg.engines.workers import WorkerPool, can_fork
+from feddg.messages import weights_of
+from feddg.models import create_model
+from feddg.models.permutation import apply_permutations, permutation_spec, random_permutations
+from feddg.models.stages import conv_stages
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "scale"
+
+
+def _replies(n: int, params: int = 2_000) -> list[Reply]:
+    template = synthetic_weights(params, seed=3)
+    rng = np.random.default_rng(1)
+    out = []
+    for k in range(n):
+        msg = synthetic_reply(template, k)
+        msg["w/layer0"] = msg["w/layer0"] + rng.standard_normal(msg["w/layer0"].shape).astype(np.float32)
+        out.append(Reply(k, {**msg, "num_examples": int(rng.integers(1, 500))}))
+    return out
+
+
+def test_the_streamed_fold_gives_the_bits_of_the_all_at_once_mean():
+    replies = _replies(37)
+    method = create_method("fedavg")
+    acc = method.start(sum(r.num_examples for r in replies))
+    for r in replies:  # one at a time, as the server receives them
+        acc = method.accumulate(acc, r)
+    streamed = method.finish({}, acc)[0]["weights"]
+    listed = weighted_mean_messages([r.message for r in replies], [r.num_examples for r in replies], "w/")
+    assert streamed.keys() == listed.keys()
+    for k in listed:
+        assert streamed[k].dtype == listed[k].dtype and np.array_equal(streamed[k], listed[k]), k
+    assert np.array_equal(method.aggregate({}, replies)[0]["weights"]["w/layer4"], listed["w/layer4"])
+
+
+def test_weighted_sum_matches_weighted_mean_bit_for_bit():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((5, 7)).astype(np.float32) for _ in range(11)]
+    weights = rng.integers(1, 1000, size=11).tolist()
+    fold = WeightedSum("w/", expected=float(sum(weights)))
+    for a, w in zip(arrays, weights, strict=True):
+        fold.add({"w/a": a}, w)
+    assert np.array_equal(fold.mean()["w/a"], weighted_mean(arrays, weights))
+
+
+def test_a_streamed_round_holds_a_few_models_however_many_clients_reply():
+    template = synthetic_weights(100_000)
+    one = model_bytes(template)
+    streamed, _ = peak_extra_bytes("streaming", template, 50)
+    listed, _ = peak_extra_bytes("all-at-once", template, 50)
+    assert streamed < 5 * one, f"streamed fold peaked at {streamed / one:.1f} models"
+    assert listed > 50 * one  # the old way: the list of replies (this is what the bound catches)
+
+
+def test_the_method_registry_imports_no_method_until_asked():
+    code = ("import sys, feddg.algorithms.registry as r; "
+            "print(sorted(m for m in sys.modules if m.startswith(('sklearn', 'finch', 'ot', 'feddg.algorithms.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['feddg.algorithms.base', 'feddg.algorithms.registry']"
+
+
+def test_every_registry_line_names_its_class():
+    for name in list(METHODS):
+        assert method_class(name).name == name
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        method_class("nope")
+
+
+def test_cnn4_is_the_94k_four_conv_cnn_with_stages_and_a_permutation_spec():
+    torch.manual_seed(0)
+    model = create_model("cnn4", num_classes=10).eval()
+    assert sum(p.numel() for p in model.parameters()) == 94_122
+    assert conv_stages(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    for m in model.modules():  # non-trivial BatchNorm, so a forgotten statistic shows
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.weight.data.normal_()
+            m.running_mean.normal_()
+    x = torch.randn(2, 3, 28, 28)
+    spec = permutation_spec(model)
+    with torch.no_grad():
+        before = model(x)
+        perms = random_permutations(spec, np.random.default_rng(0))
+        model.load_state_dict(apply_permutations(model.state_dict(), spec, perms))
+        torch.testing.assert_close(model(x), before, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "clients", "sampled"), [("femnist-scale", 3400, 50), ("iwildcam-scale", 243, 24)])
+def test_the_scale_configs_give_every_client_data(name, clients, sampled):
+    cfg = load_config(CONFIGS / f"{name}.yaml", [])
+    assert cfg.partition.num_clients == clients
+    assert round(cfg.federation.client_fraction * clients) == sampled
+    domain_ids = np.repeat(np.arange(4), [5000, 1797, 5000, 5000])  # Digits-DG: mnist (the target), uci, synth, mnistm
+    source = np.flatnonzero(domain_ids != 0)
+    p = cfg.partition
+    rng = np.random.default_rng(0)
+    part = make_partition(p.kind, source, domain_ids, domain_ids % 10, p.num_clients, rng, **p.params)
+    sizes = [len(c) for c in part.client_indices]
+    assert len(sizes) == clients and min(sizes) >= 3 and sum(sizes) == len(source)
+
+
+def _refuse(cfg):
+    raise AssertionError("a forked worker must not rebuild the federation")
+
+
+@pytest.mark.skipif(not can_fork(), reason="needs fork")
+def test_forked_workers_use_the_servers_federation_as_it_is():
+    cfg = build_config({"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
+                        "federation": {"batch_size": 16, "workers": 2}, "device": "cpu"})
+    fed = toy_federation_of(cfg)
+    msg = {**weights_of(fed.model), "lr": 0.1, "round": 1}
+    with WorkerPool(cfg, 2, factory=_refuse, fed=fed) as pool:
+        outcomes = dict(pool.run_clients(1, {0: msg, 1: msg, 2: msg}, {}))
+    assert all(o.reply is not None and o.reply["num_examples"] > 0 for o in outcomes.values()), outcomes
