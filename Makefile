@@ -36,6 +36,9 @@ test: $(STAMP) browser
 
 bench: $(STAMP)
 	$(BIN)/feddg bench models
+	$(BIN)/feddg bench w1
+	$(BIN)/feddg bench memory
+	$(BIN)/feddg bench scale
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

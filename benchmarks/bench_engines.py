@@ -24,8 +24,9 @@ import torch
 
 from feddg.config import ExperimentConfig, build_config
 from feddg.experiment import run_experiment
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.flower_local import LocalDeployment  # noqa: E402  (the loopback deployment harness of the tests)
+from support.flower_local import LocalDeployment
 
 
 def bench_config(rounds: int, clients: int, max_per_domain: int, engine: str) -> ExperimentConfig:

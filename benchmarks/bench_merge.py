@@ -5,7 +5,7 @@ baseline's ``fot.py``, ``regmean.py`` and ``permutation.py``, loaded with ``git 
 temporary package; both run interleaved in one process on the same inputs, and their merged
 models are compared.
 
-    python benchmarks/bench_merge.py                      # --baseline HEAD --repeats 5 --threads 2
+    python benchmarks/bench_merge.py                      # --baseline ececa71 --repeats 5 --threads 2
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from feddg.bench.merge import MergeCase, resnet18_stations, summary, time_merges
 from feddg.models import create_model
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the last commit before the fast merge (issue #13)
+BEFORE = "ececa71"
 #: baseline module name -> path in the repository; imports of the originals are redirected to the copies
 FILES = {
     "permutation": "src/feddg/models/permutation.py",
@@ -94,7 +96,7 @@ def compare(solver: str, merges_by_name: dict[str, tuple[Callable[..., Any], Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", default="HEAD", help="git revision of the yardstick (default HEAD)")
+    parser.add_argument("--baseline", default=BEFORE, help=f"git revision of the yardstick (default {BEFORE})")
     parser.add_argument("--stations", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)

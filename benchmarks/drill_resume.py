@@ -6,10 +6,12 @@ One uninterrupted ``feddg run`` of a tiny Digits-DG config is the reference. The
 the same command are each killed with SIGKILL (no chance to clean up) and continued with
 ``feddg run --resume``. The kill moments cycle through three kinds:
 
-``random``      a uniform delay after the run directory appears, over the reference run's duration
-                (training, aggregation, evaluation, checkpoint writes: wherever it lands)
+``random``      a uniform delay after the run directory appears, within 85 % of the reference run's
+                remaining time (training, aggregation, evaluation, checkpoint writes: wherever it lands)
 ``row k``       as soon as round k's row appears in metrics.jsonl: the server has finished the round and
                 is about to write (or writing) its checkpoint
+``write k``     as soon as checkpoint.pt.tmp exists from round k on (the checkpoint is being written;
+                polled every 0.5 ms, so a fast write can slip through: the table says what the kill found)
 ``ckpt k``      right after round k's checkpoint.pt has been renamed into place
 
 Every resumed run must end with the reference's final weights (every array equal), metrics (times
@@ -43,7 +45,7 @@ def overrides(rounds: int, workers: int) -> list[str]:
 
 
 def start(run_dir: Path, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 - closed with the process
+    log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "feddg", *args], env=env, stdout=log, stderr=log)
 
 
@@ -113,21 +115,25 @@ def main() -> None:
     print(f"reference: {time.perf_counter() - t0:.1f} s ({span:.1f} s after its run directory appeared)\n")
 
     rng = random.Random(args.seed)
-    kinds = ["random", "row", "ckpt"]
+    kinds = ["random", "row", "write", "ckpt"]
     table, failed = [], 0
     for i in range(args.runs):
         run_dir = out / f"run{i:02d}"
-        kind, k = kinds[i % 3], rng.randint(1, args.rounds)
+        kind, k = kinds[i % len(kinds)], rng.randint(1, args.rounds)
         proc = start(run_dir, [*run_args, "--run-dir", str(run_dir)], env)
         wait_for(proc, lambda d=run_dir: (d / "config.yaml").is_file())
         started = time.perf_counter()
         if kind == "random":
-            delay = rng.uniform(0.0, span)
+            delay = rng.uniform(0.0, 0.85 * span)
             moment = f"random {delay:.2f} s"
             hit = wait_for(proc, lambda s=started, d=delay: time.perf_counter() - s >= d)
         elif kind == "row":
             moment = f"row {k}"
             hit = wait_for(proc, lambda d=run_dir, n=k: len(rows(d)) >= n)
+        elif kind == "write":
+            moment = f"write {k}"
+            tmp = run_dir / (CHECKPOINT + ".tmp")
+            hit = wait_for(proc, lambda d=run_dir, n=k, t=tmp: t.exists() and len(rows(d)) >= n)
         else:
             moment = f"ckpt {k}"
             hit = wait_for(proc, checkpoint_changes(run_dir, k))
@@ -150,7 +156,7 @@ def main() -> None:
                      f"{resume_s:.1f} | {'yes' if ok else 'NO: ' + resumed.stderr.strip()[-200:]} |")
         print(table[-1], flush=True)
 
-    print("\n| run | kill moment | killed after (s) | | at the kill | resume (s) | identical |")
+    print("\n| run | kill moment | killed after (s) | process | at the kill | resume (s) | identical |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(table))
     print(f"\n{args.runs - failed} of {args.runs} resumed runs identical to the uninterrupted run ({out})")

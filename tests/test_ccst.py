@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 import torch
+from toy import toy_federation
 
 from feddg.algorithms import create_method
 from feddg.algorithms.ccst import draw_styles
 from feddg.algorithms.components.style import channel_stats
-from feddg.federation.client import client_context
 from feddg.engines.inprocess import run_inprocess, run_setup
+from feddg.federation.client import client_context
 from feddg.federation.server import Server
-from toy import toy_federation
 
 
 def test_overall_style_is_the_pooled_style_of_the_client_and_the_bank_excludes_the_own(tmp_path):

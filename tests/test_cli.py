@@ -37,7 +37,7 @@ def _feddg(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
 
 

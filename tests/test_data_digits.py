@@ -10,8 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from feddg.data import dataset_info, iterate_batches, list_datasets, load_dataset
-from feddg.data import digits, mnist_variants
+from feddg.data import dataset_info, digits, iterate_batches, list_datasets, load_dataset, mnist_variants
 from feddg.data.cache import cache_file
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.data.transforms import BatchRandomCrop

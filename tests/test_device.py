@@ -77,9 +77,12 @@ def test_the_input_check_can_fail():
     assert ran == ["Linear"]
 
 
-@pytest.mark.parametrize("name", list_methods())
+@pytest.mark.parametrize("name", [*list_methods(), "hfedatm"])
 def test_every_method_feeds_its_modules_on_the_models_device_and_dtype(name, tmp_path):
-    fed = toy_federation(f"method.name={name}", "federation.rounds=1", *TOY_PARAMS.get(name, []))
+    """hfedatm: FedAvg clients under HFedATM's RegMean merge without FOT (ToyNet has no permutation spec)."""
+    hfedatm = ["hierarchy.stations=2", "hierarchy.station_rounds=1", "hierarchy.merge=hfedatm-no-fot"]
+    over = hfedatm if name == "hfedatm" else [f"method.name={name}", *TOY_PARAMS.get(name, [])]
+    fed = toy_federation("federation.rounds=1", *over)
     with inputs_checked(fed.device) as ran:
         results = run_inprocess(Server(fed, tmp_path / name))
     assert ran and math.isfinite(results["final"]["ood_acc"])

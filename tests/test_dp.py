@@ -45,7 +45,8 @@ def test_classic_sigma_closed_form():
 
 def test_analytic_sigma_is_the_tightest_sigma_of_balle_and_wang_theorem_8():
     def delta(sigma, eps, sens):  # Thm. 8 written with scipy.stats directly
-        return norm.cdf(sens / (2 * sigma) - eps * sigma / sens) - math.exp(eps) * norm.cdf(-sens / (2 * sigma) - eps * sigma / sens)
+        a, b = sens / (2 * sigma), eps * sigma / sens
+        return norm.cdf(a - b) - math.exp(eps) * norm.cdf(-a - b)
 
     for eps in (0.5, 1.0, 5.0, 10.0):
         sigma = analytic_sigma(eps, 1e-5, 2.0)

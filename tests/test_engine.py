@@ -21,7 +21,7 @@ def _without_times(rows):
 
 def test_training_learns_and_writes_the_run_directory(tmp_path):
     _, res = _run(tmp_path, "federation.rounds=4")
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert res["final"]["id_acc"] > 60  # 4 classes: chance is 25 %

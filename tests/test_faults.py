@@ -8,12 +8,14 @@ sum with one more float64 multiplication, so the weights agree to rounding, not 
 ``reject_outliers`` the replies are held and folded at the round's end over the survivors only: bit for bit.
 """
 
+import importlib
 import json
+from collections.abc import Iterator
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
-from support.faults import toy_federation_of
 
 from feddg.config import ConfigError, build_config
 from feddg.engines.inprocess import run_inprocess, run_round
@@ -24,6 +26,15 @@ from feddg.federation.validation import RunStopped, check_reply, outliers, shape
 
 BASE = {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
         "federation": {"rounds": 3, "batch_size": 16}, "optim": {"lr": 0.1}, "device": "cpu"}
+
+
+@pytest.fixture(autouse=True)
+def faulty() -> Iterator[ModuleType]:
+    """``tests/support/faults.py``, its method registered for this test only (other test modules enumerate the
+    registry at collection, so it is imported here, not at the top)."""
+    module = importlib.import_module("support.faults")
+    with module.registered():
+        yield module
 
 
 def faulty_config(faults: dict[str, str], *overrides: str, **params: float):
@@ -39,9 +50,9 @@ def dropped(faults: dict[str, str]) -> dict[int, set[int]]:
     return out
 
 
-def reference(tmp_path, drops: dict[int, set[int]], *overrides: str) -> Server:
+def reference(faulty: ModuleType, tmp_path, drops: dict[int, set[int]], *overrides: str) -> Server:
     """The same run without faults, whose server never sends to the ``drops`` clients of each round."""
-    server = Server(toy_federation_of(faulty_config({}, *overrides)), tmp_path / "reference")
+    server = Server(faulty.toy_federation_of(faulty_config({}, *overrides)), tmp_path / "reference")
     configure = server.configure
     server.configure = lambda r: {c: m for c, m in configure(r).items() if c not in drops.get(r, set())}
     run_inprocess(server)
@@ -99,7 +110,8 @@ def test_check_reply_accepts_a_good_reply_and_knows_which_weights_must_come_back
     assert check_reply(partial, SENT, declared, all_weights=False) is None  # hFedF replies buffers only
     assert check_reply(partial, {}, declared, all_weights=True) == "missing w/n"  # nothing sent: the model's keys
     assert check_reply({"num_examples": 3}, {}, declared, all_weights=False) is None
-    assert check_reply({"w/b": np.ones(2)}, {}, declared, all_weights=False) == "num_examples is None, not a positive int"
+    no_count = "num_examples is None, not a positive int"
+    assert check_reply({"w/b": np.ones(2)}, {}, declared, all_weights=False) == no_count
 
 
 def test_outliers_compare_with_the_median():
@@ -116,33 +128,35 @@ def test_a_timeout_needs_workers_and_is_not_for_flower():
 
 
 # --- the in-process engine, sequential -----------------------------------------------------------
-def test_a_raising_and_a_nan_client_are_dropped_and_the_rest_trains_on(tmp_path):
+def test_a_raising_and_a_nan_client_are_dropped_and_the_rest_trains_on(tmp_path, faulty):
     faults = {"1:1": "raise", "2:2": "nan"}
-    server = Server(toy_federation_of(faulty_config(faults)), tmp_path / "faulty")
+    server = Server(faulty.toy_federation_of(faulty_config(faults)), tmp_path / "faulty")
     run_inprocess(server)
-    assert failures(server) == {1: {"1": "RuntimeError: injected failure of client 1"}, 2: {"2": "NaN in w/conv.weight"}}
-    ref = reference(tmp_path, dropped(faults))
+    assert failures(server) == {1: {"1": "RuntimeError: injected failure of client 1"},
+                                2: {"2": "NaN in w/conv.weight"}}
+    ref = reference(faulty, tmp_path, dropped(faults))
     assert_close_weights(server.state["weights"], ref.state["weights"])
     # a failed client's state is not advanced: 3 rounds, one of them failed
     assert {c: s["updates"] for c, s in server.client_states.items()} == {0: 3, 1: 2, 2: 2, 3: 3}
     assert server.client_states == ref.client_states
 
 
-def test_an_outlier_update_is_rejected_and_the_rest_folds_bit_for_bit(tmp_path):
+def test_an_outlier_update_is_rejected_and_the_rest_folds_bit_for_bit(tmp_path, faulty):
     faults = {"2:3": "scale"}
-    server = Server(toy_federation_of(faulty_config(faults, "federation.reject_outliers=3")), tmp_path / "faulty")
+    cfg = faulty_config(faults, "federation.reject_outliers=3")
+    server = Server(faulty.toy_federation_of(cfg), tmp_path / "faulty")
     run_inprocess(server)
     reasons = failures(server)
     assert list(reasons) == [2] and list(reasons[2]) == ["3"] and reasons[2]["3"].startswith("update norm")
-    ref = reference(tmp_path, dropped(faults))
+    ref = reference(faulty, tmp_path, dropped(faults))
     for k, v in ref.state["weights"].items():
         np.testing.assert_array_equal(server.state["weights"][k], v, err_msg=k)
 
 
-def test_too_few_clients_stop_the_run_with_the_last_checkpoint_intact(tmp_path):
+def test_too_few_clients_stop_the_run_with_the_last_checkpoint_intact(tmp_path, faulty):
     faults = {"2:0": "raise", "2:1": "nan", "2:2": "raise"}
     run_dir = tmp_path / "run"
-    server = Server(toy_federation_of(faulty_config(faults, "federation.min_clients=2")), run_dir)
+    server = Server(faulty.toy_federation_of(faulty_config(faults, "federation.min_clients=2")), run_dir)
     with pytest.raises(RunStopped) as err:
         run_inprocess(server)
     message = str(err.value)
@@ -151,30 +165,30 @@ def test_too_few_clients_stop_the_run_with_the_last_checkpoint_intact(tmp_path):
     assert load_checkpoint(run_dir)["round"] == 1
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1 and not (run_dir / "results.json").exists()
     # the cause fixed, the run resumes from round 1 and ends as a run that never failed
-    resumed = Server(toy_federation_of(faulty_config({}, "federation.min_clients=2")), run_dir, resume=True)
+    resumed = Server(faulty.toy_federation_of(faulty_config({}, "federation.min_clients=2")), run_dir, resume=True)
     run_inprocess(resumed)
-    clean = Server(toy_federation_of(faulty_config({})), tmp_path / "clean")
+    clean = Server(faulty.toy_federation_of(faulty_config({})), tmp_path / "clean")
     run_inprocess(clean)
     for k, v in clean.state["weights"].items():
         np.testing.assert_array_equal(resumed.state["weights"][k], v, err_msg=k)
 
 
-def test_a_round_that_samples_fewer_than_min_clients_stops_before_it_starts(tmp_path):
+def test_a_round_that_samples_fewer_than_min_clients_stops_before_it_starts(tmp_path, faulty):
     cfg = faulty_config({}, "federation.client_fraction=0.25", "federation.min_clients=2")
     with pytest.raises(RunStopped, match="samples 1 clients, fewer than federation.min_clients=2"):
-        run_inprocess(Server(toy_federation_of(cfg), tmp_path / "run"))
+        run_inprocess(Server(faulty.toy_federation_of(cfg), tmp_path / "run"))
 
 
 # --- the in-process engine, worker processes -----------------------------------------------------
 @pytest.mark.parametrize("start", ["spawn", "fork"])
-def test_workers_survive_a_raise_a_nan_a_hang_and_a_killed_worker(tmp_path, one_thread, start):
+def test_workers_survive_a_raise_a_nan_a_hang_and_a_killed_worker(tmp_path, one_thread, start, faulty):
     faults = {"1:1": "raise", "2:2": "nan", "3:0": "sleep", "4:3": "kill"}
     over = ("federation.rounds=4", "federation.workers=2", "federation.client_timeout_s=5")
     cfg = faulty_config(faults, *over)
-    server = Server(toy_federation_of(cfg), tmp_path / "faulty")
+    server = Server(faulty.toy_federation_of(cfg), tmp_path / "faulty")
     server.mark_setup_done()
     fed = server.fed if start == "fork" else None  # fork: workers inherit the federation, replacements too
-    with WorkerPool(cfg, 2, factory=toy_federation_of, timeout_s=5, fed=fed) as pool:
+    with WorkerPool(cfg, 2, factory=faulty.toy_federation_of, timeout_s=5, fed=fed) as pool:
         started = {w.proc.pid for w in pool.workers}
         for r in range(1, 5):
             run_round(server, r, pool)
@@ -186,23 +200,34 @@ def test_workers_survive_a_raise_a_nan_a_hang_and_a_killed_worker(tmp_path, one_
         3: {"0": "timed out after 5 s (federation.client_timeout_s)"},
         4: {"3": "its worker process died (SIGKILL)"},
     }
-    ref = reference(tmp_path, dropped(faults), "federation.rounds=4")
+    ref = reference(faulty, tmp_path, dropped(faults), "federation.rounds=4")
     assert_close_weights(server.state["weights"], ref.state["weights"])
     assert {c: s["updates"] for c, s in server.client_states.items()} == {0: 3, 1: 3, 2: 3, 3: 3}
 
 
+def test_a_worker_that_cannot_build_the_federation_stops_the_run_in_one_line(tmp_path, faulty):
+    cfg = faulty_config({}, "federation.workers=2")
+    server = Server(faulty.toy_federation_of(cfg), tmp_path / "run")
+    server.mark_setup_done()
+    with pytest.raises(RunStopped, match=r"^a client worker could not build the federation: FileNotFoundError: "
+                                         r"no dataset for experiment on this worker$"), \
+            WorkerPool(cfg, 2, factory=faulty.broken_federation) as pool:  # spawned: the worker runs the factory
+        run_round(server, 1, pool)
+
+
 # --- Flower's Simulation Runtime -----------------------------------------------------------------
 @pytest.mark.slow
-def test_flower_simulation_drops_a_raise_a_nan_and_a_late_reply(tmp_path, one_thread):
+def test_flower_simulation_drops_a_raise_a_nan_and_a_late_reply(tmp_path, one_thread, faulty):
     from feddg.engines.flower.simulation import run_flower
 
     faults = {"1:1": "raise", "1:3": "sleep", "2:2": "nan"}
     over = ("federation.rounds=2", "flower.ray_num_cpus=2", "flower.round_timeout_s=15")
-    server = Server(toy_federation_of(faulty_config(faults, *over, sleep_s=20)), tmp_path / "faulty")
-    run_flower(server, factory=toy_federation_of)
+    server = Server(faulty.toy_federation_of(faulty_config(faults, *over, sleep_s=20)), tmp_path / "faulty")
+    run_flower(server, factory=faulty.toy_federation_of)
     reasons = failures(server)
-    assert reasons[1]["1"].endswith("RuntimeError: injected failure of client 1") and reasons[1]["1"].startswith("node ")
+    assert reasons[1]["1"].startswith("node ")
+    assert reasons[1]["1"].endswith(": RuntimeError: injected failure of client 1")
     assert reasons[1]["3"] == "no reply within 15 s (flower.round_timeout_s)"
     assert reasons[2] == {"2": "NaN in w/conv.weight"} and len(reasons[1]) == 2
-    ref = reference(tmp_path, dropped(faults), "federation.rounds=2")
+    ref = reference(faulty, tmp_path, dropped(faults), "federation.rounds=2")
     assert_close_weights(server.state["weights"], ref.state["weights"])

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from toy import toy_federation
 
 from feddg.algorithms import Reply
+from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.fediir import (
     BATCHES,
     GRAD_PREFIX,
@@ -15,10 +17,8 @@ from feddg.algorithms.fediir import (
     ema_update,
     gradient_penalty,
 )
-from feddg.algorithms.fedavg import FedAvg
 from feddg.federation.client import client_context
 from feddg.messages import weights_of
-from toy import toy_federation
 
 
 def test_penalty_is_the_squared_distance_to_the_mean_gradient():

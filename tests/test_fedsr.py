@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributions import Normal, kl_divergence
+from toy import ToyNet, toy_federation
 
 from feddg.algorithms.fedsr import FedSR, FedSRNet, FedSRParams, cmi_term, l2r_term
 from feddg.federation.client import client_context
 from feddg.messages import weights_of
 from feddg.models import create_model
-from toy import ToyNet, toy_federation
 
 
 def test_cmi_term_is_the_kl_to_the_class_conditional_reference():

@@ -84,7 +84,8 @@ class PayloadProbe(FedAvg):
         return reply, new_state
 
     def keep(self, reply):
-        return {k: v for k, v in reply.message.items() if k.startswith("stat/") or k in ("visits", "echo", "num_examples")}
+        kept = ("visits", "echo", "num_examples")
+        return {k: v for k, v in reply.message.items() if k.startswith("stat/") or k in kept}
 
     def finish(self, state, acc):
         state, metrics = super().finish(state, acc)
@@ -143,7 +144,7 @@ class LoopbackGrid(Grid):
             ctx = context_from_proto(self.contexts[node])
             try:
                 reply = self.app(message_from_proto(message_to_proto(msg)), ctx)
-            except Exception as err:  # noqa: BLE001 - a SuperNode reports a ClientApp exception as an Error reply
+            except Exception as err:
                 reply = Message(Error(code=0, reason=repr(err)), reply_to=msg)
             self.contexts[node] = context_to_proto(ctx)
             replies.append(message_from_proto(message_to_proto(reply)))
@@ -329,12 +330,14 @@ def test_a_client_error_reaches_the_server_with_its_reason(tmp_path, task_identi
 
 def test_a_dropped_reply_leaves_the_client_state_on_its_node_as_it_was(tmp_path, task_identity):
     """A node keeps a client's new state aside until the server says it folded the reply in."""
+    from support.faults import registered
     from support.faults import toy_federation_of as faulty_federation
 
-    cfg = toy_config("method.name=faulty", 'method.params.faults={"1:1": nan, "2:2": raise}')
-    server = Server(faulty_federation(cfg), tmp_path / "x")
-    grid = LoopbackGrid(make_client_app(server_config_text(server), factory=faulty_federation), 4)
-    run_on_grid(server, grid)
+    with registered():
+        cfg = toy_config("method.name=faulty", 'method.params.faults={"1:1": nan, "2:2": raise}')
+        server = Server(faulty_federation(cfg), tmp_path / "x")
+        grid = LoopbackGrid(make_client_app(server_config_text(server), factory=faulty_federation), 4)
+        run_on_grid(server, grid)
     assert [sorted(r.get("clients_failed_reasons", {})) for r in server.metrics] == [["1"], ["2"], []]
     states = {p: context_from_proto(grid.contexts[1000 + p]).state for p in range(4)}
     # the last round's state waits under pending/: the updates the server accepted before it, plus one

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.flower_local import LocalDeployment
 
 from feddg.config import build_config
 from feddg.experiment import run_experiment
 from feddg.federation.checkpoint import load_checkpoint
-from support.flower_local import LocalDeployment
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -5,12 +5,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from toy import toy_federation
 
 from feddg.algorithms.fpl import cluster_prototypes, cpcl_loss, upcr_loss
-from feddg.federation.client import client_context
 from feddg.engines.inprocess import run_inprocess
+from feddg.federation.client import client_context
 from feddg.federation.server import Server
-from toy import toy_federation
 
 
 def test_cluster_and_unbiased_prototypes():

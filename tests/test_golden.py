@@ -4,7 +4,6 @@ recorded before the architecture step (issue 11): the refactor changed the house
 import json
 
 import pytest
-
 from support.golden import FIXTURES, digits_federation, run_case
 from toy import toy_federation
 

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from toy import toy_federation
 
 from feddg.algorithms import Reply, ServerContext, create_method
-from feddg.algorithms.hfedf import DELTA_PREFIX, EMB_KEY, buffer_names, ema_step, gradalign
 from feddg.algorithms.components.hypernetwork import hypernetwork_vjp
-from feddg.federation.client import client_context
+from feddg.algorithms.hfedf import DELTA_PREFIX, EMB_KEY, buffer_names, ema_step, gradalign
 from feddg.engines.inprocess import run_inprocess, run_round
+from feddg.federation.client import client_context
 from feddg.federation.server import Server
 from feddg.messages import load_weights
 from feddg.sweep import load_sweep
-from toy import toy_federation
 
 SGD = ["method.params.server_optimizer=sgd", "method.params.server_weight_decay=0.0"]
 

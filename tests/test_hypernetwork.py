@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from toy import ToyNet
 
 from feddg.algorithms.components.embedding_ae import EmbeddingAutoencoder, train_and_embed, unit_range
 from feddg.algorithms.components.hypernetwork import HIDDEN, HyperNetwork, default_embedding_dim, hypernetwork_vjp
-from toy import ToyNet
 
 SHAPES = [("a.weight", torch.Size([2, 3])), ("a.bias", torch.Size([2])), ("b", torch.Size([3, 1, 2]))]
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+from toy import toy_federation
 
-from feddg.federation.client import client_context
 from feddg.engines.inprocess import run_inprocess
+from feddg.federation.client import client_context
 from feddg.federation.server import Server
 from feddg.messages import load_weights, weights_of
-from toy import toy_federation
 
 OVER = ("method.name=local", "partition.num_clients=2", "federation.rounds=3")
 

@@ -8,8 +8,10 @@ import finch
 import numpy as np
 import pytest
 import torch
+from toy import toy_federation
 
 from feddg.algorithms import create_method, pardon
+from feddg.algorithms.components.style import channel_moments, channel_stats
 from feddg.algorithms.pardon import (
     client_style,
     interpolation_style,
@@ -17,13 +19,11 @@ from feddg.algorithms.pardon import (
     sample_negatives,
     triplet_loss,
 )
-from feddg.algorithms.components.style import channel_moments, channel_stats
 from feddg.config import build_config
-from feddg.federation.client import client_context
 from feddg.engines.inprocess import run_inprocess, run_round, run_setup
+from feddg.federation.client import client_context
 from feddg.federation.server import Server
 from feddg.sweep import _cells, load_sweep
-from toy import toy_federation
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "pardon").glob("*.yaml"))
 
@@ -255,9 +255,9 @@ def test_shipped_sweeps_validate(path):
 
 def test_report_draws_the_style_grid_for_style_methods_only(tmp_path, cache_dir):
     from feddg.config import dump_config
+    from feddg.experiment import run_experiment
     from feddg.reports.run import report
     from feddg.reports.style_grid import style_grid
-    from feddg.experiment import run_experiment
 
     over = ["data.max_per_domain=40", "partition.num_clients=6", "federation.rounds=1", f"data.cache_dir={cache_dir}",
             "model.name=cnn", "device=cpu"]

@@ -51,6 +51,8 @@ CASES: list[tuple[str, dict[str, Any], int]] = [
     ("d_allocation", {"d": 2, "shuffle_clients": True}, 3),
     ("dirichlet_domains", {"alpha": 0.5}, 4),
     ("dirichlet_labels", {"alpha": 0.3}, 6),
+    ("two_level_dirichlet", {"groups": 3, "alpha_group": 1.0, "alpha_client": 1.0}, 6),
+    ("two_level_dirichlet", {"groups": 2, "alpha_group": 0.5, "alpha_client": 2.0}, 4),
 ]
 SIZES = [[40, 25, 61], [100, 100, 100], [13, 200, 57]]
 

@@ -104,3 +104,28 @@ def test_tables_use_the_sample_std_and_a_student_t_interval():
     lines = csv_table(rows, "ood_acc").splitlines()
     assert lines[0] == "method,target,mean,std_ddof1,ci95_low,ci95_high,n"
     assert "A,x,20.000,10.000,-4.841,44.841,3" in lines and "B,x,42.000,,,,1" in lines
+
+
+def test_search_draws_seeded_configurations_from_the_methods_search_space():
+    from feddg.algorithms.fedprox import FedProx
+    from feddg.sweep import SweepSpec, search_variants
+
+    spec = SweepSpec.model_validate({"variants": {"prox": {"method.name": "fedprox"}}, "search": {"n": 4, "seed": 3}})
+    drawn = search_variants(spec, {})
+    assert list(drawn) == ["prox #0", "prox #1", "prox #2", "prox #3"]
+    assert drawn["prox #0"] == {"method.name": "fedprox"}  # draw 0 keeps the defaults
+    mus = [drawn[f"prox #{k}"]["method.params.mu"] for k in (1, 2, 3)]
+    assert all(mu in FedProx.search_space["mu"] for mu in mus)
+    assert search_variants(spec, {}) == drawn  # seeded
+    other = SweepSpec.model_validate({"variants": {"prox": {"method.name": "fedprox"}}, "search": {"n": 12, "seed": 4}})
+    assert len({v.get("method.params.mu") for v in search_variants(other, {}).values()}) > 2
+    assert search_variants(SweepSpec.model_validate({"variants": {"a": {}}}), {}) == {"a": {}}  # no search: unchanged
+
+
+def test_search_refuses_a_method_without_a_search_space():
+    from feddg.config import ConfigError
+    from feddg.sweep import SweepSpec, search_variants
+
+    spec = SweepSpec.model_validate({"variants": {"avg": {"method.name": "fedavg"}}, "search": {"n": 2}})
+    with pytest.raises(ConfigError, match="declares no search_space"):
+        search_variants(spec, {})

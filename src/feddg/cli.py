@@ -71,10 +71,11 @@ def _fail(msg: str) -> NoReturn:
 def _user_errors() -> Iterator[None]:
     """User mistakes (config, run directory, checkpoint, missing or unreadable files) end in :func:`_fail`."""
     from feddg.federation.checkpoint import CheckpointError  # imports torch: only commands that train need it
+    from feddg.federation.validation import RunStopped
 
     try:
         yield
-    except (ConfigError, CheckpointError, OSError, ValueError) as err:
+    except (ConfigError, CheckpointError, RunStopped, OSError, ValueError) as err:
         _fail(str(err))
 
 
@@ -199,7 +200,7 @@ def eval_run(
     run_dir: Annotated[Path, typer.Argument(help="a run directory (config.yaml and checkpoint.pt)")],
     dataset: Annotated[str, typer.Option(help="a dataset with the run's classes (feddg datasets)")],
     root: Annotated[Path | None, typer.Option(help="its folder, for a folder dataset")] = None,
-    domains: Annotated[list[str] | None, typer.Option(help="only these of its domains: repeat or comma-separate")] = None,
+    domains: Annotated[list[str] | None, typer.Option(help="only these of its domains (repeat, or a,b)")] = None,
     max_per_domain: Annotated[int | None, typer.Option(help="at most this many samples of each domain")] = None,
     device: Annotated[str | None, typer.Option(help="evaluate on this device (default: the run's own)")] = None,
 ) -> None:

@@ -65,7 +65,11 @@ def run_experiment(
     with _progress(progress) as bar:
         task = bar.add_task(f"{cfg.method.name} → {targets}", total=cfg.federation.rounds, completed=server.round,
                             status="")
-        on_round = lambda row: (bar.update(task, advance=1, status=_status(row)), tracking.log_round(row))
+
+        def on_round(row: dict[str, Any]) -> None:
+            bar.update(task, advance=1, status=_status(row))
+            tracking.log_round(row)
+
         if cfg.federation.engine == "flower":
             from feddg.engines.flower.simulation import run_flower  # needs the [flower] extra
 

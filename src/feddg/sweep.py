@@ -28,9 +28,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import Field, ValidationError
 from rich.markup import escape
 
+from feddg.algorithms.registry import method_class
 from feddg.config import ConfigError, ExperimentConfig, Strict, build_config, format_errors, read_yaml
 from feddg.data import dataset_info
 from feddg.engines.workers import exit_with_parent
@@ -39,14 +41,43 @@ from feddg.experiment import console, run_experiment
 from feddg.federation.checkpoint import CheckpointError, has_checkpoint
 from feddg.federation.provenance import config_hash, stored_config_hash
 from feddg.federation.server import RESULTS
+from feddg.seeds import derived_seed
+
+
+class SearchSpec(Strict):
+    """Random hyper-parameter search, DomainBed style: ``n`` draws per variant from its method's
+    ``search_space`` (draw 0 keeps the method's defaults), seeded so a sweep is reproducible."""
+
+    n: int = Field(ge=1, description="configurations per variant (the first keeps the defaults)")
+    seed: int = Field(0, description="seed of the draws (independent of the experiment seeds)")
 
 
 class SweepSpec(Strict):
     targets: list[str] | str = "all"
     pairs: list[tuple[str, str]] | None = Field(None, description="ltdo (val, test) pairs; default all ordered pairs")
     seeds: list[int] = Field(default_factory=lambda: [0])
-    variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": {}})
+    variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": dict[str, Any]()})
     metrics: list[str] = Field(default_factory=lambda: ["ood_acc", "id_acc"])
+    search: SearchSpec | None = Field(None, description="random search over each variant's method.search_space")
+
+
+def search_variants(spec: SweepSpec, raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The sweep's variants, each expanded into ``search.n`` draws from its method's ``search_space``:
+    ``"<variant> #k"`` with ``method.params.<name>`` overrides (none for ``#0``)."""
+    if spec.search is None:
+        return spec.variants
+    out: dict[str, dict[str, Any]] = {}
+    for v, (variant, extra) in enumerate(spec.variants.items()):
+        method = build_config(raw, [_override(k, x) for k, x in extra.items()]).method.name
+        space = method_class(method).search_space
+        if not space:
+            raise ConfigError(f"sweep.search: method {method!r} (variant {variant!r}) declares no search_space")
+        for k in range(spec.search.n):
+            rng = np.random.default_rng(derived_seed(spec.search.seed, v, k))
+            draw = {} if k == 0 else {f"method.params.{name}": values[int(rng.integers(len(values)))]
+                                      for name, values in sorted(space.items())}
+            out[f"{variant} #{k}"] = {**extra, **draw}
+    return out
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepSpec, dict[str, Any]]:
@@ -85,7 +116,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     out = Path(out_dir) if out_dir is not None else Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
     cells = []
-    for variant, extra in spec.variants.items():
+    for variant, extra in search_variants(spec, raw).items():
         for label, split_over in _cells(spec, base):
             for seed in spec.seeds:
                 over = [_override(k, v) for k, v in extra.items()] + split_over + [f"seed={seed}"]

@@ -153,7 +153,8 @@ class MlflowSink:
         self._log(scalars(row), row["round"])
 
     def finish(self, results: dict[str, Any]) -> None:
-        totals: dict[str, float] = {k: float(results[k]) for k in ("time_total_s", "bytes_up_total", "bytes_down_total") if k in results}
+        keys = ("time_total_s", "bytes_up_total", "bytes_down_total")
+        totals: dict[str, float] = {k: float(results[k]) for k in keys if k in results}
         self._log(totals, int(results.get("rounds", 0)))
         self.client.log_artifacts(self._run(), str(self.run_dir))
         self.client.set_terminated(self._run())

@@ -1,11 +1,14 @@
 """A test method that injects client faults, and the toy federation factory that worker processes and
-Flower's ClientApps import by module path (importing this module registers the method there too)."""
+Flower's ClientApps import by module path (importing this module registers the method there too).
+Import it inside a test, under :func:`registered`, never at a test module's top."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -53,7 +56,17 @@ class Faulty(FedAvg):
         return reply, state
 
 
-METHODS.setdefault(Faulty.name, Faulty)
+METHODS.setdefault(Faulty.name, Faulty)  # on import: how spawned workers and Ray actors learn the method
+
+
+@contextmanager
+def registered() -> Iterator[None]:
+    """``faulty`` in the test process's registry for the duration only: other tests enumerate the registry."""
+    METHODS[Faulty.name] = Faulty
+    try:
+        yield
+    finally:
+        METHODS.pop(Faulty.name, None)
 
 
 def toy_federation_of(cfg: ExperimentConfig) -> Federation:
@@ -65,3 +78,8 @@ def toy_federation_of(cfg: ExperimentConfig) -> Federation:
     method = create_method(cfg.method.name, cfg.method.params)
     model = method.prepare_model(ToyNet())
     return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))
+
+
+def broken_federation(cfg: ExperimentConfig) -> Federation:
+    """A factory that fails in the worker, as a missing dataset would."""
+    raise FileNotFoundError(f"no dataset for {cfg.name} on this worker")

@@ -96,7 +96,7 @@ class LocalDeployment:
         self.seen: set[tuple[int, str]] = set()
 
     def _spawn(self, name: str, *args: str) -> None:
-        self.logs.append(open(self.workdir / f"{name}.log", "wb"))  # noqa: SIM115 - closed in stop()
+        self.logs.append(open(self.workdir / f"{name}.log", "wb"))
         self.procs.append(
             subprocess.Popen([str(self.bin / args[0]), *args[1:]], cwd=self.workdir, env=self.env,
                              stdout=self.logs[-1], stderr=subprocess.STDOUT, start_new_session=True)

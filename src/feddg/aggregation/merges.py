@@ -6,10 +6,11 @@ A merge is a pure function of the station models (``w/`` messages), the stations
     merged, metrics = fn(weights, grams, gammas, spec, solver=..., lambda_ot=..., sinkhorn_iters=...)
 
 ``uses_grams`` asks the topology to collect client Grams (eq. 8) in the last station round and pass
-them; ``uses_alignment`` asks it to pass the model's permutation spec (FOT); otherwise it passes ``None``. ``avg`` is HFedAvg (the γ-weighted
-mean); ``hfedatm`` is FOT alignment (eqs. 2–6) then RegMean (eqs. 11–12) for linear weights and the
-γ-weighted mean for everything else; ``hfedatm-no-fot`` / ``hfedatm-no-regmean`` are Table 4's
-ablations. A new merge is one function and one line in :data:`MERGES`.
+them; ``uses_alignment`` asks it to pass the model's permutation spec (FOT); otherwise it passes
+``None``. ``avg`` is HFedAvg (the γ-weighted mean); ``hfedatm`` is FOT alignment (eqs. 2–6) then
+RegMean (eqs. 11–12) for linear weights and the γ-weighted mean for everything else;
+``hfedatm-no-fot`` / ``hfedatm-no-regmean`` are Table 4's ablations. A new merge is one function and
+one line in :data:`MERGES`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from feddg.aggregation.fot import align_to_reference
+from feddg.aggregation.fot import Solver, align_to_reference
 from feddg.aggregation.mean import weighted_mean
 from feddg.aggregation.regmean import regmean
 from feddg.messages import WEIGHT_PREFIX, Message, subset
@@ -38,7 +39,7 @@ def merge_stations(
     gammas: Sequence[float],
     spec: PermutationSpec | None,
     *,
-    solver: str = "sinkhorn",
+    solver: Solver = "sinkhorn",
     lambda_ot: float = 0.05,
     sinkhorn_iters: int = 25,
     **_: Any,

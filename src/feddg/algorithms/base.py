@@ -147,7 +147,7 @@ class Method(ABC):
     #: True when ``eval_weights`` differs per client
     personalized: ClassVar[bool] = False
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: Params | None = None) -> None:  # type: ignore[valid-type]  # base of every Params
         self.params = params if params is not None else type(self).Params()
 
     def prepare_model(self, model: nn.Module) -> nn.Module:

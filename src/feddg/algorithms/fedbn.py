@@ -97,6 +97,7 @@ class FedBN(Method):
 
     name = "fedbn"
     Params = FedBNParams
+    params: FedBNParams
     personalized = True
     bn: list[str]  # the model's BN keys (``w/...``), set by prepare_model
 

@@ -93,6 +93,7 @@ class FedDGGA(Method):
 
     name = "feddg_ga"
     Params = FedDGGAParams
+    params: FedDGGAParams
     search_space: ClassVar[dict[str, list[Any]]] = {"step": [0.025, 0.05, 0.2 / 3, 0.1, 0.2]}
 
     @property

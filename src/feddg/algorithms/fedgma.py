@@ -61,6 +61,7 @@ class FedGMA(Method):
 
     name = "fedgma"
     Params = FedGMAParams
+    params: FedGMAParams
     search_space: ClassVar[dict[str, list[Any]]] = {"threshold": [0.1, 0.2, 0.4, 0.6, 0.8], "server_lr": [0.5, 1.0]}
 
     @property

@@ -35,7 +35,7 @@ from feddg.algorithms.base import (
     weights_reply,
 )
 from feddg.algorithms.components.local import train_local
-from feddg.messages import Message, load_weights, subset, weights_of
+from feddg.messages import Message, load_weights, weights_of
 
 MEAN_PREFIX = "iir/"  # server -> client: ḡ per classifier parameter
 GRAD_PREFIX = "grad/"  # client -> server: Σ over its batches of the classifier gradient
@@ -89,6 +89,7 @@ def batch_gradient_sum(model: nn.Module, ctx: ClientContext) -> tuple[dict[str, 
 class FedIIR(Method):
     name = "fediir"
     Params = FedIIRParams
+    params: FedIIRParams
     search_space = {"penalty": [1e-2, 5e-3, 1e-3, 5e-4, 1e-4], "ema": [0.90, 0.95, 0.99]}
 
     @property
@@ -139,6 +140,6 @@ class FedIIR(Method):
         batches = sum(int(r.message[BATCHES]) for r in acc.kept)
         if batches == 0:
             return state, metrics
-        grads = subset(acc.sums[GRAD_PREFIX].sums, GRAD_PREFIX)
+        grads = {k[len(GRAD_PREFIX) :]: v for k, v in acc.sums[GRAD_PREFIX].sums.items()}
         new = {k: grads[k] / batches for k in state["grad_mean"]}
         return {**state, "grad_mean": ema_update(state["grad_mean"], new, self.iir_params.ema)}, metrics

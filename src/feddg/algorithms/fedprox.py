@@ -25,6 +25,7 @@ class FedProx(Method):
 
     name = "fedprox"
     Params = FedProxParams
+    params: FedProxParams
     search_space = {"mu": [0.001, 0.01, 0.1, 1.0]}
 
     def client_update(

@@ -88,6 +88,7 @@ def l2r_term(z: Tensor) -> Tensor:
 class FedSR(Method):
     name = "fedsr"
     Params = FedSRParams
+    params: FedSRParams
     search_space = {"l2r": [1e-3, 1e-2, 1e-1], "cmi": [1e-4, 5e-4, 1e-3, 5e-3]}
 
     @property

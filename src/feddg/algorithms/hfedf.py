@@ -43,8 +43,8 @@ from feddg.algorithms.base import (
 from feddg.algorithms.components.embedding_ae import EmbeddingAutoencoder, train_and_embed
 from feddg.algorithms.components.hypernetwork import HyperNetwork, hypernetwork_vjp
 from feddg.algorithms.components.local import train_local
-from feddg.seeds import derived_seed
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights
+from feddg.seeds import derived_seed
 
 DELTA_PREFIX = "delta/"
 EMB_KEY = "emb/latent"
@@ -144,6 +144,7 @@ class HFedF(Method):
 
     name = "hfedf"
     Params = HFedFParams
+    params: HFedFParams
     personalized = True
     averages_weights = False
     search_space = {

@@ -102,6 +102,7 @@ class Scaffold(Method):
 
     name = "scaffold"
     Params = ScaffoldParams
+    params: ScaffoldParams
     search_space: ClassVar[dict[str, list[Any]]] = {"server_lr": [0.5, 1.0]}
     loss_fn: LossFn = staticmethod(cross_entropy_loss)  # the local objective f_i (tests swap in a quadratic)
 

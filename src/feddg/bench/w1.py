@@ -7,6 +7,7 @@ messages, aggregation or evaluation. Timings are wall seconds of the whole run, 
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import statistics
@@ -101,6 +102,7 @@ def run_plain(images: int = IMAGES, processes: int = 2) -> float:
     train = np.flatnonzero(ds.domain_ids != ds.domain_index("test"))[:images]
     images, labels = ds.images[train], torch.from_numpy(ds.labels[train])
     epochs = CLIENTS * ROUNDS // processes
+    importlib.import_module("torch._dynamo")  # the first optimiser step imports it: not compute; forks inherit it
     ctx = mp.get_context("fork")
     t0 = time.perf_counter()
     procs = [ctx.Process(target=_plain_worker, args=(images, labels, epochs, i)) for i in range(processes)]

@@ -72,7 +72,7 @@ def _decode_chunk(paths: list[str], size: int) -> tuple[np.ndarray, list[tuple[i
     for i, p in enumerate(paths):
         try:
             out[i] = decode(p, size)
-        except Exception as err:  # noqa: BLE001 - any decoder failure is reported per file
+        except Exception as err:
             errors.append((i, _reason(err)))
     return out, errors
 
@@ -84,7 +84,7 @@ def _check_chunk(paths: list[str]) -> list[tuple[int, str]]:
         try:
             with Image.open(p) as im:
                 im.load()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             errors.append((i, _reason(err)))
     return errors
 

@@ -33,7 +33,7 @@ import torch
 
 from feddg.config import ExperimentConfig
 from feddg.federation.client import Outcome, describe, try_client
-from feddg.federation.setup import Federation, build_federation
+from feddg.federation.setup import Federation, build_federation, worker_device
 from feddg.federation.validation import RunStopped
 from feddg.messages import Message
 
@@ -60,9 +60,9 @@ def _serve(conn: Connection, factory: FederationFactory, cfg_tree: dict[str, Any
     try:
         if fed is None:
             cfg = ExperimentConfig.model_validate(cfg_tree)
-            fed = factory(cfg.model_copy(update={"device": "cpu"}))
+            fed = factory(cfg)  # on its own device: the pool sets cfg.device per worker
         importlib.import_module("torch._dynamo")  # an optimiser's first step imports it (seconds): not a client's time
-    except Exception as err:  # noqa: BLE001 - reported to the pool, which stops the run with it
+    except Exception as err:
         conn.send(("init-error", describe(err)))
         return
     conn.send(("ready",))
@@ -113,6 +113,8 @@ class _Worker:
         self.conn.send((client_id, round, msg, state))
 
     def kill(self) -> None:
+        if self.conn.closed:  # killed already
+            return
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
@@ -132,9 +134,13 @@ class WorkerPool:
     def __init__(self, cfg: ExperimentConfig, workers: int, *, factory: FederationFactory = build_federation,
                  timeout_s: float | None = None, fed: Federation | None = None) -> None:
         inherit = fed if fed is not None and fed.device.type == "cpu" and can_fork() else None
-        self._spawn = lambda: _Worker(factory, cfg.model_dump(mode="json"), inherit)
+        if inherit is not None:
+            importlib.import_module("torch._dynamo")  # once here, inherited by every fork, not once per worker
+        tree = cfg.model_dump(mode="json")
+        # worker i on GPU i mod count when CUDA is asked for (round-robin), else the CPU
+        self._spawn = lambda i: _Worker(factory, {**tree, "device": worker_device(cfg.device, i)}, inherit)
         self.timeout_s = timeout_s
-        self.workers = [self._spawn() for _ in range(workers)]
+        self.workers = [self._spawn(i) for i in range(workers)]
 
     def run_clients(self, round: int, sent: dict[int, Message], states: dict[int, Message]
                     ) -> Iterator[tuple[int, Outcome]]:
@@ -198,18 +204,20 @@ class WorkerPool:
             raise RunStopped(f"a client worker died while building the federation: {reason.removeprefix('its ')}")
         if w.client is not None:
             done[w.client] = Outcome(error=reason)
-        self.workers[self.workers.index(w)] = self._spawn()
+        i = self.workers.index(w)
+        self.workers[i] = self._spawn(i)
 
     def close(self) -> None:
         """Stop every worker: idle ones are asked to exit, busy ones are killed."""
-        for w in self.workers:
+        live = [w for w in self.workers if not w.conn.closed]
+        for w in live:
             if w.client is None and w.proc.is_alive():
                 try:
                     w.conn.send(None)
                 except OSError:
                     pass
         deadline = time.monotonic() + 10.0
-        for w in self.workers:
+        for w in live:
             w.proc.join(max(0.0, deadline - time.monotonic()) if w.client is None else 0)
             w.kill()
 

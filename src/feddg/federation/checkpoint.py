@@ -101,7 +101,7 @@ def _read(path: Path) -> dict[str, Any] | str:
         return f"is not a feddg checkpoint ({len(data)} bytes, unknown header)"
     try:
         return torch.load(source, weights_only=False)  # our own file: server/client states hold numpy arrays
-    except Exception as err:  # noqa: BLE001 - any failure of the unpickler means an unusable file
+    except Exception as err:
         lines = str(err).strip().splitlines()
         return f"cannot be loaded ({type(err).__name__}: {lines[0] if lines else 'no detail'})"
 

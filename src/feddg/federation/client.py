@@ -62,7 +62,7 @@ def try_client(fed: Federation, client_id: int, round: int, msg: Message, client
     """:func:`run_client`, with an exception of the client turned into a failed :class:`Outcome`."""
     try:
         reply, new_state = run_client(fed, client_id, round, msg, client_state)
-    except Exception as err:  # noqa: BLE001 - any failure of one client is that client's, not the run's
+    except Exception as err:
         return Outcome(error=describe(err))
     return Outcome(reply, new_state)
 

@@ -175,10 +175,11 @@ class Server:
         fold.examples.append(reply.num_examples)
         fold.losses.append(float(reply.message.get("train_loss", np.nan)))
 
-    def _fold_held(self, fold: RoundFold, factor: float) -> None:
+    def _fold_held(self, fold: RoundFold) -> None:
         """Drop the held replies whose update norm is an outlier, then fold the others in the order sent,
         normalised by their own example total (the same bits as a round without the dropped clients)."""
-        assert fold.held is not None
+        factor = self.fed.cfg.federation.reject_outliers
+        assert fold.held is not None and factor is not None
         rejected = outliers(fold.norms, factor)
         fold.failed.update(rejected)
         order = list(fold.sent)
@@ -197,7 +198,7 @@ class Server:
         t0 = time.perf_counter()
         fc = self.fed.cfg.federation
         if fold.held is not None:
-            self._fold_held(fold, fc.reject_outliers or 0.0)
+            self._fold_held(fold)
         failed = {cid: fold.failed[cid] for cid in sorted(fold.failed)}
         for cid, reason in failed.items():
             log.warning("round %d: client %d dropped: %s", round, cid, reason)
@@ -236,12 +237,13 @@ class Server:
         return row
 
     def _stop_reason(self, round: int, fold: RoundFold, failed: dict[int, str]) -> str:
-        saved = f"round {self.saved_round}" if self.saved_round is not None else "none yet"
         reasons = "; ".join(f"client {cid}: {reason}" for cid, reason in list(failed.items())[:3])
         reasons += f"; {len(failed) - 3} more in the log" if len(failed) > 3 else ""
+        kept = ("nothing was checkpointed yet" if self.saved_round is None
+                else f"the last checkpoint (round {self.saved_round}) is intact")
         return (f"round {round}: {len(fold.accepted)} of {len(fold.sent)} clients replied usably, fewer than "
-                f"federation.min_clients={self.fed.cfg.federation.min_clients} ({reasons}); stopped, the last "
-                f"checkpoint ({saved}) is intact: feddg run --resume {self.run_dir} continues from it")
+                f"federation.min_clients={self.fed.cfg.federation.min_clients} ({reasons}); stopped, {kept}: "
+                f"feddg run --resume {self.run_dir} continues from it")
 
     # --- evaluation --------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -293,7 +295,7 @@ class Server:
 
     def write_results(self) -> dict[str, Any]:
         """results.json: the last evaluation, totals, and what the run was."""
-        last = next((m for m in reversed(self.metrics) if "ood_acc" in m), {})
+        last: dict[str, Any] = next((m for m in reversed(self.metrics) if "ood_acc" in m), {})
         fed = self.fed
         results = {
             "method": fed.method.name,

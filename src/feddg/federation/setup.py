@@ -79,9 +79,9 @@ def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: D
     have the training data's classes (same names, same order) and image shape."""
     where = f"eval.extra {spec.name}"
     try:
-        ds = load_dataset(spec.dataset, root=spec.root, cache_dir=cfg.data.cache_dir, image_size=reference.image_shape[1],
-                          seed=cfg.data.seed, domains=spec.domains, max_per_domain=spec.max_per_domain,
-                          transforms=cfg.data.transforms)
+        ds = load_dataset(spec.dataset, root=spec.root, cache_dir=cfg.data.cache_dir,
+                          image_size=reference.image_shape[1], seed=cfg.data.seed, domains=spec.domains,
+                          max_per_domain=spec.max_per_domain, transforms=cfg.data.transforms)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"{where}: {err}") from None
     if ds.classes != reference.classes:
@@ -179,7 +179,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
     device = resolve_device(cfg.device)
     model = method.prepare_model(base).to(device)
     if cfg.model.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # missing from torch's stubs
     extra = [load_extra_target(spec, cfg, dataset) for spec in cfg.eval.extra]
     return Federation(cfg, dataset, split, clients, method, model, device, make_topology(cfg, clients, model), extra)
 

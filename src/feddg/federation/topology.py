@@ -36,9 +36,9 @@ from feddg.algorithms.hfedatm import (
     update_with_grams,
 )
 from feddg.federation.rounds import sample_members
-from feddg.seeds import derived_seed
 from feddg.messages import Message, entries, message_nbytes, subset, weights_of, without
 from feddg.models.permutation import PermutationSpec, permutation_spec
+from feddg.seeds import derived_seed
 
 ASSIGNMENTS = ("contiguous", "domain", "round_robin")
 

@@ -29,15 +29,16 @@ class SmallCNN(FedModel):
     (``benchmarks/bench_models.py``).
     """
 
-    def __init__(self, num_classes: int, in_channels: int = 3, image_size: int = 28) -> None:
+    def __init__(self, num_classes: int, in_channels: int = 3, image_size: int = 28,
+                 block_widths: tuple[int, ...] = WIDTHS) -> None:
         super().__init__()
         del image_size  # global average pooling makes the network size-agnostic
-        widths = (in_channels, *WIDTHS)
+        widths = (in_channels, *block_widths)
         self.blocks = nn.Sequential(
-            *(_block(widths[i], widths[i + 1], pool=i < len(WIDTHS) - 1) for i in range(len(WIDTHS)))
+            *(_block(widths[i], widths[i + 1], pool=i < len(block_widths) - 1) for i in range(len(block_widths)))
         )
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.feature_dim = WIDTHS[-1]
+        self.feature_dim = block_widths[-1]
         self.classifier = nn.Linear(self.feature_dim, num_classes)
 
     def features(self, x: Tensor) -> Tensor:

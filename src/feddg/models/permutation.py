@@ -23,7 +23,6 @@ from torch import Tensor, nn
 
 from feddg.models.alexnet import AlexNet
 from feddg.models.cnn import SmallCNN
-from feddg.models.cnn4 import CNN4
 from feddg.models.efficientnet import EfficientNetLite
 from feddg.models.hfedf_cnn import HFedFCNN, NaiveInception
 from feddg.models.lenet import LeNet
@@ -164,7 +163,8 @@ class _Builder:
     def add_producer(self, group: str, conv: str, bn: str | None) -> None:
         m = self.modules[conv]
         self.groups[group]["producers"].append(f"{conv}.weight")
-        self.groups[group]["members"] += [Axis(f"{conv}.weight", 0)] + ([Axis(f"{conv}.bias", 0)] if m.bias is not None else [])
+        bias = [Axis(f"{conv}.bias", 0)] if m.bias is not None else []
+        self.groups[group]["members"] += [Axis(f"{conv}.weight", 0), *bias]
         if bn is not None:
             self.add_norm(group, bn)
 
@@ -229,7 +229,9 @@ def sequential_spec(model: nn.Module) -> PermutationSpec:
         elif isinstance(m, nn.Linear):
             channels = sum(b.groups[g]["size"] for g, _ in segments)
             if m.in_features % channels:
-                raise ValueError(f"{name}: {m.in_features} inputs are not a whole number of blocks of {channels} channels")
+                raise ValueError(
+                    f"{name}: {m.in_features} inputs are not a whole number of blocks of {channels} channels"
+                )
             b.consume(segments, f"{name}.weight", m.in_features // channels)
             return b.spec()
         elif not isinstance(m, _CHANNELWISE):
@@ -300,8 +302,7 @@ SpecBuilder = Callable[[nn.Module], PermutationSpec]
 #: zoo class -> spec builder; :func:`register_spec` adds models defined elsewhere
 SPEC_BUILDERS: dict[type[nn.Module], SpecBuilder] = {
     LeNet: sequential_spec,
-    SmallCNN: sequential_spec,
-    CNN4: sequential_spec,
+    SmallCNN: sequential_spec,  # CNN4 too
     HFedFCNN: sequential_spec,
     AlexNet: sequential_spec,
     VGG: sequential_spec,

@@ -12,7 +12,6 @@ from torch import nn
 
 from feddg.models.alexnet import AlexNet
 from feddg.models.cnn import SmallCNN
-from feddg.models.cnn4 import CNN4
 from feddg.models.efficientnet import EfficientNetLite, MBConv
 from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
@@ -26,7 +25,7 @@ def conv_stages(model: nn.Module) -> list[str]:
     Each named module is called exactly once per forward pass, so a forward hook on it sees
     the stage's output feature map ``[B, C, H, W]``.
     """
-    if isinstance(model, (SmallCNN, CNN4)):
+    if isinstance(model, SmallCNN):  # CNN4 too
         return [f"blocks.{i}" for i in range(len(model.blocks))]
     if isinstance(model, LeNet):
         return ["conv.2", "conv.5"]

@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt
 
 from feddg.evaluation.plots import integer_rounds
 
-ENGINE_KEYS = {"round", "lr", "clients", "train_loss", "bytes_down", "bytes_up", "time_train_s", "time_aggregate_s", "time_eval_s",
+ENGINE_KEYS = {"round", "lr", "clients", "train_loss", "bytes_down", "bytes_up", "time_train_s", "time_aggregate_s",
+               "time_eval_s",
                "time_round_s"}
 TIME_PARTS = (("time_train_s", "train (clients)"), ("time_aggregate_s", "aggregate"), ("time_eval_s", "evaluate"))
 Series = dict[str, list[tuple[int, float]]]

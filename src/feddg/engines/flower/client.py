@@ -135,7 +135,7 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         state = committed_state(context.state, cid, int(msg.content.config_records[ROUTE][COMMIT]))
         try:
             answer, state = run_client(fed, cid, round, payload, state)
-        except Exception as err:  # noqa: BLE001 - the server drops this client's reply, with a one-line reason
+        except Exception as err:
             log(ERROR, "feddg client %d, round %d failed:\n%s", cid, round, traceback.format_exc())
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, describe(err)), reply_to=msg)
         put_message(context.state, state, pending_prefix(cid))  # kept once the server accepts the reply

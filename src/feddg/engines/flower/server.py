@@ -9,7 +9,11 @@ SuperLink):
 2. ``query.setup`` to every client, once, if the method has a setup exchange.
 3. :class:`FeddgStrategy` ``.start`` for the remaining rounds: ``configure_train`` asks
    ``Server.configure`` for per-client messages, ``aggregate_train`` hands the replies to
-   ``Server.finish_round`` (aggregation, evaluation, metrics.jsonl, checkpoint).
+   ``Server.receive`` (checks, fold) and closes the round with ``Server.finish_round``
+   (aggregation, evaluation, metrics.jsonl, checkpoint). A client's Error reply or a reply missing
+   after ``flower.round_timeout_s`` is dropped (``Server.fail``), like a reply that fails the checks;
+   each train message tells the client's node the last round whose reply was folded in
+   (``commit-round``), so the node keeps only accepted updates' client state.
 
 Flower's built-in strategies check that a reply holds exactly one ArrayRecord; feddg replies
 carry arrays *and* numbers and text (weights, statistics, Grams, histograms), hence the
@@ -91,7 +95,8 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
             info = r.content.config_records[ROUTE]
             p, n = int(info["partition-id"]), int(info["num-partitions"])
             if n != k or not 0 <= p < k or p in nodes:
-                raise RuntimeError(f"node {node} is partition {p} of {n}; want one node per client, partitions 0..{k - 1}")
+                raise RuntimeError(f"node {node} is partition {p} of {n}; "
+                                   f"want one node per client, partitions 0..{k - 1}")
             if info["fingerprint"] != want:
                 raise RuntimeError(f"node {node} (partition {p}) built a different federation: same config and data?")
             nodes[p] = node
