@@ -7,6 +7,8 @@ Flower's Simulation Runtime (Ray on 127.0.0.1).
 """
 
 import json
+import logging
+from types import SimpleNamespace
 from uuid import uuid4
 
 import numpy as np
@@ -419,3 +421,13 @@ def test_payload_method_with_client_state_on_flower_simulation(tmp_path, one_thr
         assert np.allclose(ref.state["stats"][k], server.state["stats"][k], atol=1e-6)
     fresh = probe_federation(cfg).model
     load_weights(fresh, server.state["weights"])  # the aggregated weights load into the model
+
+
+def test_flower_and_ray_logs_are_warnings_only_unless_verbose(monkeypatch):
+    from feddg.engines.flower.simulation import VERBOSE, backend_config
+
+    server = SimpleNamespace(fed=SimpleNamespace(cfg=build_config({})))
+    monkeypatch.delenv(VERBOSE, raising=False)
+    assert backend_config(server)["init_args"]["logging_level"] == logging.WARNING
+    monkeypatch.setenv(VERBOSE, "1")
+    assert backend_config(server)["init_args"]["logging_level"] == logging.INFO

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -46,9 +47,15 @@ Overrides = Annotated[list[str] | None, typer.Option(
 
 
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="show the full traceback of an error")] = False) -> None:
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="show the full traceback of an error")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Flower's and Ray's own INFO logs (default: warnings only)")]
+    = False,
+) -> None:
     """Federated domain generalization."""
     _DEBUG["on"] = debug
+    if verbose:
+        os.environ["FEDDG_VERBOSE"] = "1"  # read by the Flower engine (engines/flower/simulation.py)
     if not debug:
         warnings.formatwarning = _one_line_warning
 

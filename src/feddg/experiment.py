@@ -21,7 +21,7 @@ console = Console(stderr=True)
 
 
 
-def _progress(enabled: bool) -> Progress:
+def progress_bar(enabled: bool) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -62,7 +62,7 @@ def run_experiment(
     fed = build_federation(cfg)
     server = Server(fed, run_dir, resume=resume)
     targets = ", ".join(fed.dataset.domains[d] for d in fed.split.test_domains)
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(f"{cfg.method.name} → {targets}", total=cfg.federation.rounds, completed=server.round,
                             status="")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from feddg.config import ConfigError, ExperimentConfig, Strict, build_config, fo
 from feddg.data import dataset_info
 from feddg.engines.workers import exit_with_parent
 from feddg.evaluation.tables import STATS_NOTE, csv_table, markdown_table
-from feddg.experiment import console, run_experiment
+from feddg.experiment import console, progress_bar, run_experiment
 from feddg.federation.checkpoint import CheckpointError, has_checkpoint
 from feddg.federation.provenance import config_hash, stored_config_hash
 from feddg.federation.server import RESULTS
@@ -126,7 +126,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     if jobs == 1:
         results = [_run_or_load(cfg, run_dir, progress) for _, cfg, run_dir in cells]
     else:
-        results = _run_parallel(cells, jobs)
+        results = _run_parallel(cells, jobs, progress)
     rows = [{**cell, "run_dir": str(run_dir), "config_hash": config_hash(cfg), **res["final"],
              "time_total_s": res["time_total_s"]} for (cell, cfg, run_dir), res in zip(cells, results, strict=True)]
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -138,16 +138,26 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     return {"out_dir": str(out), "rows": rows, "markdown": md}
 
 
-def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jobs: int) -> list[dict[str, Any]]:
-    """Cells in ``jobs`` spawned processes, a line as each finishes; results in cell order."""
+def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jobs: int,
+                  progress: bool = True) -> list[dict[str, Any]]:
+    """Cells in ``jobs`` spawned processes under one progress bar (cells done / total, and the running
+    cells' variant · target · seed); a line as each finishes; results in cell order."""
     ctx = multiprocessing.get_context("spawn")  # torch and fork do not mix
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_job) as pool:
+    label = [f"{c['variant']} · {c['target']} · seed {c['seed']}" for c, _, _ in cells]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_job) as pool, \
+            progress_bar(progress) as bar:
         futures = [pool.submit(_run_or_load, _one_worker(cfg), run_dir, False) for _, cfg, run_dir in cells]
-        for i, fut in enumerate(futures):
-            res = fut.result()
-            cell = cells[i][0]
-            console.print(f"[{i + 1}/{len(cells)}] {cell['variant']} · {cell['target']} · seed {cell['seed']}: "
-                          + ", ".join(f"{k} {v:.1f}" for k, v in res["final"].items() if k.endswith("acc")))
+        task = bar.add_task(f"sweep, {jobs} at once", total=len(cells), status="")
+        pending = set(range(len(cells)))
+        while pending:
+            done, _ = wait([futures[i] for i in pending], return_when=FIRST_COMPLETED)
+            for i in sorted(i for i in pending if futures[i] in done):
+                pending.discard(i)
+                res = futures[i].result()
+                bar.console.print(f"[{len(cells) - len(pending)}/{len(cells)}] {escape(label[i])}: "
+                                  + ", ".join(f"{k} {v:.1f}" for k, v in res["final"].items() if k.endswith("acc")))
+            running = [label[i] for i in sorted(pending) if futures[i].running()]
+            bar.update(task, completed=len(cells) - len(pending), status=escape("running: " + "; ".join(running)))
         return [f.result() for f in futures]
 
 

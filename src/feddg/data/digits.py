@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
+from rich.console import Console
 
 from feddg.data.cache import cache_file, cached, resolve_cache_dir
 from feddg.data.transforms import resize
@@ -258,7 +259,8 @@ def cached_domain(
 
     def make() -> dict[str, np.ndarray]:
         if image_size == NATIVE_SIZE:
-            x, y = build(seed)
+            with Console(stderr=True).status(f"building {dataset}/{domain} (once; cached in {folder})"):
+                x, y = build(seed)
         else:
             x, y = cached_domain(dataset, domain, build, image_size=NATIVE_SIZE, seed=seed,
                                  cache_dir=folder, version=version)

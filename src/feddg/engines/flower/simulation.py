@@ -11,6 +11,7 @@ For a real deployment (SuperLink + SuperNodes) see ``flower_app`` and docs/flowe
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -26,12 +27,19 @@ from feddg.federation.setup import build_federation
 from feddg.federation.validation import RunStopped
 
 LOOPBACK = "127.0.0.1"
+VERBOSE = "FEDDG_VERBOSE"  # "1": Flower's and Ray's own INFO logs (``feddg --verbose``); else warnings only
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE) == "1"
 
 
 def backend_config(server: Server) -> dict[str, Any]:
-    """Ray settings: loopback only, no dashboard, client resources from ``flower.*``."""
+    """Ray settings: loopback only, no dashboard, Ray's logs at warning level unless verbose, client
+    resources from ``flower.*``."""
     fc = server.fed.cfg.flower
-    init_args: dict[str, Any] = {"_node_ip_address": LOOPBACK, "include_dashboard": False}
+    init_args: dict[str, Any] = {"_node_ip_address": LOOPBACK, "include_dashboard": False,
+                                 "logging_level": logging.INFO if verbose() else logging.WARNING}
     if fc.ray_num_cpus is not None:
         init_args["num_cpus"] = fc.ray_num_cpus
     return {
@@ -60,11 +68,13 @@ def run_flower(
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     cfg = server.fed.cfg
+    logging.getLogger("flwr").setLevel(logging.INFO if verbose() else logging.WARNING)  # keeps the progress bar readable
     run_simulation(
         server_app=server_app,
         client_app=make_client_app(dump_config(cfg), factory),
         num_supernodes=len(server.fed.clients),
         backend_config=backend_config(server),
+        verbose_logging=verbose(),
     )
     if stopped:
         raise stopped[0]
