@@ -129,3 +129,13 @@ def test_search_refuses_a_method_without_a_search_space():
     spec = SweepSpec.model_validate({"variants": {"avg": {"method.name": "fedavg"}}, "search": {"n": 2}})
     with pytest.raises(ConfigError, match="declares no search_space"):
         search_variants(spec, {})
+
+
+def test_sweep_overrides_reach_the_sweep_section(tmp_path):
+    from feddg.sweep import load_sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nsweep:\n  seeds: [0, 1]\n  variants: {prox: {method.name: fedprox}}\n")
+    spec, base = load_sweep(path, ["sweep.search.n=3", "sweep.seeds=[4]", "federation.rounds=2"])
+    assert spec.search is not None and spec.search.n == 3 and spec.seeds == [4]
+    assert base["federation"]["rounds"] == 2

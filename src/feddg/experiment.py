@@ -63,7 +63,7 @@ def run_experiment(
     server = Server(fed, run_dir, resume=resume)
     targets = ", ".join(fed.dataset.domains[d] for d in fed.split.test_domains)
     with progress_bar(progress) as bar:
-        task = bar.add_task(f"{cfg.method.name} → {targets}", total=cfg.federation.rounds, completed=server.round,
+        task = bar.add_task(f"{cfg.method.name} → {targets}", total=server.rounds, completed=server.round,
                             status="")
 
         def on_round(row: dict[str, Any]) -> None:

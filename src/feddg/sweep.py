@@ -33,7 +33,16 @@ from pydantic import Field, ValidationError
 from rich.markup import escape
 
 from feddg.algorithms.registry import method_class
-from feddg.config import ConfigError, ExperimentConfig, Strict, build_config, format_errors, read_yaml
+from feddg.config import (
+    ConfigError,
+    ExperimentConfig,
+    Strict,
+    build_config,
+    format_errors,
+    parse_overrides,
+    read_yaml,
+    set_dotted,
+)
 from feddg.data import dataset_info
 from feddg.engines.workers import exit_with_parent
 from feddg.evaluation.tables import STATS_NOTE, csv_table, markdown_table
@@ -83,8 +92,13 @@ def search_variants(spec: SweepSpec, raw: dict[str, Any]) -> dict[str, dict[str,
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepSpec, dict[str, Any]]:
     """The sweep section and the validated base config (as a plain tree, overrides applied)."""
     raw = read_yaml(path)
+    section = raw.pop("sweep", {}) or {}
+    sweep_over = [o for o in overrides or [] if o.startswith("sweep.")]  # -o sweep.search.n=8 edits the sweep
+    for key, value in parse_overrides(sweep_over):
+        set_dotted(section, key.removeprefix("sweep."), value)
+    overrides = [o for o in overrides or [] if not o.startswith("sweep.")]
     try:
-        spec = SweepSpec.model_validate(raw.pop("sweep", {}))
+        spec = SweepSpec.model_validate(section)
     except ValidationError as err:
         raise ConfigError(format_errors(err, prefix="sweep")) from None
     return spec, build_config(raw, overrides).model_dump(mode="json")
