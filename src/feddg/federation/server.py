@@ -182,8 +182,8 @@ class Server:
         assert fold.held is not None and factor is not None
         rejected = outliers(fold.norms, factor)
         fold.failed.update(rejected)
-        order = list(fold.sent)
-        kept = sorted((r for r in fold.held if r.client_id not in rejected), key=lambda r: order.index(r.client_id))
+        position = {cid: i for i, cid in enumerate(fold.sent)}
+        kept = sorted((r for r in fold.held if r.client_id not in rejected), key=lambda r: position[r.client_id])
         fold.held = None
         if kept:
             fold.acc = self.fed.topology.start(self.fed.method, {r.client_id: fold.expected[r.client_id] for r in kept})
