@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.faults import toy_federation_of
+from toy import toy_federation_of
 
 from feddg.aggregation.mean import WeightedSum, weighted_mean, weighted_mean_messages
 from feddg.algorithms.base import Reply

@@ -12,15 +12,14 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+import toy
 from pydantic import Field
-from toy import ToyDomains, ToyNet
 
-from feddg.algorithms import create_method
 from feddg.algorithms.base import ClientContext, ClientState, Params
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.registry import METHODS
 from feddg.config import ExperimentConfig
-from feddg.federation.setup import Federation, make_clients, make_split, make_topology
+from feddg.federation.setup import Federation
 from feddg.messages import Message
 
 
@@ -70,14 +69,9 @@ def registered() -> Iterator[None]:
 
 
 def toy_federation_of(cfg: ExperimentConfig) -> Federation:
-    """The toy federation (tests/toy.py) of ``cfg``: what workers and ClientApps rebuild."""
-    ds = ToyDomains()
-    split = make_split(ds, cfg)
-    clients = make_clients(ds, split, cfg)
-    torch.manual_seed(cfg.seed)
-    method = create_method(cfg.method.name, cfg.method.params)
-    model = method.prepare_model(ToyNet())
-    return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))
+    """:func:`toy.toy_federation_of` by this module's path: workers and ClientApps that unpickle it import this
+    module, which registers ``faulty`` there."""
+    return toy.toy_federation_of(cfg)
 
 
 def broken_federation(cfg: ExperimentConfig) -> Federation:
