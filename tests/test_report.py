@@ -148,6 +148,40 @@ def test_sweep_report_tables_mean_sample_std_and_ci(sweep_dir, sweep_page):
         assert Path(r["run_dir"]).relative_to(sweep_dir).as_posix() in html
 
 
+def test_paired_figure_plots_each_variants_mean_difference_its_ci_and_its_seeds():
+    from feddg.reports.sweep import paired
+
+    # per-seed averages over targets x, y: base 10, 30; "up" = base + 1, + 3; "solo" shares no seed with base
+    rows = [{"variant": "base", "target": t, "seed": s, "ood_acc": v + (t == "y")}
+            for s, v in ((0, 9.5), (1, 29.5)) for t in "xy"]
+    rows += [{**r, "variant": "up", "ood_acc": r["ood_acc"] + 1 + 2 * r["seed"]} for r in rows]
+    rows += [{"variant": "solo", "target": t, "seed": 7, "ood_acc": 50.0} for t in "xy"]
+    fig = paired(rows, "ood_acc", "base")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["up"]  # neither the baseline nor a row without pairs
+    square = next(line for line in ax.lines if line.get_marker() == "s")
+    assert square.get_xdata()[0] == pytest.approx(2.0)
+    seeds = next(line for line in ax.lines if line.get_marker() == "o")
+    assert sorted(seeds.get_xdata()) == pytest.approx([1.0, 3.0])
+    bar = ax.collections[0].get_segments()[0]  # the CI: 2 ± t(0.975, 1) · √2 / √2 = 2 ± 12.706
+    assert [p[0] for p in bar] == pytest.approx([2 - 12.706, 2 + 12.706], abs=1e-3)
+    plt.close(fig)
+    assert paired(rows, "ood_acc", "solo") is None
+
+
+def test_a_sweep_with_a_baseline_reports_the_paired_differences(sweep_dir, tmp_path):
+    out = shutil.copytree(sweep_dir, tmp_path / "out")
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    more = [{**r, "variant": "Shifted", "ood_acc": r["ood_acc"] + 1} for r in rows]
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + more))
+    spec = json.loads((out / "sweep.json").read_text())
+    assert spec["baseline"] is None and spec["seeds"] == [0, 1]  # written by the sweep
+    (out / "sweep.json").write_text(json.dumps({**spec, "baseline": "FedProx"}))
+    html = report(out)[0].read_text()
+    assert 'alt="ood_acc: paired difference from FedProx"' in html
+    assert "paired difference from" not in report(sweep_dir)[0].read_text()
+
+
 def test_report_of_a_folder_that_is_neither_run_nor_sweep_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 2 and "neither a run directory" in res.output and "Traceback" not in res.output

@@ -65,6 +65,9 @@ def test_a_bad_variant_fails_before_any_run(sweep_file, tmp_path):
     assert not list((tmp_path / "out").glob("*/*/seed0/results.json"))
     with pytest.raises(ValueError, match="jobs"):
         run_sweep(sweep_file, out_dir=tmp_path / "out", progress=False, jobs=0)
+    sweep_file.write_text(yaml.safe_dump(SWEEP))
+    with pytest.raises(ConfigError, match=r"sweep.baseline 'FedAVG' is not a variant; variants: \['FedAvg', 'FedProx'\]"):
+        run_sweep(sweep_file, ["sweep.baseline=FedAVG"], out_dir=tmp_path / "out", progress=False)
 
 
 def test_a_changed_config_reruns_its_cells_and_an_unchanged_one_does_not(sweep_file, tmp_path, capsys):
@@ -104,6 +107,26 @@ def test_tables_use_the_sample_std_and_a_student_t_interval():
     lines = csv_table(rows, "ood_acc").splitlines()
     assert lines[0] == "method,target,mean,std_ddof1,ci95_low,ci95_high,n"
     assert "A,x,20.000,10.000,-4.841,44.841,3" in lines and "B,x,42.000,,,,1" in lines
+
+
+def test_paired_differences_cancel_what_moves_both_rows():
+    from feddg.evaluation.tables import csv_table, markdown_table, paired_deltas
+
+    # per-seed averages over targets x, y: base 10, 50, 90 (seeds 0-2); new = base + 1, + 2, + 3; new has a
+    # seed 3 the baseline lacks (left out of the pairs)
+    base = {0: (5.0, 15.0), 1: (45.0, 55.0), 2: (85.0, 95.0)}
+    rows = [{"variant": "base", "target": t, "seed": s, "ood_acc": v}
+            for s, vals in base.items() for t, v in zip("xy", vals, strict=True)]
+    rows += [{"variant": "new", "target": t, "seed": s, "ood_acc": v + s + 1}
+             for s, vals in base.items() for t, v in zip("xy", vals, strict=True)]
+    rows += [{"variant": "new", "target": t, "seed": 3, "ood_acc": 0.0} for t in "xy"]
+    assert paired_deltas(rows, "new", "base") == [1.0, 2.0, 3.0]
+    md = markdown_table(rows, "ood_acc", baseline="base")
+    assert md.splitlines()[0].endswith("| Δ avg vs base, paired [95 % CI] |")
+    assert md.splitlines()[2].endswith("| 50.0 ± 40.0 | [-49.4, 149.4] | – |")  # t(0.975, 2) = 4.303
+    assert md.splitlines()[3].endswith("| +2.0 [-0.5, +4.5] |")  # 2 ± 4.303 · 1 / √3
+    assert "new,avg - base,2.000,1.000,-0.484,4.484,3" in csv_table(rows, "ood_acc", baseline="base").splitlines()
+    assert "Δ" not in markdown_table(rows, "ood_acc")
 
 
 def test_search_draws_seeded_configurations_from_the_methods_search_space():

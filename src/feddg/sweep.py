@@ -68,6 +68,7 @@ class SweepSpec(Strict):
     variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": dict[str, Any]()})
     metrics: list[str] = Field(default_factory=lambda: ["ood_acc", "id_acc"])
     search: SearchSpec | None = Field(None, description="random search over each variant's method.search_space")
+    baseline: str | None = Field(None, description="a variant; tables add each row's paired difference from it")
 
 
 def search_variants(spec: SweepSpec, raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -122,15 +123,19 @@ def _override(key: str, value: Any) -> str:
 
 def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str | Path | None = None,
               progress: bool = True, jobs: int = 1) -> dict[str, Any]:
-    """Run every (variant, target, seed) cell and write table.md, table.csv and runs.jsonl."""
+    """Run every (variant, target, seed) cell and write table.md, table_<metric>.csv, runs.jsonl and sweep.json
+    (the sweep section as run)."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     spec, raw = load_sweep(path, overrides)
     base = build_config(raw)
     out = Path(out_dir) if out_dir is not None else Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
+    variants = search_variants(spec, raw)
+    if spec.baseline is not None and spec.baseline not in variants:
+        raise ConfigError(f"sweep.baseline {spec.baseline!r} is not a variant; variants: {list(variants)}")
     cells = []
-    for variant, extra in search_variants(spec, raw).items():
+    for variant, extra in variants.items():
         for label, split_over in _cells(spec, base):
             for seed in spec.seeds:
                 over = [_override(k, v) for k, v in extra.items()] + split_over + [f"seed={seed}"]
@@ -144,11 +149,12 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     rows = [{**cell, "run_dir": str(run_dir), "config_hash": config_hash(cfg), **res["final"],
              "time_total_s": res["time_total_s"]} for (cell, cfg, run_dir), res in zip(cells, results, strict=True)]
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tables = {m: markdown_table(rows, m) for m in spec.metrics}
+    (out / "sweep.json").write_text(json.dumps(spec.model_dump(mode="json"), indent=1))
+    tables = {m: markdown_table(rows, m, spec.baseline) for m in spec.metrics}
     md = "\n\n".join(f"### {m} over seeds {spec.seeds}: {STATS_NOTE}\n\n{t}" for m, t in tables.items())
     (out / "table.md").write_text(f"# {base.name}\n\n{md}\n")
     for m in spec.metrics:
-        (out / f"table_{m}.csv").write_text(csv_table(rows, m))
+        (out / f"table_{m}.csv").write_text(csv_table(rows, m, spec.baseline))
     return {"out_dir": str(out), "rows": rows, "markdown": md}
 
 

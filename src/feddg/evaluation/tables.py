@@ -2,7 +2,10 @@
 
 The std is the sample standard deviation (``ddof=1``); with one seed there is none ("–", never 0).
 The "avg 95 % CI" column is a Student-t interval, ``mean ± t(0.975, n-1) · s / √n``, over the
-per-seed averages across targets.
+per-seed averages across targets. With a ``baseline`` row, a last column gives each row's paired difference
+from it: per seed, the row's average over targets minus the baseline's (same seed, same targets, so the same
+splits and partitions), as mean and Student-t 95 % CI over seeds. Seed-to-seed variation that moves both rows
+cancels, so it resolves differences the unpaired intervals cannot.
 """
 
 from __future__ import annotations
@@ -57,34 +60,58 @@ def pivot(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str]
     return variants, targets, cells
 
 
-def _avg_over_targets(rows: list[dict[str, Any]], variant: str, targets: list[str], metric: str) -> list[float]:
+def _seed_averages(rows: list[dict[str, Any]], variant: str, targets: list[str], metric: str) -> dict[int, float]:
     """Per seed, the mean over targets (only seeds complete on every target)."""
     by_seed: dict[int, dict[str, float]] = defaultdict(dict)
     for r in rows:
         if r["variant"] == variant and metric in r:
             by_seed[r["seed"]][r["target"]] = float(r[metric])
-    return [float(np.mean(list(v.values()))) for v in by_seed.values() if len(v) == len(targets)]
+    return {s: float(np.mean(list(v.values()))) for s, v in by_seed.items() if len(v) == len(targets)}
 
 
-def markdown_table(rows: list[dict[str, Any]], metric: str = "ood_acc") -> str:
+def _avg_over_targets(rows: list[dict[str, Any]], variant: str, targets: list[str], metric: str) -> list[float]:
+    return list(_seed_averages(rows, variant, targets, metric).values())
+
+
+def paired_deltas(rows: list[dict[str, Any]], variant: str, baseline: str, metric: str = "ood_acc") -> list[float]:
+    """Per seed complete on every target for both rows: ``variant``'s average over targets minus ``baseline``'s."""
+    targets = pivot(rows, metric)[1]
+    mine, ref = (_seed_averages(rows, v, targets, metric) for v in (variant, baseline))
+    return [mine[s] - ref[s] for s in sorted(mine.keys() & ref.keys())]
+
+
+def _delta_text(deltas: list[float]) -> str:
+    if not deltas:
+        return NONE
+    ci = ci95(deltas)
+    return f"{np.mean(deltas):+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+
+
+def markdown_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None) -> str:
+    """One row per variant: mean ± std per target, the average over targets and its CI, and with ``baseline``
+    the paired difference of the average from that row's (mean [95 % CI] over seeds)."""
     variants, targets, cells = pivot(rows, metric)
-    head = ["method", *targets, "avg", "avg 95 % CI"]
+    head = ["method", *targets, "avg", "avg 95 % CI"] + ([f"Δ avg vs {baseline}, paired [95 % CI]"] if baseline else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in variants:
         vals = [mean_std(cells.get((v, t), [])) for t in targets]
         avg = _avg_over_targets(rows, v, targets, metric)
-        lines.append("| " + " | ".join([v, *vals, mean_std(avg), _ci_text(avg)]) + " |")
+        delta = [] if baseline is None else [NONE if v == baseline else _delta_text(paired_deltas(rows, v, baseline, metric))]
+        lines.append("| " + " | ".join([v, *vals, mean_std(avg), _ci_text(avg), *delta]) + " |")
     return "\n".join(lines)
 
 
-def csv_table(rows: list[dict[str, Any]], metric: str = "ood_acc") -> str:
-    """One line per (method, target) and per method's avg: mean, sample std, 95 % CI, n (empty where n = 1)."""
+def csv_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None) -> str:
+    """One line per (method, target) and per method's avg: mean, sample std, 95 % CI, n (empty where n = 1);
+    with ``baseline``, a line ``avg - <baseline>`` of the paired differences too."""
     variants, targets, cells = pivot(rows, metric)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["method", "target", "mean", "std_ddof1", "ci95_low", "ci95_high", "n"])
     for v in variants:
         groups = [(t, cells.get((v, t), [])) for t in targets] + [("avg", _avg_over_targets(rows, v, targets, metric))]
+        if baseline is not None and v != baseline:
+            groups.append((f"avg - {baseline}", paired_deltas(rows, v, baseline, metric)))
         for t, vals in groups:
             if vals:
                 s, ci = sample_std(vals), ci95(vals)

@@ -1,5 +1,6 @@
 """The report of a sweep directory (feddg.sweep): mean ± sample std and 95 % CI per method and target,
-bars with each seed as a dot, accuracy curves as mean ± std bands, per-domain bars over seeds."""
+bars with each seed as a dot, accuracy curves as mean ± std bands, per-domain bars over seeds, and with a
+``sweep.baseline`` each variant's paired difference from it."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import numpy as np
 
 from feddg.config import read_yaml
 from feddg.evaluation.plots import chance_line, draw_domains, integer_rounds, read_metrics
+from feddg.evaluation.tables import ci95, paired_deltas
 from feddg.reports.counts import run_counts
 from feddg.reports.figures import png_uri
 from feddg.reports.page import REPORT, page_context, render
 
 RUNS = "runs.jsonl"
+SPEC = "sweep.json"  # the sweep section as run (feddg.sweep writes it)
 AVG = "avg"
 
 
@@ -138,6 +141,27 @@ def curves(rows: list[dict[str, Any]], metric: str, num_classes: int | None) -> 
     return fig
 
 
+def paired(rows: list[dict[str, Any]], metric: str, baseline: str) -> plt.Figure | None:
+    """Per variant, its average over targets minus ``baseline``'s, paired by seed: mean with a Student-t 95 %
+    CI (a forest plot), a dot per seed; ``None`` when no variant shares a complete seed with the baseline."""
+    others = [(v, paired_deltas(rows, v, baseline, metric)) for v in dict.fromkeys(r["variant"] for r in rows)]
+    others = [(v, d) for v, d in others if v != baseline and d]
+    if not others:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 0.4 * len(others) + 1.4))
+    for i, (v, d) in enumerate(others):
+        mean, ci = float(np.mean(d)), ci95(d)
+        xerr = None if ci is None else [[mean - ci[0]], [ci[1] - mean]]
+        ax.errorbar(mean, i, xerr=xerr, fmt="s", color=f"C{i}", capsize=3)
+        ax.plot(d, [i] * len(d), "o", color="black", markersize=2.5, zorder=3)
+    ax.axvline(0.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(others)), [v for v, _ in others])
+    ax.invert_yaxis()
+    ax.set(xlabel=f"Δ {metric}, average over targets (points)", title=f"paired difference from {baseline}")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
 def domains(rows: list[dict[str, Any]], variant: str, counts: dict[str, dict[str, int]]) -> plt.Figure:
     """Per target (one panel each), per-domain accuracy of ``variant`` over its seeds."""
     targets = list(dict.fromkeys(r["target"] for r in rows if r["variant"] == variant))
@@ -180,7 +204,14 @@ def sweep_report(sweep_dir: Path) -> Path:
     summary = [("runs", len(rows)), ("variants", len(variants)), ("targets", len({r["target"] for r in rows})),
                ("seeds", ", ".join(map(str, seeds))), ("time (s)", f"{sum(r.get('time_total_s', 0) for r in rows):.0f}")]
     summary += [("chance (%)", f"{100 / num_classes:.3g}")] if num_classes else []
+    spec = json.loads((sweep_dir / SPEC).read_text()) if (sweep_dir / SPEC).is_file() else {}
+    baseline = spec.get("baseline")
+    figures = {m: paired(rows, m, baseline) if baseline else None for m in metrics}
     sections = [{"metric": m, "table": table(rows, m),
+                 "paired": None if (fig := figures[m]) is None else {
+                     "title": f"{m}: paired difference from {baseline}", "uri": png_uri(fig),
+                     "caption": f"per seed, the variant's average over targets minus {baseline}'s (same splits); "
+                                "square: mean, bar: Student-t 95 % CI over seeds, dots: seeds"},
                  "bars": {"title": f"{m} per target", "uri": png_uri(bars(rows, m, num_classes)),
                           "caption": "bars: mean over seeds; error bars: sample std; dots: individual seeds; "
                                      "dotted: chance"},
