@@ -221,13 +221,14 @@ def test_flower_simulation_drops_a_raise_a_nan_and_a_late_reply(tmp_path, one_th
     from feddg.engines.flower.simulation import run_flower
 
     faults = {"1:1": "raise", "1:3": "sleep", "2:2": "nan"}
-    over = ("federation.rounds=2", "flower.ray_num_cpus=2", "flower.round_timeout_s=15")
-    server = Server(faulty.toy_federation_of(faulty_config(faults, *over, sleep_s=20)), tmp_path / "faulty")
+    # two actors: one sleeps, the other builds its federation (cold, slow on a loaded machine) and runs 3 clients
+    over = ("federation.rounds=2", "flower.ray_num_cpus=2", "flower.round_timeout_s=30")
+    server = Server(faulty.toy_federation_of(faulty_config(faults, *over, sleep_s=40)), tmp_path / "faulty")
     run_flower(server, factory=faulty.toy_federation_of)
     reasons = failures(server)
     assert reasons[1]["1"].startswith("node ")
     assert reasons[1]["1"].endswith(": RuntimeError: injected failure of client 1")
-    assert reasons[1]["3"] == "no reply within 15 s (flower.round_timeout_s)"
+    assert reasons[1]["3"] == "no reply within 30 s (flower.round_timeout_s)"
     assert reasons[2] == {"2": "NaN in w/conv.weight"} and len(reasons[1]) == 2
     ref = reference(faulty, tmp_path, dropped(faults), "federation.rounds=2")
     assert_close_weights(server.state["weights"], ref.state["weights"])
