@@ -90,13 +90,7 @@ def test_every_method_feeds_its_modules_on_the_models_device_and_dtype(name, tmp
     assert ran and math.isfinite(results["final"]["ood_acc"])
 
 
-#: methods whose own training loop does not yet run its forward passes under ``ctx.autocast()``
-OWN_LOOP_WITHOUT_AMP = {"fedsr", "fpl"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(reason="own training loop without ctx.autocast()", strict=True))
-    if n in OWN_LOOP_WITHOUT_AMP else n for n in list_methods()])
+@pytest.mark.parametrize("name", list_methods())
 def test_bf16_autocast_trains_one_round_with_float32_weights(name, tmp_path):
     fed = toy_federation(f"method.name={name}", "federation.rounds=1", "optim.amp=bf16", *TOY_PARAMS.get(name, []))
     training_outputs: list[torch.dtype] = []

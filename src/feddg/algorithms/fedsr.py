@@ -20,7 +20,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from feddg.algorithms.base import ClientContext, ClientState, Method, Params, weights_reply
-from feddg.algorithms.components.local import make_optimizer
+from feddg.algorithms.components.local import grad_scaler, make_optimizer, scaled_step
 from feddg.messages import Message, load_weights
 from feddg.models.base import FedModel
 
@@ -115,6 +115,7 @@ class FedSR(Method):
         }
         r_mu, r_sigma, scale = (torch.tensor(ref[k], device=ctx.device, requires_grad=True) for k in REF_KEYS)
         opt = make_optimizer([*model.parameters(), r_mu, r_sigma, scale], ctx.optim, float(msg["lr"]))
+        scaler = grad_scaler(ctx)
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         model.train()
         sums, steps = {"loss": 0.0, "l2r": 0.0, "cmi": 0.0}, 0
@@ -122,14 +123,14 @@ class FedSR(Method):
             for x, y in ctx.batches():
                 if has_bn and len(y) < 2:
                     continue
-                mu, sigma = model.distribution(x)
-                z = mu + sigma * torch.randn_like(mu)
-                l2r = l2r_term(z).mean()
-                cmi = cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean()
-                loss = F.cross_entropy(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
+                with ctx.autocast():
+                    mu, sigma = model.distribution(x)
+                    z = mu + sigma * torch.randn_like(mu)
+                    l2r = l2r_term(z).mean()
+                    cmi = cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean()
+                    loss = F.cross_entropy(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                scaled_step(loss, opt, scaler)
                 for k, v in (("loss", loss), ("l2r", l2r), ("cmi", cmi)):
                     sums[k] += float(v.detach())
                 steps += 1

@@ -31,11 +31,23 @@ def make_optimizer(params: Iterable[Tensor], optim: OptimSettings, lr: float) ->
     raise ValueError(f"unknown optimiser {optim.name!r}; expected 'sgd' or 'adam'")
 
 
+def grad_scaler(ctx: ClientContext) -> torch.amp.GradScaler:
+    """The loss scaler of ``optim.amp``: on for fp16 (whose small gradients underflow), a pass-through otherwise."""
+    return torch.amp.GradScaler(ctx.device.type, enabled=ctx.optim.amp == "fp16")
+
+
+def scaled_step(loss: Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+    """Backward and step through ``scaler`` (plain ``loss.backward(); opt.step()`` when it is disabled)."""
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
 def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn = cross_entropy_loss) -> float:
     """Run ``ctx.local_epochs`` epochs of ``loss_fn`` on the client's data; return the mean loss."""
     model.train()
     opt = make_optimizer(model.parameters(), ctx.optim, lr)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.optim.amp == "fp16")  # fp16 gradients underflow
+    scaler = grad_scaler(ctx)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     specs = parse_augment(ctx.optim.augment)
     seed = int(torch.randint(2**62, (1,), generator=ctx.generator)) if specs else 0  # no draw without augment
@@ -50,9 +62,7 @@ def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn
                 opt.zero_grad(set_to_none=True)
                 with ctx.autocast():
                     loss = loss_fn(model, x, y)
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                scaled_step(loss, opt, scaler)
                 total += float(loss.detach())
                 steps += 1
     return total / max(steps, 1)
