@@ -147,6 +147,8 @@ def test_auto_is_a_worker_per_core_on_the_cpu_and_per_gpu_on_cuda(monkeypatch):
     monkeypatch.setattr(workers, "usable_cores", lambda: 16)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert workers.resolve_workers("auto", cpu) == 16
+    assert [workers.resolve_workers("auto", cpu, clients) for clients in (1, 3, 40)] == [0, 3, 16]  # <= clients
+    assert workers.resolve_workers(8, cpu, clients=3) == 8  # a number asked for is a number given
     assert workers.resolve_workers("auto", cuda) == 0  # one GPU: sequential, not 16 processes on it
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert workers.resolve_workers("auto", cuda) == 4

@@ -66,7 +66,8 @@ def run_inprocess(server: Server, on_round: RoundCallback | None = None, *,
     so that ``auto`` gives the same bits on any number of cores."""
     run_setup(server)
     fc, device = server.fed.cfg.federation, server.fed.device
-    workers = resolve_workers(fc.workers, device) or (1 if fc.client_timeout_s is not None else 0)
+    clients = server.fed.topology.num_clients
+    workers = resolve_workers(fc.workers, device, clients) or (1 if fc.client_timeout_s is not None else 0)
     pool = WorkerPool(server.fed.cfg, workers, factory=factory, timeout_s=fc.client_timeout_s,
                       fed=server.fed) if workers else None
     auto_sequential = fc.workers == "auto" and pool is None and device.type == "cpu"

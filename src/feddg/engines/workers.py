@@ -82,14 +82,16 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def resolve_workers(requested: int | str, device: torch.device) -> int:
+def resolve_workers(requested: int | str, device: torch.device, clients: int | None = None) -> int:
     """Worker processes for the clients; 0 = the sequential path. ``auto``: one per core on the CPU, one per
-    GPU on CUDA (a GPU is fed best by one process; ``cuda:k`` is one GPU), sequential where that is one."""
+    GPU on CUDA (a GPU is fed best by one process; ``cuda:k`` is one GPU), at most ``clients`` (an idle worker
+    only costs its start), sequential where that is one."""
     if requested == "auto":
         if device.type == "cuda":
             n = 1 if device.index is not None else torch.cuda.device_count()
         else:
             n = usable_cores()
+        n = n if clients is None else min(n, clients)
         return n if n > 1 else 0
     return int(requested) if int(requested) > 1 else 0
 
