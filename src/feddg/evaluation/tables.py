@@ -60,7 +60,7 @@ def pivot(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str]
     return variants, targets, cells
 
 
-def _seed_averages(rows: list[dict[str, Any]], variant: str, targets: list[str], metric: str) -> dict[int, float]:
+def seed_averages(rows: list[dict[str, Any]], variant: str, targets: list[str], metric: str) -> dict[int, float]:
     """Per seed, the mean over targets (only seeds complete on every target)."""
     by_seed: dict[int, dict[str, float]] = defaultdict(dict)
     for r in rows:
@@ -70,13 +70,13 @@ def _seed_averages(rows: list[dict[str, Any]], variant: str, targets: list[str],
 
 
 def _avg_over_targets(rows: list[dict[str, Any]], variant: str, targets: list[str], metric: str) -> list[float]:
-    return list(_seed_averages(rows, variant, targets, metric).values())
+    return list(seed_averages(rows, variant, targets, metric).values())
 
 
 def paired_deltas(rows: list[dict[str, Any]], variant: str, baseline: str, metric: str = "ood_acc") -> list[float]:
     """Per seed complete on every target for both rows: ``variant``'s average over targets minus ``baseline``'s."""
     targets = pivot(rows, metric)[1]
-    mine, ref = (_seed_averages(rows, v, targets, metric) for v in (variant, baseline))
+    mine, ref = (seed_averages(rows, v, targets, metric) for v in (variant, baseline))
     return [mine[s] - ref[s] for s in sorted(mine.keys() & ref.keys())]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 
 from feddg.config import read_yaml
 from feddg.evaluation.plots import chance_line, draw_domains, integer_rounds, read_metrics
-from feddg.evaluation.tables import ci95, paired_deltas
+from feddg.evaluation.tables import ci95, paired_deltas, pivot, sample_std, seed_averages
 from feddg.reports.counts import run_counts
 from feddg.reports.figures import png_uri
 from feddg.reports.page import REPORT, page_context, render
@@ -42,14 +41,9 @@ class Stat:
 
 
 def stat(values: list[float]) -> Stat:
-    from scipy.stats import t
-
-    n, mean = len(values), float(np.mean(values))
-    if n < 2:
-        return Stat(mean, math.nan, math.nan, math.nan, n, tuple(values))
-    std = float(np.std(values, ddof=1))
-    half = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n)
-    return Stat(mean, std, mean - half, mean + half, n, tuple(values))
+    mean, std, ci = float(np.mean(values)), sample_std(values), ci95(values)
+    lo, hi = ci if ci is not None else (math.nan, math.nan)
+    return Stat(mean, math.nan if std is None else std, lo, hi, len(values), tuple(values))
 
 
 def is_sweep_dir(path: Path) -> bool:
@@ -76,18 +70,11 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def cells(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str], dict[tuple[str, str], Stat]]:
     """Variants, targets (+ ``avg``: per seed the mean over targets, seeds complete on all) and their stats."""
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    targets = list(dict.fromkeys(r["target"] for r in rows))
-    vals: dict[tuple[str, str], list[float]] = defaultdict(list)
-    by_seed: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
-    for r in rows:
-        if metric in r:
-            vals[(r["variant"], r["target"])].append(float(r[metric]))
-            by_seed[(r["variant"], r["seed"])][r["target"]] = float(r[metric])
+    variants, targets, vals = pivot(rows, metric)
     if len(targets) > 1:
-        for (v, _), per_target in by_seed.items():
-            if len(per_target) == len(targets):
-                vals[(v, AVG)].append(float(np.mean(list(per_target.values()))))
+        for v in variants:
+            if avg := list(seed_averages(rows, v, targets, metric).values()):
+                vals[(v, AVG)] = avg
     columns = targets + ([AVG] if len(targets) > 1 else [])
     return variants, columns, {k: stat(v) for k, v in vals.items()}
 
