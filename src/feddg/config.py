@@ -111,9 +111,9 @@ class FederationConfig(Strict):
     batch_size: int = Field(32, ge=1)
     workers: int | Literal["auto"] = Field(
         "auto", description="in-process engine: warm client worker processes, one torch thread each (auto = one "
-        "per core on the CPU, one per GPU on CUDA, at most one per client, sequential with one thread where that is one; "
-        "the same bits for "
-        "any N >= 2 and auto); 1 = sequential with the process's torch threads (float summation order only differs)"
+        "per core on the CPU, one per GPU on CUDA, at most one per client, sequential with one thread where that "
+        "is one; the same bits for any N >= 2 and auto); 1 = sequential with the process's torch threads (float "
+        "summation order only differs)"
     )
     checkpoint_every: int = Field(
         1, ge=1, description="write checkpoint.pt every k rounds and after the last (a crash loses < k rounds); "
