@@ -100,7 +100,8 @@ def test_hooks_leave_eval_passes_alone():
     ([{"name": "mixup", "beta": 1}], "fedavg", "optim.augment.0.mixup.beta: unknown key"),
     ([{"name": "cutmix"}], "fedavg", "does not match"),
     ([{"name": "mixstyle", "stages": [0]}], "fedavg", "1-based"),
-    ([{"name": "mixstyle"}], "fpl", "own local loop"),
+    ([{"name": "moex"}], "fpl", "hard labels"),
+    ([{"name": "mixup"}], "fedsr", "hard labels"),
     ([{"name": "mixup"}], "pardon", "hard labels"),
 ])
 def test_bad_augment_lists_fail_at_load(augment, method, message):
@@ -155,6 +156,16 @@ def test_a_round_with_each_augmentation_runs_and_is_reproducible(tmp_path, plain
     assert all(np.array_equal(wa[k], wb[k]) for k in wa)
     assert max(float(np.abs(wa[k] - wp[k]).max()) for k in wa) > 1e-5  # the augmentation changed training
     assert np.isfinite(a.metrics[0]["train_loss"])
+
+
+@pytest.mark.parametrize("method", ["fedsr", "fpl"])
+def test_methods_with_their_own_loop_train_with_mixstyle(tmp_path, method):
+    over = [f"method.name={method}", f"optim.augment={AUGMENTS['mixstyle']}"]
+    a, b = _server(tmp_path, "a", *over), _server(tmp_path, "b", *over)
+    plain = _server(tmp_path, "plain", f"method.name={method}").state["weights"]
+    wa, wb = a.state["weights"], b.state["weights"]
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+    assert max(float(np.abs(wa[k] - plain[k]).max()) for k in wa) > 1e-5  # the augmentation changed training
 
 
 def test_fedfa_l_composes_with_a_feature_level_augmentation(tmp_path):

@@ -75,3 +75,13 @@ def test_client_update_keeps_the_reference_local_and_sends_only_declared_keys():
     reply2, state2 = method.client_update(fed.model, msg, state, client_context(fed, 0, 2))
     assert not np.array_equal(state2["ref/mu"], state["ref/mu"])  # continues from its own state
     assert reply["l2r"] > 0 and reply["cmi"] > 0
+
+
+def test_the_wrapped_models_conv_stages_are_found_inside_it():
+    from feddg.models.stages import conv_stages
+
+    net = create_model("lenet", num_classes=4, in_channels=1, image_size=28)
+    wrapped = FedSRNet(net)
+    assert conv_stages(wrapped) == [f"net.{n}" for n in conv_stages(net)] == ["net.conv.2", "net.conv.5"]
+    modules = dict(wrapped.named_modules())
+    assert all(modules[n] is dict(net.named_modules())[n.removeprefix("net.")] for n in conv_stages(wrapped))

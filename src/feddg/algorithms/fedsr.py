@@ -20,7 +20,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from feddg.algorithms.base import ClientContext, ClientState, Method, Params, weights_reply
-from feddg.algorithms.components.local import grad_scaler, make_optimizer, scaled_step
+from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.messages import Message, load_weights
 from feddg.models.base import FedModel
 
@@ -40,6 +40,8 @@ class FedSRNet(FedModel):
     ``features(x)`` draws ``z`` in training mode and returns the mean ``μ`` in eval mode (FedSR's
     :meth:`FedSR.predict` averages over draws instead).
     """
+
+    stages_in = "net"  # where models/stages.py finds the conv stages (augmentations hook them)
 
     def __init__(self, net: FedModel, z_dim: int | None = None) -> None:
         super().__init__()
@@ -116,24 +118,20 @@ class FedSR(Method):
         r_mu, r_sigma, scale = (torch.tensor(ref[k], device=ctx.device, requires_grad=True) for k in REF_KEYS)
         opt = make_optimizer([*model.parameters(), r_mu, r_sigma, scale], ctx.optim, float(msg["lr"]))
         scaler = grad_scaler(ctx)
-        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         model.train()
         sums, steps = {"loss": 0.0, "l2r": 0.0, "cmi": 0.0}, 0
-        for _ in range(ctx.local_epochs):
-            for x, y in ctx.batches():
-                if has_bn and len(y) < 2:
-                    continue
-                with ctx.autocast():
-                    mu, sigma = model.distribution(x)
-                    z = mu + sigma * torch.randn_like(mu)
-                    l2r = l2r_term(z).mean()
-                    cmi = cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean()
-                    loss = F.cross_entropy(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
-                opt.zero_grad(set_to_none=True)
-                scaled_step(loss, opt, scaler)
-                for k, v in (("loss", loss), ("l2r", l2r), ("cmi", cmi)):
-                    sums[k] += float(v.detach())
-                steps += 1
+        for _, x, y in local_batches(model, ctx):
+            with ctx.autocast():
+                mu, sigma = model.distribution(x)
+                z = mu + sigma * torch.randn_like(mu)
+                l2r = l2r_term(z).mean()
+                cmi = cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean()
+                loss = F.cross_entropy(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
+            opt.zero_grad(set_to_none=True)
+            scaled_step(loss, opt, scaler)
+            for k, v in (("loss", loss), ("l2r", l2r), ("cmi", cmi)):
+                sums[k] += float(v.detach())
+            steps += 1
         n = max(steps, 1)
         reply = weights_reply(model, ctx.num_examples, sums["loss"] / n, l2r=sums["l2r"] / n, cmi=sums["cmi"] / n)
         state = {k: t.detach().cpu().numpy().copy() for k, t in zip(REF_KEYS, (r_mu, r_sigma, scale), strict=True)}

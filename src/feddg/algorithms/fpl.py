@@ -38,7 +38,7 @@ from feddg.algorithms.base import (
     ServerState,
     weights_reply,
 )
-from feddg.algorithms.components.local import grad_scaler, make_optimizer, scaled_step
+from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.algorithms.components.style import finch_labels
 from feddg.messages import Message, load_weights
 
@@ -124,29 +124,24 @@ class FPL(Method):
         model.train()  # the loop of local.train_local, plus prototypes of the last epoch (authors' code)
         opt = make_optimizer(model.parameters(), ctx.optim, float(msg["lr"]))
         scaler = grad_scaler(ctx)
-        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         total, steps = 0.0, 0
         sums: Tensor | None = None
         counts: Tensor | None = None
-        for epoch in range(ctx.local_epochs):
-            last = epoch == ctx.local_epochs - 1
-            for x, y in ctx.batches():
-                if has_bn and len(y) < 2:
-                    continue
-                opt.zero_grad(set_to_none=True)
-                with ctx.autocast():
-                    z = model.features(x)
-                    logits = model.classifier(z)
-                    loss = F.cross_entropy(logits, y) + self._proto_terms(z, y, protos)
-                scaled_step(loss, opt, scaler)
-                total += float(loss.detach())
-                steps += 1
-                if last:
-                    if sums is None:
-                        sums = torch.zeros(logits.shape[1], z.shape[1])
-                        counts = torch.zeros(logits.shape[1])
-                    sums.index_add_(0, y.cpu(), z.detach().float().cpu())
-                    counts.index_add_(0, y.cpu(), torch.ones(len(y)))
+        for epoch, x, y in local_batches(model, ctx):
+            opt.zero_grad(set_to_none=True)
+            with ctx.autocast():
+                z = model.features(x)
+                logits = model.classifier(z)
+                loss = F.cross_entropy(logits, y) + self._proto_terms(z, y, protos)
+            scaled_step(loss, opt, scaler)
+            total += float(loss.detach())
+            steps += 1
+            if epoch == ctx.local_epochs - 1:
+                if sums is None:
+                    sums = torch.zeros(logits.shape[1], z.shape[1])
+                    counts = torch.zeros(logits.shape[1])
+                sums.index_add_(0, y.cpu(), z.detach().float().cpu())
+                counts.index_add_(0, y.cpu(), torch.ones(len(y)))
         assert sums is not None and counts is not None, "a client trained on no batch"
         present = counts > 0
         mean = torch.where(present[:, None], sums / counts.clamp_min(1)[:, None], torch.zeros_like(sums))

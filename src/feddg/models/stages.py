@@ -25,6 +25,8 @@ def conv_stages(model: nn.Module) -> list[str]:
     Each named module is called exactly once per forward pass, so a forward hook on it sees
     the stage's output feature map ``[B, C, H, W]``.
     """
+    if isinstance(inner := getattr(model, "stages_in", None), str):  # a method's wrapper names the model it wraps
+        return [f"{inner}.{name}" for name in conv_stages(model.get_submodule(inner))]
     if isinstance(model, SmallCNN):  # CNN4 too
         return [f"blocks.{i}" for i in range(len(model.blocks))]
     if isinstance(model, LeNet):

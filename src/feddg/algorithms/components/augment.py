@@ -1,8 +1,9 @@
 """Local augmentation baselines of FedFA's Table 10, composable with any client method.
 
-A list in ``optim.augment`` (``[{name: mixup, alpha: 0.2}, {name: mixstyle}]``) is applied inside
-:func:`feddg.algorithms.components.local.train_local`, so it rides along with whatever the client
-method computes (FedProx's proximal term, FedFA's FFA layers, ...):
+A list in ``optim.augment`` (``[{name: mixup, alpha: 0.2}, {name: mixstyle}]``) is applied to the batches
+of :func:`feddg.algorithms.components.local.local_batches`, which every local loop draws from (``train_local``
+and the own loops of FedSR and FPL), so it rides along with whatever the client method computes (FedProx's
+proximal term, FedFA's FFA layers, ...):
 
 * **Mixup** (Zhang et al., 2018): ``x̃ = λ x_i + (1−λ) x_j``, ``ỹ = λ y_i + (1−λ) y_j``, λ ~ Beta(α, α).
 * **Manifold Mixup** (Verma et al., 2019): the same at a stage ``k`` drawn uniformly from ``stages``
@@ -34,10 +35,9 @@ from torch import Tensor, nn
 
 #: variance epsilon of the MixStyle / MoEx standard deviations
 EPS = 1e-6
-#: methods whose local loop is not ``train_local`` (an augmentation list would be silently ignored)
-OWN_LOOP_METHODS = frozenset({"fedsr", "fpl"})
-#: methods whose loss uses the labels beyond cross-entropy (CCST repeats them, PARDON's triplets)
-HARD_LABEL_METHODS = frozenset({"ccst", "pardon"})
+#: methods whose loss uses the labels beyond cross-entropy (CCST repeats them, PARDON's triplets, FedSR's
+#: per-class reference r(z|y), FPL's class prototypes)
+HARD_LABEL_METHODS = frozenset({"ccst", "pardon", "fedsr", "fpl"})
 
 
 class _Spec(BaseModel):
@@ -90,9 +90,7 @@ def parse_augment(items: list[dict] | tuple[dict, ...]) -> list[AugmentSpec]:
 
 
 def check_method(specs: list[AugmentSpec], method: str) -> None:
-    """Refuse combinations that would be silently wrong: no ``train_local``, or hard-label losses."""
-    if specs and method in OWN_LOOP_METHODS:
-        raise ValueError(f"optim.augment: method {method} has its own local loop; augmentations run in train_local")
+    """Refuse combinations that would be silently wrong: label mixing under a hard-label loss."""
     if method in HARD_LABEL_METHODS and any(s.name in LABEL_MIXING for s in specs):
         raise ValueError(f"optim.augment: {method}'s loss uses hard labels; use mixstyle with it, not label mixing")
 

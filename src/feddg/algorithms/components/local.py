@@ -5,7 +5,7 @@ the weights and the optimiser stay float32), and the configured local augmentati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,26 +43,32 @@ def scaled_step(loss: Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.Grad
     scaler.update()
 
 
+def local_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """``(epoch, x, target)`` over ``ctx.local_epochs`` epochs of the client's batches, with ``optim.augment``
+    applied (its stage hooks live while the batches are drawn; the target is soft after label mixing) and
+    single-sample batches skipped when the model has BatchNorm (it cannot train on one sample)."""
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    specs = parse_augment(ctx.optim.augment)
+    seed = int(torch.randint(2**62, (1,), generator=ctx.generator)) if specs else 0  # no draw without augment
+    with Augmenter(model, specs, seed, ctx.dataset.num_classes) as augment:
+        for epoch in range(ctx.local_epochs):
+            for x, y in ctx.batches():
+                if has_bn and len(y) < 2:
+                    continue
+                yield (epoch, *augment.step(x, y)) if specs else (epoch, x, y)
+
+
 def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn = cross_entropy_loss) -> float:
     """Run ``ctx.local_epochs`` epochs of ``loss_fn`` on the client's data; return the mean loss."""
     model.train()
     opt = make_optimizer(model.parameters(), ctx.optim, lr)
     scaler = grad_scaler(ctx)
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    specs = parse_augment(ctx.optim.augment)
-    seed = int(torch.randint(2**62, (1,), generator=ctx.generator)) if specs else 0  # no draw without augment
     total, steps = 0.0, 0
-    with Augmenter(model, specs, seed, ctx.dataset.num_classes) as augment:
-        for _ in range(ctx.local_epochs):
-            for x, y in ctx.batches():
-                if has_bn and len(y) < 2:
-                    continue  # BatchNorm cannot train on a single sample
-                if specs:
-                    x, y = augment.step(x, y)
-                opt.zero_grad(set_to_none=True)
-                with ctx.autocast():
-                    loss = loss_fn(model, x, y)
-                scaled_step(loss, opt, scaler)
-                total += float(loss.detach())
-                steps += 1
+    for _, x, y in local_batches(model, ctx):
+        opt.zero_grad(set_to_none=True)
+        with ctx.autocast():
+            loss = loss_fn(model, x, y)
+        scaled_step(loss, opt, scaler)
+        total += float(loss.detach())
+        steps += 1
     return total / max(steps, 1)
