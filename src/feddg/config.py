@@ -90,7 +90,7 @@ class OptimConfig(Strict):
         "evaluation (weights stay float32; fp16 scales the loss); off = float32 throughout"
     )
     augment: list[dict[str, Any]] = Field(
-        default_factory=list, description="local augmentations in train_local, e.g. [{name: mixup, alpha: 0.2}]: "
+        default_factory=list, description="local augmentations of every client loop, e.g. [{name: mixup, alpha: 0.2}]: "
         "mixup (alpha) | manifold_mixup (alpha, stages) | mixstyle (alpha, p, stages) | moex (lam, p, stage); "
         "docs/methods/augmentation.md"
     )
