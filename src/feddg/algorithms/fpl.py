@@ -121,7 +121,7 @@ class FPL(Method):
         load_weights(model, msg)
         protos = {k: torch.as_tensor(np.asarray(msg[k])) for k in (CLUSTER, CLUSTER_CLASS, UNBIASED, HAS_UNBIASED)
                   if k in msg}
-        model.train()  # train_local's loop, plus prototypes of the last epoch's (possibly stylised) features
+        model.train()  # train_local's loop + last-epoch prototypes (authors' code; stylised under mixstyle)
         opt = make_optimizer(model.parameters(), ctx.optim, float(msg["lr"]))
         scaler = grad_scaler(ctx)
         total, steps = 0.0, 0
