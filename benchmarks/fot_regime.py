@@ -31,8 +31,7 @@ import torch
 from feddg.aggregation.merges import MERGES, StationMerge
 from feddg.config import build_config, read_yaml
 from feddg.engines.inprocess import run_inprocess
-from feddg.evaluation.accuracy import accuracy_metrics
-from feddg.federation.extra_eval import counts
+from feddg.federation.evaluator import Evaluator
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation, build_federation
 from feddg.federation.topology import StationTopology
@@ -82,11 +81,8 @@ def safe(name: str) -> str:
 
 def accuracy(fed: Federation, weights: Message) -> dict[str, float]:
     """ood and id (clients' holdouts) accuracy of ``weights``, as the server evaluates."""
-    load_weights(fed.model, weights)
-    ds = fed.dataset
-    holdouts = np.concatenate([c.holdout_idx for c in fed.clients])
-    return {"ood": accuracy_metrics(counts(fed, ds, fed.split.test_idx), ds.domains, "ood_acc")["ood_acc"],
-            "id": accuracy_metrics(counts(fed, ds, holdouts), ds.domains, "id_acc")["id_acc"]}
+    figures = Evaluator(fed).evaluate({"weights": weights})
+    return {"ood": figures["ood_acc"], "id": figures["id_acc"]}
 
 
 class PairedMerge:

@@ -13,7 +13,8 @@ from feddg.config import ConfigError, build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation, make_clients, make_split, make_topology
-from feddg.models import create_model
+from feddg.models import create_model, list_models, model_capabilities
+from feddg.models.stages import conv_stages
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -173,3 +174,36 @@ def test_fedfa_l_composes_with_a_feature_level_augmentation(tmp_path):
     a, b = _server(tmp_path, "a", *over), _server(tmp_path, "b", *over)
     assert all(np.array_equal(a.state["weights"][k], b.state["weights"][k]) for k in a.state["weights"])
     assert "ffa/1/gamma_mu" in a.state["broadcast"]  # FFA's statistics still flowed
+
+
+# The papers' placements: MixStyle after res1 and res2, Manifold Mixup's k in {input, res1, res2}, MoEx after the
+# first convolution. A ResNet's first conv stage is its stem (maxpool), so its res1 is stage 2.
+PLACEMENTS = {
+    "resnet18": (["layer1", "layer2"], ["maxpool"]),
+    "resnet50": (["layer1", "layer2"], ["maxpool"]),
+    "cnn": (["blocks.0", "blocks.1"], ["blocks.0"]),
+    "cnn4": (["blocks.0", "blocks.1"], ["blocks.0"]),
+    "lenet": (["conv.2", "conv.5"], ["conv.2"]),
+    "hfedf-cnn": (["trunk.2", "trunk.6"], ["trunk.2"]),
+    "alexnet": (["layer1", "layer2"], ["layer1"]),
+    "vgg11": (["features.2", "features.5"], ["features.2"]),
+    "vgg11_bn": (["features.3", "features.7"], ["features.3"]),
+    "efficientnet_lite0": (["_blocks.0", "_blocks.2"], ["_blocks.0"]),
+}
+
+
+def hooked(model, spec):
+    aug = Augmenter(model, parse_augment([spec]), 0, 10)
+    return [aug.names.get(k, "input") for k in aug.placed[0][1]]
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_default_placements_are_the_papers_on_every_zoo_model(name):
+    staged = {m for m in list_models() if "conv_stages" in model_capabilities(m)}
+    assert set(PLACEMENTS) == staged  # a new zoo model with conv stages needs its placement checked here
+    model = create_model(name, num_classes=10, in_channels=3, image_size=32)
+    two_stages, first_conv = PLACEMENTS[name]
+    assert hooked(model, {"name": "mixstyle"}) == two_stages
+    assert hooked(model, {"name": "manifold_mixup"}) == ["input", *two_stages]
+    assert hooked(model, {"name": "moex"}) == first_conv
+    assert hooked(model, {"name": "mixstyle", "stages": [1]}) == [conv_stages(model)[0]]  # explicit stages as given

@@ -42,6 +42,7 @@ def test_a_warm_listing_prints_what_a_cold_one_does(sources, tmp_path, monkeypat
     monkeypatch.setattr(feddg.catalog, "build_catalog", _refuse)
     assert _methods() == cold
     assert "fedprox" in cold and "mu=" in cold and "hfedatm-no-fot" in cold and "lambda_ot=0.05" in cold
+    assert "fedrc (reconstructed)" in cold and "fedprox (reconstructed)" not in cold
 
 
 def test_an_edited_source_rebuilds_the_listing_and_a_touched_one_does_not(sources, tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ POOLED = ("partition.kind=iid", "partition.num_clients=1")
 def test_refuses_a_federation_of_several_clients():
     fed = toy_federation("method.name=central")
     with pytest.raises(ValueError, match="partition.num_clients=1"):
-        Central().server_init(fed.model, ServerContext(len(fed.clients), 3, 4, 0))
+        Central().server_init(fed.model, ServerContext(len(fed.clients), 3, 0))
 
 
 def test_the_pooled_client_holds_every_source_sample_and_trains_as_fedavg(tmp_path):

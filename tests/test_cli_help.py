@@ -44,8 +44,9 @@ def test_every_command_argument_and_option_has_help(path, cmd):
         text = " ".join((getattr(param, "help", None) or "").split())
         assert text, f"{where}: {param.human_readable_name} has no help text"
         assert " ".join(text.split()[:4]) in page, f"{where}: help of {param.human_readable_name} not shown"
-        if isinstance(param.type, click.Choice):  # the allowed values are listed
-            assert "[" + "|".join(map(str, param.type.choices)) + "]" in page, param.name
+        if isinstance(param.type, click.Choice):  # the allowed values are listed ([a|b] options, {a|b} arguments)
+            choices = "|".join(map(str, param.type.choices))
+            assert f"[{choices}]" in page or f"{{{choices}}}" in page, param.name
     for name, sub in getattr(cmd, "commands", {}).items():  # a group lists its commands with a summary
         assert name in page and (sub.short_help or sub.help or "").split()[0] in page
 

@@ -8,9 +8,9 @@ from toy import toy_federation
 
 from feddg.algorithms import Reply, ServerContext
 from feddg.algorithms.fedavg import FedAvg
-from feddg.algorithms.feddg_ga import GAP, WEIGHT, FedDGGA, FedDGGAParams, adjust_weights
+from feddg.algorithms.feddg_ga import GAP, HAS_GAP, LOCAL, LOCAL_ROUND, WEIGHT, FedDGGA, FedDGGAParams, adjust_weights
 from feddg.federation.client import client_context
-from feddg.messages import weights_of
+from feddg.messages import load_weights, weights_of
 
 
 def test_adjustment_centres_normalises_clips_and_renormalises():
@@ -38,7 +38,7 @@ def _round(method, state, thetas, gaps):
     (False, np.array([19, 13, 7]) / 39, (np.array([19, 13, 7]) / 39 + 0.2 * np.array([1, 1 / 3, -1 / 3])) / 1.2),
 ])
 def test_weights_over_rounds_and_the_weighted_model(centre, after1, after2):
-    method = FedDGGA(FedDGGAParams(step=0.4, centre_gaps=centre))
+    method = FedDGGA(FedDGGAParams(step=0.4, centre_gaps=centre, gap_at="received"))
     state = {"weights": {"w/t": np.zeros(1, np.float32)}, "ga_weights": np.full(3, 1 / 3), "round": 0, "rounds": 4}
     thetas = [0.0, 1.0, 2.0]
     state, m1 = _round(method, state, thetas, [3.0, 1.0, -1.0])
@@ -56,7 +56,7 @@ def test_an_echoed_weight_that_differs_from_the_servers_is_refused():
     replies = [Reply(k, {"w/t": np.zeros(1, np.float32), "num_examples": 5, WEIGHT: w, GAP: 0.0})
                for k, w in enumerate([0.5, 0.9])]
     with pytest.raises(ValueError, match="client 1 echoed"):
-        FedDGGA().aggregate(state, replies)
+        FedDGGA(FedDGGAParams(gap_at="received")).aggregate(state, replies)
 
 
 def _loss_acc(model, ctx):
@@ -73,11 +73,12 @@ def test_client_gap_is_the_global_loss_minus_the_local_loss_and_training_is_feda
     global_loss, global_acc = _loss_acc(fed.model, client_context(fed, 0, 1))
     avg, _ = FedAvg().client_update(fed.model, dict(msg), {}, client_context(fed, 0, 1))
     local_loss, local_acc = _loss_acc(fed.model, client_context(fed, 0, 1))
-    reply, _ = FedDGGA().client_update(fed.model, dict(msg), {}, client_context(fed, 0, 1))
+    received = FedDGGAParams(gap_at="received", metric="loss")
+    reply, _ = FedDGGA(received).client_update(fed.model, dict(msg), {}, client_context(fed, 0, 1))
     assert reply[GAP] == pytest.approx(global_loss - local_loss, rel=1e-5) and reply[GAP] > 0
-    by_acc, _ = FedDGGA(FedDGGAParams(metric="accuracy")).client_update(fed.model, dict(msg), {},
+    by_acc, _ = FedDGGA(FedDGGAParams(gap_at="received")).client_update(fed.model, dict(msg), {},
                                                                         client_context(fed, 0, 1))
-    assert by_acc[GAP] == pytest.approx(local_acc - global_acc)
+    assert by_acc[GAP] == pytest.approx(100 * (local_acc - global_acc))  # the task's accuracy, in %
     assert reply[WEIGHT] == 0.25
     assert set(reply) == {*(k for k in avg if k.startswith("w/")), "num_examples", "train_loss", WEIGHT, GAP}
     assert all(np.array_equal(reply[k], avg[k]) for k in avg if k.startswith("w/"))  # the gap passes draw nothing
@@ -89,10 +90,56 @@ def test_zero_step_with_equal_clients_is_fedavg():
     assert len(set(sizes)) == 1
     rng = np.random.default_rng(0)
     w = [rng.normal(size=3).astype(np.float32) for _ in sizes]
-    state = FedDGGA(FedDGGAParams(step=0.0)).server_init(fed.model, ServerContext(len(sizes), 3, 4, 0))
-    replies = [Reply(k, {"w/t": w[k], "num_examples": n, WEIGHT: 0.25, GAP: float(k)}) for k, n in enumerate(sizes)]
-    ga, _ = FedDGGA(FedDGGAParams(step=0.0)).aggregate(state, replies)
-    avg, _ = FedAvg().aggregate({}, replies)
-    np.testing.assert_allclose(ga["weights"]["w/t"], avg["weights"]["w/t"], rtol=1e-6)
-    np.testing.assert_allclose(ga["ga_weights"], 0.25)
+    for gap_at in ("received", "aggregated"):
+        method = FedDGGA(FedDGGAParams(step=0.0, gap_at=gap_at))
+        state = method.server_init(fed.model, ServerContext(len(sizes), 3, 0))
+        replies = [Reply(k, {"w/t": w[k], "num_examples": n, WEIGHT: 0.25, GAP: float(k), HAS_GAP: 1})
+                   for k, n in enumerate(sizes)]
+        ga, _ = method.aggregate(state, replies)
+        avg, _ = FedAvg().aggregate({}, replies)
+        np.testing.assert_allclose(ga["weights"]["w/t"], avg["weights"]["w/t"], rtol=1e-6)
+        np.testing.assert_allclose(ga["ga_weights"], 0.25)
 
+
+
+def test_official_timing_adjusts_by_the_last_rounds_gaps_before_aggregating():
+    """gap_at: aggregated. Three clients, d = 0.4, R = 4, accuracy gaps, not centred. Round 1 has no gaps: uniform
+    weights. Round 2's replies carry round 1's gaps [3, 1, −1] (measured on round 1's aggregate): a moves with round
+    1's step d(1 − 1/R) = 0.3 — [1, 1/3, −1/3] · 0.3 + 1/3 = [.6333, .4333, .2333] / 1.3 — and weighs round 2's
+    models at once (the official code's order)."""
+    method = FedDGGA(FedDGGAParams(step=0.4))
+    state = {"weights": {"w/t": np.zeros(1, np.float32)}, "ga_weights": np.full(3, 1 / 3), "round": 0, "rounds": 4}
+
+    def replies(thetas, gaps):
+        return [Reply(k, {"w/t": np.array([t], np.float32), "num_examples": 10, WEIGHT: float(state["ga_weights"][k]),
+                          GAP: 0.0 if g is None else g, HAS_GAP: int(g is not None)})
+                for k, (t, g) in enumerate(zip(thetas, gaps))]
+
+    state, m1 = method.aggregate(state, replies([0.0, 1.0, 2.0], [None, None, None]))
+    np.testing.assert_allclose(state["ga_weights"], 1 / 3)
+    np.testing.assert_allclose(state["weights"]["w/t"], 1.0, rtol=1e-6)
+    assert m1["ga/gaps"] == 0
+    state, m2 = method.aggregate(state, replies([3.0, 6.0, 9.0], [3.0, 1.0, -1.0]))
+    want = np.array([19, 13, 7]) / 39
+    np.testing.assert_allclose(state["ga_weights"], want, rtol=1e-9)
+    np.testing.assert_allclose(state["weights"]["w/t"], np.dot(want, [3.0, 6.0, 9.0]), rtol=1e-6)
+    assert m2["ga/step"] == pytest.approx(0.3) and m2["ga/gaps"] == 3
+
+
+def test_official_timing_client_measures_the_new_aggregate_against_its_last_model():
+    fed = toy_federation("method.name=feddg_ga")
+    method = FedDGGA(FedDGGAParams(metric="loss"))
+    msg = {**weights_of(fed.model), "lr": 0.1, "round": 1, WEIGHT: 0.25}
+    first, state = method.client_update(fed.model, dict(msg), {}, client_context(fed, 0, 1))
+    assert first[HAS_GAP] == 0 and state[LOCAL_ROUND] == 1
+    local_loss, local_acc = _loss_acc(fed.model, client_context(fed, 0, 1))  # its trained model θ_k^1
+    np.testing.assert_allclose(state[LOCAL], [local_loss, 100 * local_acc], rtol=1e-5)  # the task score in %
+    aggregate = {k: np.asarray(v * 0.5, dtype=v.dtype) for k, v in first.items() if k.startswith("w/")}  # θ^2
+    load_weights(fed.model, aggregate)
+    new_loss, _ = _loss_acc(fed.model, client_context(fed, 0, 2))
+    second, _ = method.client_update(fed.model, {**aggregate, "lr": 0.1, "round": 2, WEIGHT: 0.25}, state,
+                                     client_context(fed, 0, 2))
+    assert second[HAS_GAP] == 1 and second[GAP] == pytest.approx(new_loss - local_loss, rel=1e-5)
+    stale, _ = method.client_update(fed.model, {**aggregate, "lr": 0.1, "round": 3, WEIGHT: 0.25}, state,
+                                    client_context(fed, 0, 3))
+    assert stale[HAS_GAP] == 0  # its last model is from round 1, not the aggregate's round: no gap

@@ -18,7 +18,7 @@ from feddg.algorithms import Reply, ServerContext, create_method
 from feddg.cli import communication_table
 from feddg.config import ConfigError, build_config
 from feddg.engines.inprocess import run_inprocess
-from feddg.evaluation.accuracy import correct_by_domain
+from feddg.evaluation.tally import tally_by_domain
 from feddg.federation.client import run_client
 from feddg.federation.server import Server
 from feddg.messages import load_weights, weights_of
@@ -106,7 +106,7 @@ def test_global_histogram_is_the_average_of_the_client_histograms(weighting, exp
 def _round_replies(fed, rounds=2):
     """Run ``rounds`` rounds (no evaluation, no run directory); the last round's messages and replies."""
     method = fed.method
-    state = method.server_init(fed.model, ServerContext(len(fed.clients), rounds, 4, 0))
+    state = method.server_init(fed.model, ServerContext(len(fed.clients), rounds, 0))
     states: dict[int, dict] = {}
     for r in range(1, rounds + 1):
         sent = {cid: {**method.client_config(state, cid, r), "lr": 0.1, "round": r} for cid in range(len(fed.clients))}
@@ -238,7 +238,7 @@ def test_alexnet_extra_bytes_match_the_papers_arithmetic():
     stats = {k.replace("ffa/", "stat/"): v for k, v in method._ffa_state(model.fedfa).items()}
     reply = {**weights_of(model), "num_examples": 2, "train_loss": 0.0, **stats,
              "hist/pi": np.full((256, 8), 1 / 8, np.float32)}
-    state = method.server_init(model, ServerContext(1, 2, 4, 0))
+    state = method.server_init(model, ServerContext(1, 2, 0))
     state, _ = method.aggregate(state, [Reply(0, reply)])  # round 1: nothing extra was sent down
     state, m = method.aggregate(state, [Reply(0, reply)])  # round 2: γ and π were sent down
     kb = 1024
@@ -260,8 +260,8 @@ def test_one_client_per_source_domain_makes_id_acc_the_per_client_test_accuracy(
     load_weights(fed.model, server.state["weights"])
     for client in fed.clients:
         (d,) = client.domains
-        correct, total = correct_by_domain(fed.model, fed.dataset, client.holdout_idx, batch_size=64,
-                                           device=torch.device("cpu"))[d]
+        correct, total = tally_by_domain(fed.model, fed.dataset, client.holdout_idx, fed.task, batch_size=64,
+                                         device=torch.device("cpu"))[d]
         assert res["final"][f"id_acc/{fed.dataset.domains[d]}"] == pytest.approx(100.0 * correct / total)
 
 

@@ -51,7 +51,7 @@ def test_mixture_and_image_moments():
 
 
 def _setup(fed, method):
-    state = fed.topology.init(method, fed.model, ServerContext(len(fed.clients), 4, 4, 0))
+    state = fed.topology.init(method, fed.model, ServerContext(len(fed.clients), 4, 0))
     request = fed.topology.setup_request(method, state)
     replies, cstates = [], {}
     for cid in range(len(fed.clients)):

@@ -72,7 +72,7 @@ def test_ema_with_warm_up_matches_algorithm_4_step_by_step():
 def _state_and_replies(*over: str, clients: int = 2):
     kind = "by_domain" if clients == 2 else "iid"  # the toy has 2 source domains
     fed = toy_federation("method.name=hfedf", f"partition.num_clients={clients}", f"partition.kind={kind}", *over)
-    state = fed.method.server_init(fed.model, ServerContext(clients, 3, 4, 0))
+    state = fed.method.server_init(fed.model, ServerContext(clients, 3, 0))
     replies = []
     for cid in range(clients):
         msg = {**fed.method.client_config(state, cid, 1), "lr": 0.1, "round": 1}
@@ -265,7 +265,7 @@ def test_autoencoder_embeddings_come_from_a_setup_upload_of_one_mean_latent(tmp_
 
 def test_a_few_hfedf_rounds_reduce_the_clients_training_loss(tmp_path):
     fed = toy_federation("method.name=hfedf", "federation.rounds=5", "partition.num_clients=2")
-    before = [_client_loss(fed, fed.method, fed.method.server_init(fed.model, ServerContext(2, 5, 4, 0)), c)
+    before = [_client_loss(fed, fed.method, fed.method.server_init(fed.model, ServerContext(2, 5, 0)), c)
               for c in range(2)]
     server = Server(toy_federation("method.name=hfedf", "federation.rounds=5", "partition.num_clients=2"),
                     tmp_path / "run")

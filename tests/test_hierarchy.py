@@ -186,7 +186,8 @@ class _NoBN(nn.Module):
 def _ctx(epochs=2):
     fed = toy_federation()
     c = client_context(fed, 0, 1)
-    return ClientContext(0, 1, fed.dataset, c.train_idx, 16, epochs, OptimSettings(), torch.Generator().manual_seed(0))
+    return ClientContext(0, 1, fed.dataset, c.train_idx, 16, epochs, OptimSettings(), torch.Generator().manual_seed(0),
+                         fed.task)
 
 
 @pytest.mark.parametrize("gram_pass", ["last_epoch", "after"])

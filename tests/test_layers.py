@@ -10,8 +10,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "feddg"
 
 #: lower number = lower layer; a module may import its own layer or lower ones
 LAYERS = {
-    "messages": 0, "seeds": 0, "data": 0, "models": 0,
-    "aggregation": 1, "evaluation": 1,
+    "messages": 0, "seeds": 0, "reproducibility": 0, "devices": 0, "data": 0, "models": 0,
+    "tasks": 1, "aggregation": 1, "evaluation": 1,
     "algorithms": 2,
     "config": 3, "catalog": 3,
     "federation": 4,

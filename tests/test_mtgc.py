@@ -38,7 +38,7 @@ def test_on_quadratics_z_and_y_are_the_gradient_gaps_and_z_resets_every_server_r
     lr, station_of = 0.1, [0, 0, 1, 1]
     topo = StationTopology(np.asarray(station_of), 2, 1.0, "avg", HFedATMParams(), None)
     method, model = QuadraticMTGC(), Point()
-    state = topo.init(method, model, ServerContext(4, 4, 4, 0))
+    state = topo.init(method, model, ServerContext(4, 4, 0))
     cstates: dict[int, dict] = {}
 
     def station_round(round: int, epochs: int) -> list[Reply]:

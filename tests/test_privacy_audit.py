@@ -46,7 +46,7 @@ def _declared(method: str, model: nn.Module) -> set[str]:
         "fedavg": plain, "fedprox": plain, "local": plain, "central": plain, "pardon": plain, "ccst": plain,
         "fedsr": plain | {"l2r", "cmi"},
         "fediir": plain | {"grad_batches"} | {f"grad/{n}" for n, _ in model.classifier.named_parameters()},
-        "feddg_ga": plain | {"ga_gap", "ga_weight"},
+        "feddg_ga": plain | {"ga_gap", "ga_has_gap", "ga_weight"},  # gap_at: aggregated (the default)
         "fedgma": plain | {f"sign/{n}" for n in params},
         "scaffold": plain | {f"dc/{n}" for n in params},
         "mtgc": plain | {"mtgc/h_gamma"},
@@ -83,7 +83,7 @@ def _no_per_sample_array(msg, n: int) -> bool:
 def test_every_method_replies_only_its_declared_keys_and_no_per_sample_array(method):
     fed = toy_federation(f"method.name={method}", *OVERRIDES.get(method, ()))
     m = fed.method
-    state = m.server_init(fed.model, ServerContext(len(fed.clients), 3, 4, 0))
+    state = m.server_init(fed.model, ServerContext(len(fed.clients), 3, 0))
     state, setup_replies, states = _setup(fed, state)
     n = fed.clients[0].train_idx.size
     for reply in setup_replies:  # PARDON: one (μ, σ); CCST: its style rows; FedRC: one Gaussian; never per sample
@@ -122,7 +122,7 @@ def _both(fed, call):
 
 def _round_call(fed):
     m = fed.method
-    state = m.server_init(fed.model, ServerContext(len(fed.clients), 3, 4, 0))
+    state = m.server_init(fed.model, ServerContext(len(fed.clients), 3, 0))
     msg = {**m.client_config(state, 0, 1), "lr": 0.1, "round": 1}
     return lambda method, ctx: method.client_update(fed.model, dict(msg), {}, ctx)
 
@@ -143,7 +143,7 @@ def test_fedfa_statistics_and_histogram_are_clipped_and_noised_one_group_each():
 @pytest.mark.parametrize("method", ["pardon", "ccst"])
 def test_style_upload_is_clipped_and_noised_once_with_std_floored_at_zero(method):
     fed = toy_federation(f"method.name={method}", "method.params.dp.epsilon=3.0", "method.params.dp.clip=0.5")
-    request = fed.method.setup_request(fed.method.server_init(fed.model, ServerContext(4, 3, 4, 0)))
+    request = fed.method.setup_request(fed.method.server_init(fed.model, ServerContext(4, 3, 0)))
     ctx, clean, noisy = _both(fed, lambda m, c: m.client_setup(fed.model, dict(request), {}, c))
     want = _clip_plus_noise(clean, 0.5, fed.method.params.dp.sigma(), ctx.generator)
     np.testing.assert_allclose(noisy["style/mean"], want["style/mean"], atol=1e-6)

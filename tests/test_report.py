@@ -19,13 +19,16 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from feddg.cli import app
-from feddg.config import build_config, read_yaml
-from feddg.evaluation.plots import draw_accuracy, draw_domains
+from feddg.config import build_config
+from feddg.evaluation.plots import draw_domains, draw_metric
 from feddg.experiment import run_experiment
 from feddg.reports import figures
-from feddg.reports.counts import sample_counts
 from feddg.reports.run import report
 from feddg.sweep import run_sweep
+from feddg.tasks import TaskInfo
+from feddg.tasks.classification import Classification
+
+ACC = TaskInfo.of(Classification(10).info())
 
 TINY = {"data": {"dataset": "digits-dg", "max_per_domain": 40}, "partition": {"kind": "by_domain", "num_clients": 3},
         "model": {"name": "lenet"}, "federation": {"rounds": 3, "batch_size": 32}, "split": {"target": "uci"},
@@ -74,7 +77,7 @@ def _images(html: str) -> list[Image.Image]:
 
 def test_accuracy_axes_have_integer_rounds_and_the_chance_line():
     fig, ax = plt.subplots()
-    draw_accuracy(ax, [{"round": r, "ood_acc": 10.0 * r} for r in (1, 2, 3, 4)], num_classes=10)
+    draw_metric(ax, [{"round": r, "ood_acc": 10.0 * r} for r in (1, 2, 3, 4)], ACC)
     fig.canvas.draw()
     ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
@@ -85,7 +88,7 @@ def test_accuracy_axes_have_integer_rounds_and_the_chance_line():
 
 def test_domain_bars_show_seed_spread_and_sample_counts():
     fig, ax = plt.subplots()
-    draw_domains(ax, {"id_acc/a": [50.0, 60.0, 70.0], "ood_acc/b": [30.0]}, {"id_acc/a": 120, "ood_acc/b": 400})
+    draw_domains(ax, {"id_acc/a": [50.0, 60.0, 70.0], "ood_acc/b": [30.0]}, ACC, {"id_acc/a": 120, "ood_acc/b": 400})
     bars = [c for c in ax.containers if hasattr(c, "patches")]
     assert [round(b.patches[0].get_height(), 6) for b in bars] == [60.0, 30.0]
     assert bars[0].errorbar is not None and bars[1].errorbar is None  # several seeds -> sample std, one -> none
@@ -99,7 +102,7 @@ def test_method_diagnostics_are_grouped_by_key_prefix_layer_and_client():
     rows = [{"round": r, "lr": 0.1, "train_loss": 1.0, "ood_acc": 50.0, "ood_acc/b": 50.0, "fot/passes": 2,
              "fot/conv1/moved": 0.1 * r, "fot/fc/moved": 0.2 * r, "gradalign_theta/0": 0.4, "gradalign_theta/1": 0.6,
              "hn_grad_norm": 1.5} for r in (1, 2)]
-    panels = figures.diagnostic_panels(rows)
+    panels = figures.diagnostic_panels(rows, ACC)
     assert panels == {
         "fot": {"fot/passes": {"fot/passes": [(1, 2.0), (2, 2.0)]},
                 "fot/…/moved": {"conv1": [(1, 0.1), (2, 0.2)], "fc": [(1, 0.2), (2, 0.4)]}},
@@ -115,9 +118,10 @@ def test_run_report_has_per_domain_counts_bytes_time_and_config(run_dir, run_pag
     paths = run_pages
     assert paths[0] == run_dir / "report.html" and {p.name for p in paths[1:]} == {"curves.png", "domains.png"}
     html = paths[0].read_text()
-    counts, classes = sample_counts(build_config(read_yaml(run_dir / "config.yaml")))
-    assert classes == 10 and counts["ood_acc/uci"] == 40
     results = json.loads((run_dir / "results.json").read_text())
+    counts = results["counts"]
+    assert results["task"]["name"] == "classification" and results["task"]["chance"] == 10.0
+    assert counts["ood_acc/uci"] == 40 and counts["ood_acc"] == 40
     for key, acc in results["final"].items():
         if "/" in key:
             role, dom = key.split("/")

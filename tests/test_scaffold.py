@@ -4,13 +4,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from toy import Point, quadratic, toy_federation
 
 from feddg.algorithms import Reply, ServerContext
 from feddg.algorithms.fedavg import FedAvg
-from feddg.algorithms.scaffold import CONTROL, DELTA, OWN, Scaffold, ScaffoldParams, option2
+from feddg.algorithms.scaffold import CONTROL, DELTA, OWN, Scaffold, ScaffoldParams, corrected_training, option2
 from feddg.federation.client import client_context
-from feddg.messages import weights_of
+from feddg.messages import load_weights, weights_of
 
 
 def test_option2_closed_form():
@@ -32,7 +33,7 @@ def test_on_a_quadratic_the_variates_are_the_gradients_and_every_client_takes_th
     a, lr = _targets(fed), 0.1
     assert np.ptp(a) > 0.5  # the clients' optima differ: plain local SGD drifts apart
     method, model = QuadraticScaffold(ScaffoldParams(control=control)), Point()
-    state = method.server_init(model, ServerContext(4, 2, 4, 0))
+    state = method.server_init(model, ServerContext(4, 2, 0))
     cstates: dict[int, dict] = {}
 
     def run(round, epochs):
@@ -59,7 +60,7 @@ def test_on_a_quadratic_the_variates_are_the_gradients_and_every_client_takes_th
 
 def test_with_zero_variates_the_first_round_is_fedavgs():
     fed = toy_federation("method.name=scaffold", "optim.momentum=0")
-    state = Scaffold().server_init(fed.model, ServerContext(4, 3, 4, 0))
+    state = Scaffold().server_init(fed.model, ServerContext(4, 3, 0))
     w0 = weights_of(fed.model)
     replies, avg_replies = [], []
     for cid in range(4):
@@ -92,7 +93,27 @@ def test_server_step_and_control_update():
 
 def test_option2_refuses_momentum():
     fed = toy_federation("method.name=scaffold")  # optim.momentum defaults to 0.9
-    msg = {**Scaffold().client_config(Scaffold().server_init(fed.model, ServerContext(4, 3, 4, 0)), 0, 1),
+    msg = {**Scaffold().client_config(Scaffold().server_init(fed.model, ServerContext(4, 3, 0)), 0, 1),
            "lr": 0.1, "round": 1}
     with pytest.raises(ValueError, match="momentum=0"):
         Scaffold().client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
+def test_a_correction_moves_each_weight_by_lr_times_it_under_every_amp(amp):
+    """One plain SGD step (the client's data in one batch): ``w − lr (g + d)`` against ``w − lr g``. Under fp16 the
+    correction must be added to the unscaled gradient (it was added to the scaled one, then divided by the loss
+    scale: SCAFFOLD and MTGC, which share ``corrected_training``, became plain local SGD)."""
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000", f"optim.amp='{amp}'")
+    model, lr, w0 = fed.model, 0.1, weights_of(fed.model)
+    names = [n for n, _ in model.named_parameters()]
+    plain_loss, _ = corrected_training(model, client_context(fed, 0, 1), lr, [torch.zeros_like(p) for p in
+                                                                               model.parameters()])
+    plain = weights_of(model)
+    load_weights(model, w0)
+    loss, steps = corrected_training(model, client_context(fed, 0, 1), lr, [torch.ones_like(p) for p in
+                                                                             model.parameters()])
+    corrected = weights_of(model)
+    assert steps == 1 and loss == plain_loss
+    for n in names:
+        np.testing.assert_allclose(plain["w/" + n] - corrected["w/" + n], lr, rtol=1e-3)

@@ -162,3 +162,19 @@ def test_sweep_overrides_reach_the_sweep_section(tmp_path):
     spec, base = load_sweep(path, ["sweep.search.n=3", "sweep.seeds=[4]", "federation.rounds=2"])
     assert spec.search is not None and spec.search.n == 3 and spec.seeds == [4]
     assert base["federation"]["rounds"] == 2
+
+
+def test_a_reconstructed_method_is_named_so_in_tables_runs_and_the_report(sweep_file, tmp_path):
+    from feddg.reports.sweep import sweep_rows
+
+    hier = {**SWEEP, "hierarchy": {"stations": 2, "station_rounds": 1},
+            "sweep": {"targets": ["uci"], "seeds": [0], "baseline": "FedRC",
+                      "variants": {"FedAvg": {"method.name": "fedavg"}, "FedRC": {"method.name": "fedrc"}}}}
+    sweep_file.write_text(yaml.safe_dump(hier))
+    res = run_sweep(sweep_file, out_dir=tmp_path / "out", progress=False)
+    assert {r["variant"] for r in res["rows"]} == {"FedAvg", "FedRC (reconstructed)"}
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| FedRC (reconstructed) |" in table and "vs FedRC (reconstructed)" in table
+    assert json.loads((tmp_path / "out" / "sweep.json").read_text())["baseline"] == "FedRC (reconstructed)"
+    (tmp_path / "out" / "runs.jsonl").unlink()  # a sweep still running: rows from the runs' results.json
+    assert {r["variant"] for r in sweep_rows(tmp_path / "out")} == {"FedAvg", "FedRC (reconstructed)"}

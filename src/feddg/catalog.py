@@ -48,16 +48,15 @@ def _defaults(params: type[pydantic.BaseModel]) -> str:
 
 def build_catalog() -> Catalog:
     """The listing from the registry itself (imports every method, hence torch)."""
-    from feddg.aggregation.merges import MERGES
-    from feddg.algorithms.hfedatm import HFedATMParams
-    from feddg.algorithms.registry import list_methods, method_class
+    from feddg.aggregation.merges import MERGES, HFedATMParams
+    from feddg.algorithms.registry import list_methods, method_class, method_label
 
     merges = []
     for name, merge in sorted(MERGES.items()):
         parts = ["FOT alignment (eqs. 2–6)"] * merge.uses_alignment
         parts += ["RegMean of linear layers (eqs. 8–12)"] * merge.uses_grams
         merges.append([name, " + ".join(parts) or "γ-weighted mean of the station models (HFedAvg)"])
-    return {"methods": [[name, _defaults(method_class(name).Params)] for name in list_methods()],
+    return {"methods": [[method_label(name), _defaults(method_class(name).Params)] for name in list_methods()],
             "merges": merges, "hierarchy": _defaults(HFedATMParams)}
 
 

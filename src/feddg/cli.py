@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from feddg.config import ConfigError, load_config, one_line
+from feddg.config import ConfigError, load_config, one_line, read_yaml
 
 
 def _keep_argument_help() -> None:
@@ -86,21 +86,46 @@ def _user_errors() -> Iterator[None]:
         _fail(str(err))
 
 
+def _pin_kernels(mode: str) -> None:
+    """``reproducibility: portable``: start this command again with the CPU kernels pinned (no-op once they are)."""
+    from feddg.reproducibility import exec_pinned
+
+    exec_pinned("portable" if mode == "portable" else "native")
+
+
+def _run_dir_mode(run_dir: Path) -> str:
+    """The ``reproducibility`` of a run directory's config.yaml (native where it cannot be read: the command that
+    reads it properly says why)."""
+    try:
+        mode = read_yaml(run_dir / "config.yaml").get("reproducibility", "native")
+    except ConfigError:
+        return "native"
+    return mode if isinstance(mode, str) else "native"
+
+
 def results_table(results: dict) -> Table:
-    """id / val / ood accuracy per domain of one run."""
-    t = Table(title=f"{results['method']} on {results['dataset']} (held out: {', '.join(results['target'])})")
+    """The task's figures of one run (id / val / ood / extra), per domain and their means."""
+    from feddg.tasks import TaskInfo, info_for_dataset
+
+    task = TaskInfo.of(results["task"]) if "task" in results else info_for_dataset(results["dataset"])
+    if task is None:
+        _fail(f"results of {results['dataset']}: unknown task (no task block)")
+    method = results.get("method_label", results["method"])
+    t = Table(title=f"{method} on {results['dataset']} (held out: {', '.join(results['target'])})")
     t.add_column("domain")
     t.add_column("role")
-    t.add_column("accuracy (%)", justify="right")
-    final = results["final"]
-    extra_means = [k for k in final if k.startswith("extra/") and k.count("/") == 1]  # extra/<name>_acc
-    for key, val in final.items():
-        if "/" in key and key not in extra_means:
-            kind, dom = key.rsplit("/", 1)
-            t.add_row(dom, kind.removesuffix("_acc"), f"{val:.2f}")
-    for key in ("id_acc", "val_acc", "ood_acc", "global_ood_acc", *extra_means):
-        if key in final:
-            t.add_row("[bold]mean[/bold]", key.removesuffix("_acc"), f"[bold]{final[key]:.2f}[/bold]")
+    t.add_column(task.axis_label, justify="right")
+    means = []
+    for key, val in results["final"].items():
+        if (parsed := task.parse(key)) is None:
+            continue
+        role, dom = parsed
+        if dom is None:
+            means.append((role, val))
+        else:
+            t.add_row(dom, role, f"{val:.2f}")
+    for role, val in means:
+        t.add_row("[bold]mean[/bold]", role, f"[bold]{val:.2f}[/bold]")
     return t
 
 
@@ -134,7 +159,7 @@ def run(
     weights: Annotated[Path | None, typer.Option(help="local .pth state_dict to start from (= -o model.weights=)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
-    """Train one experiment and print its per-domain accuracy."""
+    """Train one experiment and print its per-domain figures."""
     from feddg.experiment import resume_experiment, run_experiment
     from feddg.reports.run import method_figures
 
@@ -146,6 +171,7 @@ def run(
             if extra:
                 _fail(f"--resume continues a run with its own config.yaml: drop {', '.join(extra)} "
                       "(-o changes the keys a resume may change)")
+            _pin_kernels(_run_dir_mode(resume))
             results = resume_experiment(resume, list(overrides or []), progress=not quiet)
         else:
             if config is None:
@@ -154,7 +180,9 @@ def run(
                 _fail(f"--weights: no such file: {weights}")
             extra = list(overrides or []) + ([f"federation.engine={engine}"] if engine else [])
             extra += [f"model.weights={json.dumps(str(weights))}"] if weights is not None else []
-            results = run_experiment(load_config(config, extra), run_dir, overwrite=overwrite, progress=not quiet)
+            cfg = load_config(config, extra)
+            _pin_kernels(cfg.reproducibility)
+            results = run_experiment(cfg, run_dir, overwrite=overwrite, progress=not quiet)
         method_figures(results["run_dir"])
     out.print(results_table(results))
     out.print(communication_table(results))
@@ -174,9 +202,10 @@ def sweep(
     jobs: Annotated[int, typer.Option(help="runs at once, one torch thread each")] = 1,
 ) -> None:
     """Run variants × target domains × seeds and write a mean ± std table with 95 % CIs (Markdown and CSV)."""
-    from feddg.sweep import run_sweep
+    from feddg.sweep import load_sweep, run_sweep
 
     with _user_errors():
+        _pin_kernels(load_sweep(config, overrides)[1]["reproducibility"])
         res = run_sweep(config, overrides, out_dir, progress=not quiet, jobs=jobs)
     out.print(res["markdown"])
     out.print(f"tables and runs in: {res['out_dir']}")
@@ -212,24 +241,26 @@ def eval_run(
     device: Annotated[str | None, typer.Option(help="evaluate on this device (default: the run's own)")] = None,
 ) -> None:
     """Evaluate a run's last checkpoint on another dataset with the same classes (as eval.extra does during
-    a run) and print the accuracy per domain."""
+    a run) and print the task's metric per domain."""
     from feddg.config import ExtraEvalConfig
     from feddg.federation.extra_eval import evaluate_run
 
     chosen = [d for item in domains or [] for d in item.split(",") if d] or None
     with _user_errors():
+        _pin_kernels(_run_dir_mode(run_dir))
         spec = ExtraEvalConfig(name=dataset, dataset=dataset, root=str(root) if root else None, domains=chosen,
                                max_per_domain=max_per_domain)
-        metrics, target, round = evaluate_run(run_dir, spec, device)
-    personal = f"extra/{dataset}_global_acc" in metrics
+        metrics, target, round, task = evaluate_run(run_dir, spec, device)
+    role = f"extra/{dataset}"
+    personal = task.key(f"{role}_global") in metrics
     t = Table(title=f"{run_dir.name} (round {round}) on {dataset}")
     t.add_column("domain")
-    t.add_column("clients' models, mean (%)" if personal else "accuracy (%)", justify="right")
+    t.add_column(f"clients' models, mean {task.label} ({task.unit})" if personal else task.axis_label, justify="right")
     if personal:
-        t.add_column("global model (%)", justify="right")
-    for dom, suffix in [(d, f"/{d}") for d in target.dataset.domains] + [("[bold]mean[/bold]", "")]:
-        keys = [f"extra/{dataset}_acc{suffix}"] + ([f"extra/{dataset}_global_acc{suffix}"] if personal else [])
-        t.add_row(dom, *(f"{metrics[k]:.2f}" for k in keys))
+        t.add_column(f"global model ({task.unit})", justify="right")
+    for dom, name in [(d, d) for d in target.dataset.domains] + [(None, "[bold]mean[/bold]")]:
+        keys = [task.key(role, dom)] + ([task.key(f"{role}_global", dom)] if personal else [])
+        t.add_row(name, *(f"{metrics[k]:.2f}" for k in keys))
     out.print(t)
 
 
@@ -327,6 +358,17 @@ def models() -> None:
     from feddg.models import list_models
 
     out.print(", ".join(list_models()))
+
+
+@app.command("env")
+def env(
+    mode: Annotated[Literal["portable"], typer.Argument(help="portable: the kernels of reproducibility: portable")],
+) -> None:
+    """Print the shell exports that pin the CPU kernels (eval "$(feddg env portable)" before a program that drives
+    feddg as a library, or a Flower SuperNode, with reproducibility: portable)."""
+    from feddg.reproducibility import shell_exports
+
+    print(shell_exports())
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Speed benchmarks (numbers for docs/benchmarks.md).")

@@ -2,6 +2,10 @@
 
 Unknown keys and wrong types fail with the dotted name of the key, e.g.
 ``federation.rounds: Input should be a valid integer``.
+
+The validators that need the lower layers (a method's ``Params``, the dataset's task, the model's capabilities)
+import them inside the function: they import torch, and ``import feddg.cli`` (which imports this module) must not,
+so that ``feddg --help`` and a warm ``feddg methods`` stay fast.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class DataConfig(Strict):
 
     @model_validator(mode="after")
     def _transforms_valid(self) -> DataConfig:
-        from feddg.data.transform_spec import parse_transforms  # lazy: data is a lower layer
+        from feddg.data.transform_spec import parse_transforms  # lazy: the CLI imports this module without torch
 
         parse_transforms(self.transforms)
         return self
@@ -98,7 +102,7 @@ class OptimConfig(Strict):
     @field_validator("augment")
     @classmethod
     def _augment_valid(cls, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from feddg.algorithms.components.augment import parse_augment  # lazy: algorithms is a lower layer
+        from feddg.algorithms.components.augment import parse_augment  # lazy: it imports torch
 
         return [s.model_dump() for s in parse_augment(items)]
 
@@ -167,7 +171,8 @@ class HierarchyConfig(Strict):
     )
     station_fraction: float = Field(1.0, gt=0, le=1, description="stations sampled per server round")
     params: dict[str, Any] = Field(
-        default_factory=dict, description="merge parameters (feddg.algorithms.hfedatm.HFedATMParams: lambda_ot, "
+        default_factory=dict, description="client_pull for every merge; the hfedatm merges also use the rest of "
+        "feddg.aggregation.merges.HFedATMParams (lambda_ot, "
         "sinkhorn_iters, solver, alpha, gram_pass, client_pull, dp_epsilon, dp_delta, dp_clip, dp_mechanism)"
     )
 
@@ -204,6 +209,10 @@ class ExtraEvalConfig(Strict):
 class EvalConfig(Strict):
     every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
     batch_size: int = Field(256, ge=1)
+    per_domain: bool = Field(
+        True, description="write every domain's figures to metrics.jsonl; false keeps the means only (readable with "
+        "thousands of domains), and results.json holds the final per-domain figures"
+    )
     extra: list[ExtraEvalConfig] = Field(
         default_factory=list, description="further evaluation targets: other datasets with the same classes, "
         "reported as extra/<name>_acc[/<domain>] on every evaluation"
@@ -231,6 +240,11 @@ class ExperimentConfig(Strict):
     name: str = "experiment"
     seed: int = 0
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:k]'")
+    reproducibility: Literal["native", "portable"] = Field(
+        "native", description="native: this CPU's fastest float kernels (a run repeats bit for bit on the same "
+        "machine); portable: kernels pinned so that every x86-64 CPU with AVX2 gives the same bits, one thread per "
+        "process (slower; docs/reliability.md). The feddg command re-executes itself with the kernels pinned"
+    )
     output_dir: str = "runs"
     data: DataConfig = Field(default_factory=DataConfig)  # built on use: its check imports feddg.data (torch)
     split: SplitConfig = SplitConfig()
@@ -263,7 +277,7 @@ class ExperimentConfig(Strict):
 
     @model_validator(mode="after")
     def _method_params_known(self) -> ExperimentConfig:
-        from feddg.algorithms.registry import method_class  # lazy: config is the top layer
+        from feddg.algorithms.registry import method_class  # lazy: methods import torch
 
         cls = method_class(self.method.name)
         try:
@@ -273,10 +287,30 @@ class ExperimentConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _augment_fits(self) -> ExperimentConfig:
-        from feddg.algorithms.components.augment import check_method, parse_augment
+    def _method_fits_task_and_model(self) -> ExperimentConfig:
+        """The method and ``optim.augment`` against what the dataset's task and the model provide, before any data
+        loads; label mixing only with a method whose loss takes soft targets."""
+        from feddg.algorithms.components.augment import augment_requirements, label_mixing, parse_augment
+        from feddg.algorithms.registry import method_class
+        from feddg.data import dataset_info
+        from feddg.models import model_capabilities
+        from feddg.tasks import task_class
 
-        check_method(parse_augment(self.optim.augment), self.method.name)
+        cls = method_class(self.method.name)
+        info = dataset_info(self.data.dataset)
+        task = frozenset({info["inputs"]}) | task_class(info["task"]).targets
+        model = model_capabilities(self.model.name)
+        specs = parse_augment(self.optim.augment)
+        needs = {f"method {cls.name}": cls.requirements(cls.Params(**self.method.params)),
+                 **{f"optim.augment {name}": need for name, need in augment_requirements(specs).items()}}
+        for who, need in needs.items():
+            if missing := need - task - model:
+                raise ValueError(f"{who} needs {', '.join(sorted(missing))}: the {info['task']} task of "
+                                 f"{self.data.dataset} provides {', '.join(sorted(task))}, model {self.model.name} "
+                                 f"{', '.join(sorted(model)) or 'nothing more'}")
+        if (mixing := label_mixing(specs)) and not cls.takes_soft_targets:
+            raise ValueError(f"optim.augment: {cls.name}'s loss uses hard labels beyond the task's loss; use mixstyle "
+                             f"with it, not {mixing[0]}")
         return self
 
     @model_validator(mode="after")
@@ -284,9 +318,9 @@ class ExperimentConfig(Strict):
         h = self.hierarchy
         if h is None:
             return self
-        from feddg.algorithms.hfedatm import HFedATMParams  # lazy, like the method registry
+        from feddg.aggregation.merges import HFedATMParams  # lazy: it imports torch
 
-        try:
+        try:  # every hierarchy key is known (a sweep may switch merges); each merge takes the ones it uses
             HFedATMParams(**h.params)
         except ValidationError as err:
             raise ValueError(format_errors(err, prefix="hierarchy.params")) from None

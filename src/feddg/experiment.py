@@ -15,6 +15,7 @@ from feddg.evaluation.plots import plot_run
 from feddg.federation.provenance import record_resume
 from feddg.federation.server import CONFIG, RESULTS, Server, default_run_dir
 from feddg.federation.setup import build_federation
+from feddg.tasks import Task, metric_key
 from feddg.tracking import Tracking
 
 console = Console(stderr=True)
@@ -35,11 +36,11 @@ def progress_bar(enabled: bool) -> Progress:
     )
 
 
-def _status(row: dict[str, Any]) -> str:
+def _status(row: dict[str, Any], task: Task) -> str:
     parts = [f"loss {row['train_loss']:.3f}"]
-    for key in ("id_acc", "val_acc", "ood_acc"):
-        if key in row:
-            parts.append(f"{key.split('_')[0]} {row[key]:.1f}%")
+    for role in ("id", "val", "ood"):
+        if (key := metric_key(role, task.metric)) in row:
+            parts.append(f"{role} {task.metric} {row[key]:.1f}{task.unit}")
     return " · ".join(parts)
 
 
@@ -67,7 +68,7 @@ def run_experiment(
                             status="")
 
         def on_round(row: dict[str, Any]) -> None:
-            bar.update(task, advance=1, status=_status(row))
+            bar.update(task, advance=1, status=_status(row, fed.task))
             tracking.log_round(row)
 
         if cfg.federation.engine == "flower":

@@ -32,7 +32,7 @@ import numpy as np
 from pydantic import Field, ValidationError
 from rich.markup import escape
 
-from feddg.algorithms.registry import method_class
+from feddg.algorithms.registry import labelled, method_class
 from feddg.config import (
     ConfigError,
     ExperimentConfig,
@@ -51,6 +51,7 @@ from feddg.federation.checkpoint import CheckpointError, has_checkpoint
 from feddg.federation.provenance import config_hash, stored_config_hash
 from feddg.federation.server import RESULTS
 from feddg.seeds import derived_seed
+from feddg.tasks import TaskInfo, metric_key
 
 
 class SearchSpec(Strict):
@@ -66,7 +67,8 @@ class SweepSpec(Strict):
     pairs: list[tuple[str, str]] | None = Field(None, description="ltdo (val, test) pairs; default all ordered pairs")
     seeds: list[int] = Field(default_factory=lambda: [0])
     variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": dict[str, Any]()})
-    metrics: list[str] = Field(default_factory=lambda: ["ood_acc", "id_acc"])
+    metrics: list[str] | None = Field(None, description="the tables' metric keys; default: the task's ood and id means "
+                                      "(ood_acc, id_acc for classification)")
     search: SearchSpec | None = Field(None, description="random search over each variant's method.search_space")
     baseline: str | None = Field(None, description="a variant; tables add each row's paired difference from it")
 
@@ -142,12 +144,22 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
                 cfg = build_config(raw, over)  # every cell validated before anything runs
                 cells.append(({"variant": variant, "target": label, "seed": seed},
                               cfg, out / _safe(variant) / _safe(label) / f"seed{seed}"))
+    if len({cfg.reproducibility for _, cfg, _ in cells}) > 1:
+        raise ConfigError("reproducibility: every cell of a sweep runs with the same CPU kernels; set it in the base "
+                          "config, not in a variant")
     if jobs == 1:
         results = [_run_or_load(cfg, run_dir, progress) for _, cfg, run_dir in cells]
     else:
         results = _run_parallel(cells, jobs, progress)
-    rows = [{**cell, "run_dir": str(run_dir), "config_hash": config_hash(cfg), **res["final"],
-             "time_total_s": res["time_total_s"]} for (cell, cfg, run_dir), res in zip(cells, results, strict=True)]
+    rows = [{**cell, "variant": labelled(str(cell["variant"]), cfg.method.name), "run_dir": str(run_dir),
+             "config_hash": config_hash(cfg), **res["final"], "time_total_s": res["time_total_s"]}
+            for (cell, cfg, run_dir), res in zip(cells, results, strict=True)]
+    if spec.baseline is not None:  # named as its rows are
+        spec.baseline = next(r["variant"] for (cell, _, _), r in zip(cells, rows, strict=True)
+                             if cell["variant"] == spec.baseline)
+    if spec.metrics is None:  # the task's ood and id means, as the runs wrote them
+        task = TaskInfo.of(results[0]["task"])
+        spec.metrics = [task.key("ood"), task.key("id")]
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "sweep.json").write_text(json.dumps(spec.model_dump(mode="json"), indent=1))
     tables = {m: markdown_table(rows, m, spec.baseline) for m in spec.metrics}
@@ -174,8 +186,9 @@ def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jo
             for i in sorted(i for i in pending if futures[i] in done):
                 pending.discard(i)
                 res = futures[i].result()
-                bar.console.print(f"[{len(cells) - len(pending)}/{len(cells)}] {escape(label[i])}: "
-                                  + ", ".join(f"{k} {v:.1f}" for k, v in res["final"].items() if k.endswith("acc")))
+                means = [f"{k} {res['final'][k]:.1f}" for k in (metric_key(r, res["task"]["metric"]) for r in ("id", "ood"))
+                         if k in res["final"]]
+                bar.console.print(f"[{len(cells) - len(pending)}/{len(cells)}] {escape(label[i])}: " + ", ".join(means))
             running = [label[i] for i in sorted(pending) if futures[i].running()]
             bar.update(task, completed=len(cells) - len(pending), status=escape("running: " + "; ".join(running)))
         return [f.result() for f in futures]

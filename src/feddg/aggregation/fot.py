@@ -7,7 +7,8 @@ with entropic Sinkhorn (eq. 4; or an exact assignment), round the plan to a perm
 it graph-consistently to the station's model (eq. 5). Filters of another spatial size are resized
 bilinearly to the reference's (eq. 6).
 
-The inner products of eq. 3 (float32 GEMMs, one per producer and station) dominate the time, so
+The inner products of eq. 3 (float32 GEMMs, one per producer and station, on the device the states are on)
+dominate the time, so
 :func:`align_to_reference` computes each once per merge and again only for the stations whose
 input channels a later group moved; permutations are composed as index arrays and applied to the
 weights once at the end. The c × c OT problems are solved in float64 (Sinkhorn as POT computes it;
@@ -163,7 +164,7 @@ class _Producer:
         norms = torch.stack([torch.linalg.vector_norm(w.flatten(1), dim=1) for w in self.others])
         self.inv_norm = 1.0 / norms.clamp_min(1e-12)  # [E, c]
         self.other_sq = (norms * self.inv_norm).pow_(2)  # 1, or 0 for an all-zero filter
-        self.cross = torch.empty(len(others), self.others[0].shape[0], self.ref.shape[0])
+        self.cross = torch.empty(len(others), self.others[0].shape[0], self.ref.shape[0], device=r.device)
         self.at = np.full(len(others), -1)
 
     def _filters(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor:
@@ -177,7 +178,7 @@ class _Producer:
                 pos = axis.positions(len(perm))
                 index[pos.ravel()] = pos[perm].ravel()
         if index is not None:
-            w = w.index_select(1, torch.from_numpy(index))
+            w = w.index_select(1, torch.from_numpy(index).to(w.device))
         return w.reshape(w.shape[0], -1)
 
     def stale(self, changed: Mapping[str, np.ndarray], since: np.ndarray) -> np.ndarray:
@@ -197,7 +198,8 @@ class _Producer:
 
     def cost(self, stations: np.ndarray, rows: Tensor) -> Tensor:
         """Eq. 3 ``[n, c_ref, c]`` for the stations' filters in their current order ``rows [n, c]``."""
-        index = torch.from_numpy(stations)[:, None]
+        index = torch.from_numpy(stations)[:, None].to(self.cross.device)
+        rows = rows.to(self.cross.device)
         scale = self.inv_norm[index, rows]
         return _cost_from_cross(self.cross[index, rows], self.ref_sq, self.other_sq[index, rows], scale)
 
@@ -310,12 +312,12 @@ def align_to_reference(
             cost = used[0].cost(stations, rows)
             for p in used[1:]:
                 cost = cost + p.cost(stations, rows)
-            costs = (cost / len(used)).double().numpy()
+            costs = (cost / len(used)).double().cpu().numpy()
             if first:
                 diag = np.diagonal(costs, axis1=1, axis2=2) * len(used)
                 for p in prods:
                     if p not in used:
-                        diag = diag + np.stack([p.diagonal(int(e), total).double().numpy() for e in stations])
+                        diag = diag + np.stack([p.diagonal(int(e), total).double().cpu().numpy() for e in stations])
                 before[g.name] = float((diag / len(prods)).mean())
             identity = np.arange(g.size)
             for i, e in enumerate(stations):

@@ -18,11 +18,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
+from feddg.aggregation.dp import gaussian_sigma, gram_sensitivity
 from feddg.aggregation.fot import Solver, align_to_reference
 from feddg.aggregation.mean import weighted_mean
 from feddg.aggregation.regmean import regmean
@@ -30,6 +32,44 @@ from feddg.messages import WEIGHT_PREFIX, Message, subset
 from feddg.models.permutation import PermutationSpec, permute_grams
 
 Grams = dict[str, np.ndarray]  # nn.Linear module name -> G (its inputs' X^T X)
+GRAM_FLAG = "collect_gram"  # server -> client: also send Grams this round
+GRAM_PREFIX = "gram/"  # client -> station: "gram/<nn.Linear module name>" = X^T X of its inputs
+
+
+class StationParams(BaseModel):
+    """``hierarchy.params`` of every station topology (the ``avg`` merge takes only these)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    client_pull: Literal["station", "global"] = Field(
+        "station", description="clients start each station round from their station's model, or from the global one"
+    )
+
+
+class HFedATMParams(StationParams):
+    """``hierarchy.params``: the station topology's and its merge's hyper-parameters (defaults: HFedATM
+    supplement Table 1)."""
+
+    lambda_ot: float = Field(0.05, gt=0, description="λ_OT, Sinkhorn entropic regulariser (eq. 4)")
+    sinkhorn_iters: int = Field(25, ge=1, description="n_iter, Sinkhorn iterations")
+    solver: Literal["sinkhorn", "hungarian"] = Field("sinkhorn", description="OT solver; hungarian = exact assignment")
+    alpha: float = Field(0.75, ge=0, le=1, description="RegMean shrinkage α (eq. 10)")
+    gram_pass: Literal["last_epoch", "after"] = Field(
+        "last_epoch", description="Grams from the last local epoch's training passes, or an extra no-grad pass after it"
+    )
+    dp_epsilon: float | None = Field(None, gt=0, description="ε of the Gaussian mechanism on each Gram; null = no DP")
+    dp_delta: float = Field(1e-5, gt=0, lt=1)
+    dp_clip: float = Field(1.0, gt=0, description="per-sample L2 clip C of a linear layer's input (sensitivity C²)")
+    dp_mechanism: Literal["analytic", "classic"] = "analytic"
+    dp_accountant: Literal["rdp", "pld"] = Field("rdp", description="composes the run's Gram releases into one ε")
+
+    def dp_sigma(self) -> float | None:
+        """σ of the Gaussian noise on every Gram entry, or ``None`` without DP."""
+        if self.dp_epsilon is None:
+            return None
+        return gaussian_sigma(self.dp_epsilon, self.dp_delta, gram_sensitivity(self.dp_clip), self.dp_mechanism)
+
+
 MergeFn = Callable[..., tuple[Message, dict[str, float]]]
 
 
@@ -42,15 +82,17 @@ def merge_stations(
     solver: Solver = "sinkhorn",
     lambda_ot: float = 0.05,
     sinkhorn_iters: int = 25,
+    device: str = "cpu",
     **_: Any,
 ) -> tuple[Message, dict[str, float]]:
     """Merge station models into the global model; returns it and diagnostics.
 
     ``spec`` given: FOT-align stations 2.. to station 1 (and permute their Grams). ``grams`` given:
     RegMean (eq. 12) for every linear weight with a Gram at every station. Everything else: the
-    γ-weighted mean (eq. 7).
+    γ-weighted mean (eq. 7). ``device``: where FOT's cost GEMMs run (the assignments and means stay on the CPU).
     """
-    states = [{k: torch.from_numpy(np.asarray(v)) for k, v in subset(w, WEIGHT_PREFIX).items()} for w in weights]
+    states = [{k: torch.from_numpy(np.asarray(v)).to(device) for k, v in subset(w, WEIGHT_PREFIX).items()}
+              for w in weights]
     metrics: dict[str, float] = {}
     if spec is not None and len(states) > 1:
         t0 = time.perf_counter()
@@ -73,7 +115,7 @@ def merge_stations(
     regmean_s, fallbacks = 0.0, 0
     for key in states[0]:
         layer = key.removesuffix(".weight")
-        arrays = [s[key].numpy() for s in states]
+        arrays = [s[key].cpu().numpy() for s in states]
         if key.endswith(".weight") and layer in layers:
             assert grams is not None
             t0 = time.perf_counter()
@@ -94,19 +136,20 @@ def merge_stations(
 
 @dataclass(frozen=True)
 class StationMerge:
-    """A registered merge: the function and what it needs the topology to collect."""
+    """A registered merge: the function, what it needs the topology to collect, and its ``hierarchy.params``."""
 
     fn: MergeFn
     uses_grams: bool = False
     uses_alignment: bool = False
+    params: type[StationParams] = StationParams
 
 
 #: the topology passes Grams only to merges that use them and the spec only to merges that align
 MERGES: dict[str, StationMerge] = {
     "avg": StationMerge(merge_stations),
-    "hfedatm": StationMerge(merge_stations, uses_grams=True, uses_alignment=True),
-    "hfedatm-no-fot": StationMerge(merge_stations, uses_grams=True),
-    "hfedatm-no-regmean": StationMerge(merge_stations, uses_alignment=True),
+    "hfedatm": StationMerge(merge_stations, uses_grams=True, uses_alignment=True, params=HFedATMParams),
+    "hfedatm-no-fot": StationMerge(merge_stations, uses_grams=True, params=HFedATMParams),
+    "hfedatm-no-regmean": StationMerge(merge_stations, uses_alignment=True, params=HFedATMParams),
 }
 
 

@@ -41,8 +41,9 @@ from torch import Tensor, nn
 
 from feddg.aggregation.mean import WeightedSum
 from feddg.data.base import DomainDataset, iterate_batches
-from feddg.evaluation.accuracy import autocast, to_device
+from feddg.devices import Inputs, autocast, to_device
 from feddg.messages import WEIGHT_PREFIX, Message, weights_of
+from feddg.tasks import Task
 
 ServerState = dict[str, Any]
 ClientState = Message
@@ -79,13 +80,15 @@ class ClientContext:
     local_epochs: int
     optim: OptimSettings
     generator: torch.Generator
+    #: the dataset's task: ``ctx.task.loss(output, target)`` is the training loss of every method
+    task: Task
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def num_examples(self) -> int:
         return len(self.train_idx)
 
-    def batches(self, *, shuffle: bool = True, train: bool = True) -> Iterator[tuple[Tensor, Tensor]]:
+    def batches(self, *, shuffle: bool = True, train: bool = True) -> Iterator[tuple[Inputs, Tensor]]:
         """One pass over the client's training data, on the client's device."""
         for x, y in iterate_batches(
             self.dataset, self.train_idx, self.batch_size, shuffle=shuffle, train=train, generator=self.generator
@@ -108,7 +111,6 @@ class ServerContext:
 
     num_clients: int
     rounds: int
-    num_classes: int
     seed: int
     #: a new ``client id -> Message`` table, by name, for per-client server state (models, statistics): the
     #: server gives a store that spills to disk past ``federation.client_state_budget_mb``; update it in place
@@ -156,6 +158,20 @@ class Method(ABC):
     personalized: ClassVar[bool] = False
     #: hierarchical methods (MTGC, FedRC) run only on a station topology whose merge is one of these
     station_merges: ClassVar[tuple[str, ...]] = ()
+    #: True when the formulas are feddg's reconstruction, not a paper's (FedRC): listed, tabled and reported with
+    #: " (reconstructed)" after the name (registry.method_label)
+    reconstructed: ClassVar[bool] = False
+    #: what the method needs of the task's batches and of the model (``feddg.tasks`` capabilities: images,
+    #: class_labels, conv_stages, batchnorm, ...); a config that cannot serve it is refused at load
+    requires: ClassVar[frozenset[str]] = frozenset()
+    #: False when the loss uses the labels beyond the task's loss (class-conditional terms, class prototypes):
+    #: label-mixing augmentations, whose targets are soft, are refused with it
+    takes_soft_targets: ClassVar[bool] = True
+
+    @classmethod
+    def requirements(cls, params: Params) -> frozenset[str]:  # type: ignore[valid-type]  # base of every Params
+        """What this configuration of the method needs (default: :attr:`requires`)."""
+        return cls.requires
 
     def __init__(self, params: Params | None = None) -> None:  # type: ignore[valid-type]  # base of every Params
         self.params = params if params is not None else type(self).Params()
@@ -235,8 +251,8 @@ class Method(ABC):
     ) -> tuple[Message, ClientState]:
         """Local training; returns the reply (must contain ``num_examples``) and the new client state."""
 
-    def predict(self, model: nn.Module, x: Tensor) -> Tensor:
-        """Logits used for evaluation (FedSR overrides it with Monte-Carlo averaging)."""
+    def predict(self, model: nn.Module, x: Inputs) -> Tensor:
+        """The output that evaluation scores (FedSR overrides it with Monte-Carlo averaging)."""
         return model(x)
 
     # --- optional one-time setup exchange (PARDON's style upload, ...) -------------------

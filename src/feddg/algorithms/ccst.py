@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
@@ -34,7 +33,9 @@ from feddg.algorithms.components.style import (
     std_from_moments,
     style_setup_request,
 )
+from feddg.devices import Inputs, images
 from feddg.messages import Message, load_weights, subset
+from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 BANK_MEAN, BANK_STD = "bank/mean", "bank/std"
@@ -62,6 +63,14 @@ class CCST(Method):
     Params = CCSTParams
     search_space = {"k": [1, 2, 3], "alpha": [0.5, 1.0]}
     params: CCSTParams
+    requires = frozenset({IMAGES, CLASS_LABELS})  # image styles (AdaIN), labels repeated per stylised copy
+    takes_soft_targets = False
+
+    @classmethod
+    def requirements(cls, params: Any) -> frozenset[str]:
+        """Its feature-space style path also needs the model's conv stages."""
+        assert isinstance(params, CCSTParams)
+        return cls.requires | ({CONV_STAGES} if params.style_path == "feature" else set())
 
     # --- setup exchange ------------------------------------------------------------------
     def setup_request(self, state: ServerState) -> Message | None:
@@ -112,14 +121,15 @@ class CCST(Method):
         bank_std = torch.as_tensor(np.asarray(msg[BANK_STD]))
         k, alpha = self.params.k, self.params.alpha
 
-        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        def loss_fn(m: nn.Module, inputs: Inputs, y: Tensor) -> Tensor:
+            x = images(inputs)
             rows = draw_styles(len(bank_mean), k, ctx.generator)
             if len(rows) == 0:  # a federation of one client has no other styles
-                return F.cross_entropy(m(x), y)
+                return ctx.task.loss(m(x), y)
             x_tilde = torch.cat([codec.transfer(x, bank_mean[r], bank_std[r], alpha) for r in rows.tolist()])
             x_rep = x.repeat(len(rows), *([1] * (x.dim() - 1)))
             f_tilde = codec.features(m, x_rep, x_tilde)
-            return F.cross_entropy(m(x), y) + F.cross_entropy(m.classifier(f_tilde), y.repeat(len(rows)))
+            return ctx.task.loss(m(x), y) + ctx.task.loss(m.classifier(f_tilde), y.repeat(len(rows)))
 
         loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
         return weights_reply(model, ctx.num_examples, loss), client_state

@@ -45,7 +45,9 @@ from feddg.algorithms.base import (
     weights_reply,
 )
 from feddg.algorithms.components.local import train_local
+from feddg.devices import Inputs
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
+from feddg.tasks import BATCHNORM
 
 BN_PREFIX = "bn/"  # a client's own BN arrays (``bn/w/<key>``): server -> client once, client -> server each round
 
@@ -98,13 +100,10 @@ class FedBN(Method):
     name = "fedbn"
     Params = FedBNParams
     params: FedBNParams
+    requires = frozenset({BATCHNORM})  # its BatchNorm layers stay local: without them it would be FedAvg
     personalized = True
     bn: list[str]  # the model's BN keys (``w/...``), set by prepare_model
 
-    @property
-    def p(self) -> FedBNParams:
-        assert isinstance(self.params, FedBNParams)
-        return self.params
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Records the model's BN keys (the same on the server and every client)."""
@@ -155,10 +154,10 @@ class FedBN(Method):
     def eval_weights(self, state: ServerState, client_id: int | None = None) -> Message:
         if client_id is not None and client_id in state["clients"]:
             return {**state["weights"], **state["clients"][client_id]}
-        if self.p.unseen_bn == "target":
+        if self.params.unseen_bn == "target":
             return without_statistics(state["weights"], self.bn)
         return state["weights"]
 
-    def predict(self, model: nn.Module, x: Tensor) -> Tensor:
+    def predict(self, model: nn.Module, x: Inputs) -> Tensor:
         with batch_statistics(model):
             return model(x)

@@ -13,12 +13,18 @@ the round-``r`` adjustment, with a step that decays linearly over the ``R`` roun
     a   ← clip(a, 0, 1) / Σ clip(a, 0, 1)
     θ   ← Σ_k a_k θ_k / Σ_k a_k                              (the next round's aggregation)
 
-One exchange per round: the client measures ``L(θ; D_k)`` on the model it receives, *before* training,
-and ``L(θ_k; D_k)`` after (the official code measures the newly aggregated model, a second exchange).
-Both losses are means over the client's training data in eval mode, without augmentation.
+When the gap is measured (``gap_at``; docs/methods/feddg_ga.md):
 
-The fold: ``accumulate`` has no server state, so ``client_config`` sends each client its ``a_k``
-(``ga_weight``) and the client echoes it; ``finish`` checks every echo against the server's ``a``.
+* ``aggregated`` (default, the official code): ``G_k^r = L(θ^{r+1}; D_k) − L(θ_k^r; D_k)``, the *newly
+  aggregated* model against the client's model of the same round, and ``a`` moves before round ``r+1``'s
+  aggregation. With one exchange per round the client measures ``L(θ^{r+1}; D_k)`` when θ^{r+1} reaches it
+  (before its next training) and keeps ``L(θ_k^r; D_k)`` in its state; ``finish`` of round ``r+1`` adjusts ``a``
+  by those gaps and then aggregates, so it holds the round's replies (O(clients × model)).
+* ``received``: ``G_k = L(θ; D_k) − L(θ_k; D_k)`` with θ the model the client received this round: the gap is
+  one aggregation older, the fold streams (O(model)).
+
+Both losses (or accuracies) are means over the client's training data in eval mode, without augmentation.
+The client echoes the ``a_k`` it was sent (``ga_weight``); ``finish`` checks every echo against ``a``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
@@ -45,17 +50,25 @@ from feddg.algorithms.base import (
     weights_reply,
 )
 from feddg.algorithms.components.local import train_local
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
+from feddg.messages import WEIGHT_PREFIX, Message, entries, load_weights, weights_of
 
 WEIGHT = "ga_weight"  # server -> client -> server: the client's aggregation weight a_k (echoed)
 GAP = "ga_gap"  # client -> server: G_k
+HAS_GAP = "ga_has_gap"  # client -> server (gap_at: aggregated): 1 when ga_gap was measured this round
+LOCAL = "ga/local"  # client state (gap_at: aggregated): [loss, score] of its last trained model
+LOCAL_ROUND = "ga/local_round"  # ... and the round it was trained in
 
 
 class FedDGGAParams(Params):
     step: float = Field(0.2 / 3, ge=0.0, le=1.0, description="d, the first step (official code: 0.2 × a fixed 1/3)")
-    centre_gaps: bool = Field(True, description="subtract the mean gap before normalising; false: the official code")
-    metric: Literal["loss", "accuracy"] = Field(
-        "loss", description="gap in loss, or in accuracy: G_k = acc(θ_k) − acc(θ) (the official script's default)"
+    gap_at: Literal["aggregated", "received"] = Field(
+        "aggregated", description="the global term: the newly aggregated model (official code; holds a round's "
+        "replies) or the model the client received this round (one aggregation older; streams)"
+    )
+    centre_gaps: bool = Field(False, description="subtract the mean gap before normalising (false: the official code)")
+    metric: Literal["score", "loss"] = Field(
+        "score", description="gap in the task's metric, G_k = score(θ_k) − score(θ) (accuracy for classification: the "
+        "official script's --fair acc), or in the task's loss, G_k = L(θ) − L(θ_k)"
     )
 
 
@@ -75,17 +88,19 @@ def adjust_weights(weights: np.ndarray, gaps: dict[int, float], step: float, cen
     return a / a.sum()
 
 
-def loss_and_accuracy(model: nn.Module, ctx: ClientContext) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on the client's training data (eval mode, in order)."""
+def loss_and_score(model: nn.Module, ctx: ClientContext) -> tuple[float, float]:
+    """The mean task loss and the task's metric (accuracy for classification, in %) of ``model`` on the client's
+    training data (eval mode, in order)."""
     model.eval()
-    loss, correct, n = 0.0, 0, 0
+    loss, n = 0.0, 0
+    tally = ctx.task.tally_zeros(1)
     with torch.no_grad():
         for x, y in ctx.batches(shuffle=False, train=False):
-            logits = model(x)
-            loss += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
+            out = model(x)
+            loss += float(ctx.task.loss(out, y)) * len(y)
+            tally += ctx.task.tally(out, y, np.zeros(len(y), dtype=np.int64), 1)
             n += len(y)
-    return loss / max(n, 1), correct / max(n, 1)
+    return loss / max(n, 1), ctx.task.score(tally[0]) if n else 0.0
 
 
 class FedDGGA(Method):
@@ -96,10 +111,6 @@ class FedDGGA(Method):
     params: FedDGGAParams
     search_space: ClassVar[dict[str, list[Any]]] = {"step": [0.025, 0.05, 0.2 / 3, 0.1, 0.2]}
 
-    @property
-    def p(self) -> FedDGGAParams:
-        assert isinstance(self.params, FedDGGAParams)
-        return self.params
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
         a = np.full(ctx.num_clients, 1.0 / ctx.num_clients)
@@ -108,42 +119,68 @@ class FedDGGA(Method):
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
         return {**state["weights"], WEIGHT: float(state["ga_weights"][client_id])}
 
+    def gap(self, global_model: tuple[float, float], local_model: tuple[float, float]) -> float:
+        """``G_k`` from the (loss, score) of the global and the local model on the client's data."""
+        if self.params.metric == "loss":
+            return global_model[0] - local_model[0]
+        return local_model[1] - global_model[1]
+
     def client_update(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
         load_weights(model, msg)
-        before = loss_and_accuracy(model, ctx)  # the global model θ on D_k
+        received = loss_and_score(model, ctx)  # the global model θ on D_k
         loss = train_local(model, ctx, lr=float(msg["lr"]))
-        after = loss_and_accuracy(model, ctx)  # the local model θ_k on D_k
-        gap = before[0] - after[0] if self.p.metric == "loss" else after[1] - before[1]
-        return weights_reply(model, ctx.num_examples, loss, **{WEIGHT: float(msg[WEIGHT]), GAP: gap}), client_state
+        trained = loss_and_score(model, ctx)  # the local model θ_k on D_k
+        echo = {WEIGHT: float(msg[WEIGHT])}
+        if self.params.gap_at == "received":
+            return weights_reply(model, ctx.num_examples, loss, **echo, **{GAP: self.gap(received, trained)}), client_state
+        # θ received now is the aggregate of the round this client last trained in, if that was the last round
+        fresh = client_state.get(LOCAL_ROUND) == ctx.round - 1
+        last = tuple(float(v) for v in np.asarray(client_state[LOCAL])) if fresh else (0.0, 0.0)
+        gap = {GAP: self.gap(received, (last[0], last[1])) if fresh else 0.0, HAS_GAP: int(fresh)}
+        state: ClientState = {LOCAL: np.array(trained, dtype=np.float64), LOCAL_ROUND: ctx.round}
+        return weights_reply(model, ctx.num_examples, loss, **echo, **gap), state
 
     def start(self, expected_examples: float) -> Accumulator:
-        """A running ``Σ_k a_k θ_k`` (plain sums; ``finish`` divides by ``Σ_k a_k``)."""
-        return Accumulator(WeightedSum(WEIGHT_PREFIX))
+        """``received``: a running ``Σ_k a_k θ_k`` (plain sums; ``finish`` divides by ``Σ_k a_k``). ``aggregated``:
+        the replies are kept (their weights ``a`` are known only once the round's gaps are in)."""
+        return Accumulator(WeightedSum(WEIGHT_PREFIX) if self.params.gap_at == "received" else None)
 
     def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
-        assert acc.weights is not None
-        acc.weights.add(reply.message, float(reply.message[WEIGHT]))
+        if acc.weights is not None:
+            acc.weights.add(reply.message, float(reply.message[WEIGHT]))
         acc.kept.append(Reply(reply.client_id, self.keep(reply)))
         return acc
 
     def keep(self, reply: Reply) -> Message:
-        return {WEIGHT: reply.message[WEIGHT], GAP: reply.message[GAP]}
+        kept = {k: v for k, v in reply.message.items() if k in (WEIGHT, GAP, HAS_GAP)}
+        if self.params.gap_at == "aggregated":
+            kept.update(entries(reply.message, WEIGHT_PREFIX))
+        return kept
 
     def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
-        assert acc.weights is not None
         a = state["ga_weights"]
         for kept in acc.kept:
             if float(kept.message[WEIGHT]) != float(a[kept.client_id]):
                 raise ValueError(f"FedDG-GA: client {kept.client_id} echoed weight {kept.message[WEIGHT]}, "
                                  f"sent {a[kept.client_id]}")
-        skipped = acc.weights.total <= 0  # every sampled client's a_k was clipped to 0: the global model stays
-        weights = state["weights"] if skipped else acc.weights.mean()
-        r = int(state["round"]) + 1
-        step = self.p.step * (1.0 - r / int(state["rounds"]))
-        gaps = {kept.client_id: float(kept.message[GAP]) for kept in acc.kept}
-        new_a = adjust_weights(a, gaps, step, self.p.centre_gaps)
-        metrics = {"ga/step": step, "ga/gap_mean": float(np.mean(list(gaps.values()))), "ga/skipped": float(skipped),
+        r, rounds = int(state["round"]) + 1, int(state["rounds"])
+        if self.params.gap_at == "received":  # this round's gaps set the next round's weights
+            assert acc.weights is not None
+            gap_round, weighted = r, acc.weights
+        else:  # the gaps of round r − 1 (measured on its aggregate) set this round's weights
+            gap_round, weighted = r - 1, None
+        gaps = {k.client_id: float(k.message[GAP]) for k in acc.kept if k.message.get(HAS_GAP, 1)}
+        step = self.params.step * (1.0 - gap_round / rounds)
+        new_a = adjust_weights(a, gaps, step, self.params.centre_gaps) if gaps else a
+        if weighted is None:
+            weighted = WeightedSum(WEIGHT_PREFIX)
+            for k in acc.kept:
+                weighted.add(k.message, float(new_a[k.client_id]))
+        skipped = weighted.total <= 0  # every sampled client's a_k is 0: the global model stays
+        metrics = {"ga/step": step, "ga/gaps": float(len(gaps)), "ga/skipped": float(skipped),
                    "ga/weight_max": float(new_a.max()), "ga/weight_min": float(new_a.min())}
+        metrics.update({"ga/gap_mean": float(np.mean(list(gaps.values())))} if gaps else {})
+        weights = state["weights"] if skipped else weighted.mean()
         return {**state, "weights": weights, "ga_weights": new_a, "round": r}, metrics

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
@@ -41,7 +40,9 @@ from feddg.algorithms.base import (
 from feddg.algorithms.components.ffa import FFAAttachment, FFALayer, Variant, attach_ffa
 from feddg.algorithms.components.local import train_local
 from feddg.algorithms.components.soft_histogram import CutPoints, KLReduction, soft_histogram, symmetric_kl
+from feddg.devices import Inputs
 from feddg.messages import WEIGHT_PREFIX, Message, Value, entries, load_weights, message_nbytes, weights_of
+from feddg.tasks import CONV_STAGES
 
 STAT, FFA, HIST = "stat/", "ffa/", "hist/"
 BYTES = "nbytes/"  # server side only: a kept reply's payload sizes, by prefix
@@ -94,6 +95,12 @@ class FedFA(Method):
     Params = FedFAParams
     search_space = {"lambda_h": [0.0, 0.01, 0.1, 0.2], "p": [0.1, 0.3, 0.5, 0.7], "momentum": [0.0, 0.9, 0.99]}
     params: FedFAParams
+
+    @classmethod
+    def requirements(cls, params: Any) -> frozenset[str]:
+        """FFA layers act on [B, C, H, W] feature maps: the model's conv stages, unless ``stages`` names modules."""
+        assert isinstance(params, FedFAParams)
+        return frozenset({CONV_STAGES}) if params.stages is None else frozenset()
 
     # --- model ---------------------------------------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -211,8 +218,8 @@ class FedFA(Method):
         pi = _tensor(msg[HIST_KEY]).to(ctx.device) if self.aligns and HIST_KEY in msg else None
         align_losses: list[float] = []
 
-        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-            loss = F.cross_entropy(m(x), y)
+        def loss_fn(m: nn.Module, x: Inputs, y: Tensor) -> Tensor:
+            loss = ctx.task.loss(m(x), y)
             if pi is None:
                 return loss
             align = symmetric_kl(self._histogram(self._samples(att.tap.features)), pi, hp.kl_reduction)  # eq. 14

@@ -5,7 +5,7 @@ the clients agree on. With the client updates ``Δ_k = w_k − w`` of the ``K`` 
 
     A_j = |Σ_k sign(Δ_k,j)| / K                                  (sign agreement, in [0, 1])
     m_j = 1 if A_j ≥ τ else A_j                                  (the paper's soft mask; ``mask: paper``)
-    m_j = 1 if A_j ≥ τ else 0                                    (several public ports; ``mask: port``)
+    m_j = 1 if A_j ≥ τ else 0                                    (a hard AND-mask; ``mask: port``)
     w  ← w + η_s · m ⊙ Σ_k (n_k / N) Δ_k                         (server learning rate η_s)
 
 Only trainable parameters are masked; buffers (BatchNorm running statistics) are FedAvg-averaged.
@@ -45,7 +45,8 @@ class FedGMAParams(Params):
     threshold: float = Field(0.4, ge=0.0, le=1.0, description="τ: agreement at and above which the mask is 1")
     server_lr: float = Field(1.0, gt=0.0, description="η_s, the server learning rate on the masked mean update")
     mask: Literal["paper", "port"] = Field(
-        "paper", description="below τ: paper = the agreement A_j itself (soft), port = 0 (hard, public ports)"
+        "paper", description="below τ: paper = the agreement A_j itself (soft; also declearn's and FedTHE's ports), "
+        "port = 0 (a hard AND-mask)"
     )
 
 
@@ -64,10 +65,6 @@ class FedGMA(Method):
     params: FedGMAParams
     search_space: ClassVar[dict[str, list[Any]]] = {"threshold": [0.1, 0.2, 0.4, 0.6, 0.8], "server_lr": [0.5, 1.0]}
 
-    @property
-    def p(self) -> FedGMAParams:
-        assert isinstance(self.params, FedGMAParams)
-        return self.params
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
         return {"weights": weights_of(model), "params": [n for n, _ in model.named_parameters()]}
@@ -96,9 +93,9 @@ class FedGMA(Method):
         new, masked, total = dict(mean), 0.0, 0
         for n in state["params"]:
             key = WEIGHT_PREFIX + n
-            m = gradient_mask(signs.sums[SIGN_PREFIX + n], count, self.p.threshold, self.p.mask)
+            m = gradient_mask(signs.sums[SIGN_PREFIX + n], count, self.params.threshold, self.params.mask)
             # w + η_s m ⊙ (w̄ − w), written as w̄ + (η_s m − 1)(w̄ − w): exactly FedAvg's w̄ where η_s m = 1
-            new[key] = (mean[key] + (self.p.server_lr * m - 1.0) * (mean[key].astype(np.float64) - old[key])).astype(
+            new[key] = (mean[key] + (self.params.server_lr * m - 1.0) * (mean[key].astype(np.float64) - old[key])).astype(
                 old[key].dtype)
             masked, total = masked + float(m.sum()), total + m.size
         return {**state, "weights": new}, {"gma/mask_mean": masked / max(total, 1)}

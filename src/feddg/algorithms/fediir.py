@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, autograd, nn
 
@@ -35,7 +34,9 @@ from feddg.algorithms.base import (
     weights_reply,
 )
 from feddg.algorithms.components.local import train_local
+from feddg.devices import Inputs
 from feddg.messages import Message, load_weights, weights_of
+from feddg.tasks import CLASS_LABELS
 
 MEAN_PREFIX = "iir/"  # server -> client: ḡ per classifier parameter
 GRAD_PREFIX = "grad/"  # client -> server: Σ over its batches of the classifier gradient
@@ -65,7 +66,8 @@ def ema_update(old: dict[str, np.ndarray], new: dict[str, np.ndarray], beta: flo
 
 
 def batch_gradient_sum(model: nn.Module, ctx: ClientContext) -> tuple[dict[str, np.ndarray], int]:
-    """Σ over the client's batches of ``∇_classifier CE`` at the current weights, and the batch count.
+    """Σ over the client's batches of ``∇_classifier`` of the task's loss (cross-entropy) at the current weights,
+    and the batch count.
 
     Runs in training mode like the official code (BatchNorm running statistics are restored after), over
     the client's data in order and without augmentation, so it draws nothing from the client's random stream.
@@ -77,7 +79,7 @@ def batch_gradient_sum(model: nn.Module, ctx: ClientContext) -> tuple[dict[str, 
     batches = 0
     model.train()
     for x, y in ctx.batches(shuffle=False, train=False):
-        grads = autograd.grad(F.cross_entropy(model(x), y), params)
+        grads = autograd.grad(ctx.task.loss(model(x), y), params)
         total = [t + g for t, g in zip(total, grads, strict=True)]
         batches += 1
     with torch.no_grad():
@@ -90,12 +92,9 @@ class FedIIR(Method):
     name = "fediir"
     Params = FedIIRParams
     params: FedIIRParams
+    requires = frozenset({CLASS_LABELS})  # gradients of its classifier head
     search_space = {"penalty": [1e-2, 5e-3, 1e-3, 5e-4, 1e-4], "ema": [0.90, 0.95, 0.99]}
 
-    @property
-    def iir_params(self) -> FedIIRParams:
-        assert isinstance(self.params, FedIIRParams)
-        return self.params
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
         mean = {n: np.zeros_like(p.detach().cpu().numpy()) for n, p in classifier(model).named_parameters()}
@@ -113,10 +112,10 @@ class FedIIR(Method):
         mean = [torch.from_numpy(np.asarray(msg[MEAN_PREFIX + n])).to(ctx.device) for n in names]
         grad_sum, batches = batch_gradient_sum(model, ctx)
         params = list(head.parameters())
-        gamma = self.iir_params.penalty
+        gamma = self.params.penalty
 
-        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-            erm = F.cross_entropy(m(x), y)
+        def loss_fn(m: nn.Module, x: Inputs, y: Tensor) -> Tensor:
+            erm = ctx.task.loss(m(x), y)
             grads = autograd.grad(erm, params, create_graph=True)
             return erm + gamma * gradient_penalty(grads, mean)
 
@@ -142,4 +141,4 @@ class FedIIR(Method):
             return state, metrics
         grads = {k[len(GRAD_PREFIX) :]: v for k, v in acc.sums[GRAD_PREFIX].sums.items()}
         new = {k: grads[k] / batches for k in state["grad_mean"]}
-        return {**state, "grad_mean": ema_update(state["grad_mean"], new, self.iir_params.ema)}, metrics
+        return {**state, "grad_mean": ema_update(state["grad_mean"], new, self.params.ema)}, metrics

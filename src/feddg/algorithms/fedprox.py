@@ -1,13 +1,16 @@
-"""FedProx (Li et al., 2020): FedAvg plus a proximal term ``μ/2 ‖w − w_global‖²`` (their eq. 2)."""
+"""FedProx (Li et al., 2020): FedAvg plus a proximal term ``μ/2 ‖w − w_global‖²`` (their eq. 2):
+
+    h_k(w) = F_k(w) + μ/2 ‖w − w^t‖²          F_k: the task's loss on client k's data
+"""
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
 from feddg.algorithms.base import ClientContext, ClientState, Method, Params, weights_reply
 from feddg.algorithms.components.local import train_local
+from feddg.devices import Inputs
 from feddg.messages import Message, load_weights
 
 
@@ -21,7 +24,7 @@ def proximal_term(model: nn.Module, anchor: list[Tensor]) -> Tensor:
 
 
 class FedProx(Method):
-    """Local objective ``CE + μ/2 ‖w − w_global‖²``; FedAvg aggregation. At μ=0 it is FedAvg."""
+    """Local objective ``task loss + μ/2 ‖w − w_global‖²``; FedAvg aggregation. At μ=0 it is FedAvg."""
 
     name = "fedprox"
     Params = FedProxParams
@@ -35,8 +38,8 @@ class FedProx(Method):
         anchor = [p.detach().clone() for p in model.parameters()]
         mu = self.params.mu
 
-        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-            loss = F.cross_entropy(m(x), y)
+        def loss_fn(m: nn.Module, x: Inputs, y: Tensor) -> Tensor:
+            loss = ctx.task.loss(m(x), y)
             return loss + 0.5 * mu * proximal_term(m, anchor) if mu > 0 else loss
 
         loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)

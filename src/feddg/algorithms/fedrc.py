@@ -40,7 +40,9 @@ from feddg.algorithms.base import (
     weights_reply,
 )
 from feddg.algorithms.components.local import train_local
+from feddg.devices import images
 from feddg.messages import Message, load_weights
+from feddg.tasks import IMAGES
 
 MEAN, VAR, N, N_EFF = "fedrc/mean", "fedrc/var", "fedrc/n", "fedrc/n_eff"  # a client's Gaussian (setup reply)
 STATION_MEAN, STATION_VAR = "fedrc/station_mean", "fedrc/station_var"  # station -> client: N_j
@@ -79,6 +81,8 @@ class FedRC(Method):
     """FedAvg clients; stations and the server weight by Gaussian similarity × (image-weighted) volume."""
 
     name = "fedrc"
+    reconstructed = True  # weights from the abstract: neither the paper text nor the authors' code gives a formula
+    requires = frozenset({IMAGES})  # per-image pixel Gaussians
     Params = FedRCParams
     params: FedRCParams
     station_merges: ClassVar[tuple[str, ...]] = ("avg",)
@@ -97,7 +101,7 @@ class FedRC(Method):
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
-        means, variances = zip(*(image_gaussians(x.cpu()) for x, _ in ctx.batches(shuffle=False, train=False)),
+        means, variances = zip(*(image_gaussians(images(x).cpu()) for x, _ in ctx.batches(shuffle=False, train=False)),
                                strict=True)
         mu_m, var_m = torch.cat(means).numpy(), torch.cat(variances).numpy()
         mean, var = mixture(mu_m, var_m, np.ones(len(mu_m)))

@@ -21,8 +21,10 @@ from torch import Tensor, nn
 
 from feddg.algorithms.base import ClientContext, ClientState, Method, Params, weights_reply
 from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
+from feddg.devices import Inputs
 from feddg.messages import Message, load_weights
 from feddg.models.base import FedModel
+from feddg.tasks import CLASS_LABELS
 
 REF_KEYS = ("ref/mu", "ref/sigma", "ref/scale")
 
@@ -52,7 +54,7 @@ class FedSRNet(FedModel):
         self.net = net
         self.classifier = nn.Linear(self.z_dim, head.out_features)
 
-    def distribution(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def distribution(self, x: Inputs) -> tuple[Tensor, Tensor]:
         """``(μ, σ)`` of ``p(z|x)``, ``σ = softplus(s)``."""
         params = self.net(x)
         return params[:, : self.z_dim], F.softplus(params[:, self.z_dim :])
@@ -91,24 +93,22 @@ class FedSR(Method):
     name = "fedsr"
     Params = FedSRParams
     params: FedSRParams
+    requires = frozenset({CLASS_LABELS})  # a reference distribution r(z|y) per class
+    takes_soft_targets = False
     search_space = {"l2r": [1e-3, 1e-2, 1e-1], "cmi": [1e-4, 5e-4, 1e-3, 5e-3]}
 
-    @property
-    def fedsr_params(self) -> FedSRParams:
-        assert isinstance(self.params, FedSRParams)
-        return self.params
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         if not isinstance(model, FedModel):
             raise TypeError("FedSR needs a zoo model (classifier(features(x)))")
-        return FedSRNet(model, self.fedsr_params.z_dim)
+        return FedSRNet(model, self.params.z_dim)
 
     def client_update(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
         assert isinstance(model, FedSRNet)
         load_weights(model, msg)
-        p = self.fedsr_params
+        p = self.params
         num_classes, z_dim = model.classifier.out_features, model.z_dim
         ref = client_state or {
             "ref/mu": torch.zeros(num_classes, z_dim).numpy(),
@@ -126,7 +126,7 @@ class FedSR(Method):
                 z = mu + sigma * torch.randn_like(mu)
                 l2r = l2r_term(z).mean()
                 cmi = cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean()
-                loss = F.cross_entropy(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
+                loss = ctx.task.loss(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
             opt.zero_grad(set_to_none=True)
             scaled_step(loss, opt, scaler)
             for k, v in (("loss", loss), ("l2r", l2r), ("cmi", cmi)):
@@ -137,13 +137,13 @@ class FedSR(Method):
         state = {k: t.detach().cpu().numpy().copy() for k, t in zip(REF_KEYS, (r_mu, r_sigma, scale), strict=True)}
         return reply, state
 
-    def predict(self, model: nn.Module, x: Tensor) -> Tensor:
+    def predict(self, model: nn.Module, x: Inputs) -> Tensor:
         """``log`` of the softmax averaged over ``num_samples`` draws of ``z`` (drawn from a fixed seed,
         so evaluation is deterministic and independent of what ran before)."""
         assert isinstance(model, FedSRNet)
         mu, sigma = model.distribution(x)
-        gen = torch.Generator(device=x.device).manual_seed(0)
-        s = self.fedsr_params.num_samples
-        eps = torch.randn((s, *mu.shape), generator=gen, device=x.device, dtype=mu.dtype)
+        gen = torch.Generator(device=mu.device).manual_seed(0)
+        s = self.params.num_samples
+        eps = torch.randn((s, *mu.shape), generator=gen, device=mu.device, dtype=mu.dtype)
         probs = F.softmax(model.classifier((mu + sigma * eps).reshape(-1, mu.shape[1])), dim=1)
         return probs.reshape(s, mu.shape[0], -1).mean(0).clamp_min(1e-12).log()

@@ -41,6 +41,7 @@ from feddg.algorithms.base import (
 from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.algorithms.components.style import finch_labels
 from feddg.messages import Message, load_weights
+from feddg.tasks import CLASS_LABELS
 
 PROTO_MEAN, PROTO_PRESENT = "proto/mean", "proto/present"
 CLUSTER, CLUSTER_CLASS, UNBIASED, HAS_UNBIASED = "proto/cluster", "proto/cluster_class", "proto/unbiased", "proto/has"
@@ -97,6 +98,8 @@ class FPL(Method):
     Params = FPLParams
     search_space = {"temperature": [0.02, 0.07, 0.2], "upcr_weight": [0.1, 1.0, 10.0]}
     params: FPLParams
+    requires = frozenset({CLASS_LABELS})  # prototypes per class
+    takes_soft_targets = False
 
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
         msg = dict(state["weights"])
@@ -132,7 +135,7 @@ class FPL(Method):
             with ctx.autocast():
                 z = model.features(x)
                 logits = model.classifier(z)
-                loss = F.cross_entropy(logits, y) + self._proto_terms(z, y, protos)
+                loss = ctx.task.loss(logits, y) + self._proto_terms(z, y, protos)
             scaled_step(loss, opt, scaler)
             total += float(loss.detach())
             steps += 1

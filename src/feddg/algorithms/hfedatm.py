@@ -1,4 +1,4 @@
-"""HFedATM (hierarchical federated alignment and merging): its hyper-parameters, the client's Gram
+"""HFedATM (hierarchical federated alignment and merging): the client's Gram
 recorder (eq. 8, optionally clipped and noised for DP, §3.4) and the station's Gram statistics
 (eqs. 9–10).
 
@@ -12,48 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from feddg.aggregation.dp import clip_rows, gaussian_sigma, gram_sensitivity, privatize_gram
+from feddg.aggregation.dp import clip_rows, privatize_gram
+from feddg.aggregation.merges import GRAM_FLAG, GRAM_PREFIX, HFedATMParams
 from feddg.aggregation.regmean import psd_project, shrink, station_gram
-from feddg.algorithms.base import ClientContext, ClientState, Method, Params
+from feddg.algorithms.base import ClientContext, ClientState, Method
+from feddg.devices import Inputs
 from feddg.messages import Message
-
-GRAM_FLAG = "collect_gram"  # server -> client: also send Grams this round
-GRAM_PREFIX = "gram/"  # client -> station: "gram/<nn.Linear module name>" = X^T X of its inputs
-
-
-class HFedATMParams(Params):
-    """``hierarchy.params``: the station topology's and its merge's hyper-parameters (defaults: HFedATM
-    supplement Table 1)."""
-
-    lambda_ot: float = Field(0.05, gt=0, description="λ_OT, Sinkhorn entropic regulariser (eq. 4)")
-    sinkhorn_iters: int = Field(25, ge=1, description="n_iter, Sinkhorn iterations")
-    solver: Literal["sinkhorn", "hungarian"] = Field("sinkhorn", description="OT solver; hungarian = exact assignment")
-    alpha: float = Field(0.75, ge=0, le=1, description="RegMean shrinkage α (eq. 10)")
-    gram_pass: Literal["last_epoch", "after"] = Field(
-        "last_epoch", description="Grams from the last local epoch's training passes, or an extra no-grad pass after it"
-    )
-    client_pull: Literal["station", "global"] = Field(
-        "station", description="clients start each station round from their station's model, or from the global one"
-    )
-    dp_epsilon: float | None = Field(None, gt=0, description="ε of the Gaussian mechanism on each Gram; null = no DP")
-    dp_delta: float = Field(1e-5, gt=0, lt=1)
-    dp_clip: float = Field(1.0, gt=0, description="per-sample L2 clip C of a linear layer's input (sensitivity C²)")
-    dp_mechanism: Literal["analytic", "classic"] = "analytic"
-    dp_accountant: Literal["rdp", "pld"] = Field("rdp", description="composes the run's Gram releases into one ε")
-
-    def dp_sigma(self) -> float | None:
-        """σ of the Gaussian noise on every Gram entry, or ``None`` without DP."""
-        if self.dp_epsilon is None:
-            return None
-        return gaussian_sigma(self.dp_epsilon, self.dp_delta, gram_sensitivity(self.dp_clip), self.dp_mechanism)
-
 
 # ------------------------------------------------------------------------------- client: eq. 8
 
@@ -126,7 +96,7 @@ class GramRecorder:
 class _TrackedContext(ClientContext):
     recorder: GramRecorder | None = None
 
-    def batches(self, *, shuffle: bool = True, train: bool = True) -> Iterator[tuple[Tensor, Tensor]]:
+    def batches(self, *, shuffle: bool = True, train: bool = True) -> Iterator[tuple[Inputs, Tensor]]:
         assert self.recorder is not None
         self.recorder.new_pass()
         for batch in super().batches(shuffle=shuffle, train=train):
@@ -150,7 +120,7 @@ def update_with_grams(
     else:
         reply, client_state = method.client_update(model, msg, client_state, ctx)
         recorder.extra_pass(model, ctx)
-    grams = recorder.grams()
+    grams = {k: g.cpu() for k, g in recorder.grams().items()}  # the noise and the reply live on the CPU
     if sigma is not None:
         grams = {k: privatize_gram(g, sigma, ctx.generator) for k, g in grams.items()}
     return {**reply, **{GRAM_PREFIX + k: g.float().numpy() for k, g in grams.items()}}, client_state

@@ -21,7 +21,7 @@ See ``docs/methods/hfedf.md`` for every choice the paper leaves open.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,8 +43,10 @@ from feddg.algorithms.base import (
 from feddg.algorithms.components.embedding_ae import EmbeddingAutoencoder, train_and_embed
 from feddg.algorithms.components.hypernetwork import HyperNetwork, hypernetwork_vjp
 from feddg.algorithms.components.local import train_local
+from feddg.devices import images
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights
 from feddg.seeds import derived_seed
+from feddg.tasks import IMAGES
 
 DELTA_PREFIX = "delta/"
 EMB_KEY = "emb/latent"
@@ -145,6 +147,12 @@ class HFedF(Method):
     name = "hfedf"
     Params = HFedFParams
     params: HFedFParams
+
+    @classmethod
+    def requirements(cls, params: Any) -> frozenset[str]:
+        """The auto-encoder embeddings (C.2) are learned from images."""
+        assert isinstance(params, HFedFParams)
+        return frozenset({IMAGES}) if params.embeddings == "autoencoder" else frozenset()
     personalized = True
     averages_weights = False
     search_space = {
@@ -316,12 +324,13 @@ class HFedF(Method):
         """Train the Table-6 auto-encoder on ``ae_images`` local images; upload only their mean latent."""
         p = self.params
         order = torch.randperm(ctx.num_examples, generator=ctx.generator)[: p.ae_images].numpy()
-        images, _ = ctx.dataset.get_batch(ctx.train_idx[np.sort(order)], train=False)
-        c, h, _ = images.shape[1:]
+        x, _ = ctx.dataset.get_batch(ctx.train_idx[np.sort(order)], train=False)
+        batch = images(x)
+        c, h, _ = batch.shape[1:]
         with torch.random.fork_rng():
             torch.manual_seed(int(msg["ae_seed"]))
             ae = EmbeddingAutoencoder(c, h, int(msg["latent_dim"]))
-        latent = train_and_embed(ae, images.float().cpu(), epochs=p.ae_epochs, lr=p.ae_lr,
+        latent = train_and_embed(ae, batch.float().cpu(), epochs=p.ae_epochs, lr=p.ae_lr,
                                  batch_size=ctx.batch_size, generator=ctx.generator)
         return {EMB_KEY: latent}, client_state
 

@@ -40,7 +40,7 @@ from feddg.algorithms.base import (
     ServerState,
     weights_reply,
 )
-from feddg.algorithms.components.local import LossFn, cross_entropy_loss
+from feddg.algorithms.components.local import LossFn
 from feddg.algorithms.scaffold import corrected_training
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
 
@@ -67,7 +67,7 @@ class MTGC(Method):
 
     name = "mtgc"
     station_merges: ClassVar[tuple[str, ...]] = ("avg",)
-    loss_fn: LossFn = staticmethod(cross_entropy_loss)  # the local objective F_i (tests swap in a quadratic)
+    loss_fn: LossFn | None = None  # the local objective F_i: the task's loss (tests swap in a quadratic)
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
         """One station's state (the topology copies it per station): its model, ``y_j``, ``Σ_e Hγ`` so far."""

@@ -58,7 +58,9 @@ from feddg.algorithms.components.style import (
     style_vectors,
 )
 from feddg.data.transforms import BatchRandomCrop
+from feddg.devices import Inputs, images
 from feddg.messages import Message, load_weights, subset
+from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 #: ``(model, x) -> g(x̃)``
@@ -151,8 +153,9 @@ def sample_negatives(labels: Tensor, generator: torch.Generator | None = None) -
     anchors = torch.nonzero(other.any(dim=1)).flatten()
     if len(anchors) == 0:
         return anchors, anchors
-    neg = torch.multinomial(other[anchors].float(), 1, generator=generator).flatten()
-    return anchors, neg
+    # drawn on the CPU, where the client's generator lives (the batch may be on a GPU)
+    neg = torch.multinomial(other[anchors].float().cpu(), 1, generator=generator).flatten()
+    return anchors, neg.to(labels.device)
 
 
 def triplet_loss(
@@ -193,6 +196,14 @@ class Pardon(Method):
     Params = PardonParams
     search_space = {"triplet_weight": [0.25, 0.5, 0.75, 1.0], "reg_weight": [0.05, 0.1, 0.2], "alpha": [0.25, 0.5, 1.0]}
     params: PardonParams
+    requires = frozenset({IMAGES, CLASS_LABELS})  # image styles (AdaIN) and class triplets
+    takes_soft_targets = False
+
+    @classmethod
+    def requirements(cls, params: Any) -> frozenset[str]:
+        """Its feature-space style path also needs the model's conv stages."""
+        assert isinstance(params, PardonParams)
+        return cls.requires | ({CONV_STAGES} if params.style_path == "feature" else set())
 
     @property
     def uses_style(self) -> bool:
@@ -229,7 +240,7 @@ class Pardon(Method):
             return np.zeros(len(mean), dtype=np.int64)
         if self.params.cluster_on == "style":
             return finch_labels(style_vectors(mean.numpy(), std_from_moments(mean, second).numpy()), "coarsest")
-        flat = torch.cat([codec.encode(x).flatten(1).cpu() for x, _ in ctx.batches(shuffle=False, train=False)])
+        flat = torch.cat([codec.encode(images(x)).flatten(1).cpu() for x, _ in ctx.batches(shuffle=False, train=False)])
         return finch_labels(flat.numpy(), "coarsest")
 
     def server_setup(self, state: ServerState, replies: list[Reply]) -> ServerState:
@@ -270,12 +281,13 @@ class Pardon(Method):
         p = self.params
         stylise = self._stylise(model, msg, client_state, ctx)
 
-        def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        def loss_fn(m: nn.Module, inputs: Inputs, y: Tensor) -> Tensor:
+            x = images(inputs)
             f = m.features(x)
-            loss = F.cross_entropy(m.classifier(f), y)
+            loss = ctx.task.loss(m.classifier(f), y)
             f_tilde = stylise(m, x)
             if p.objective == "stylised-ce":
-                loss = loss + F.cross_entropy(m.classifier(f_tilde), y)
+                loss = loss + ctx.task.loss(m.classifier(f_tilde), y)
             elif p.triplet_weight > 0:
                 loss = loss + p.triplet_weight * triplet_loss(f, f_tilde, y, p.margin, ctx.generator)
             return loss + p.reg_weight * representation_reg(f, f_tilde)

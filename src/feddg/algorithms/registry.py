@@ -53,5 +53,16 @@ def create_method(name: str, params: Mapping[str, Any] | None = None) -> Method:
     return cls(cls.Params(**dict(params or {})))
 
 
+def method_label(name: str) -> str:
+    """``name`` as listings, tables and reports show it: with " (reconstructed)" for a reconstructed method."""
+    return f"{name} (reconstructed)" if method_class(name).reconstructed else name
+
+
+def labelled(variant: str, method: str) -> str:
+    """A sweep variant's row name: " (reconstructed)" added when its method is reconstructed (and not named)."""
+    reconstructed = method_class(method).reconstructed and "(reconstructed)" not in variant
+    return f"{variant} (reconstructed)" if reconstructed else variant
+
+
 def list_methods() -> list[str]:
     return sorted(METHODS)

@@ -40,7 +40,8 @@ from feddg.algorithms.base import (
     ServerState,
     weights_reply,
 )
-from feddg.algorithms.components.local import LossFn, cross_entropy_loss, train_local
+from feddg.algorithms.components.local import LossFn, task_loss, train_local
+from feddg.devices import Inputs
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
 
 CONTROL = "c/"  # server -> client: c per trainable parameter
@@ -61,34 +62,37 @@ def option2(ci: np.ndarray, c: np.ndarray, x: np.ndarray, y: np.ndarray, steps: 
 
 
 def corrected_training(model: nn.Module, ctx: ClientContext, lr: float, correction: list[Tensor],
-                       loss_fn: LossFn = cross_entropy_loss) -> tuple[float, int]:
-    """``train_local`` with each parameter's gradient ``g`` replaced by ``g + correction`` (``= g − c_i + c``);
-    returns the mean loss and the number of local steps ``K``."""
+                       loss_fn: LossFn | None = None) -> tuple[float, int]:
+    """``train_local`` with each parameter's gradient ``g`` replaced by ``g + correction`` (``= g − c_i + c``), added
+    to the unscaled gradient (under ``optim.amp: fp16`` too); returns the mean loss and the number of local steps
+    ``K``."""
     steps = 0
+    params = list(model.parameters())
+    objective = loss_fn or task_loss(ctx)
 
-    def counted(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    def counted(m: nn.Module, x: Inputs, y: Tensor) -> Tensor:
         nonlocal steps
         steps += 1
-        return loss_fn(m, x, y)
+        return objective(m, x, y)
 
-    handles = [p.register_hook(lambda g, d=d: g + d) for p, d in zip(model.parameters(), correction, strict=True)]
-    try:
-        loss = train_local(model, ctx, lr=lr, loss_fn=counted)
-    finally:
-        for h in handles:
-            h.remove()
-    return loss, steps
+    def correct() -> None:
+        for p, d in zip(params, correction, strict=True):
+            if p.grad is not None:
+                p.grad.add_(d)
+
+    return train_local(model, ctx, lr=lr, loss_fn=counted, edit_grads=correct), steps
 
 
-def full_gradient(model: nn.Module, ctx: ClientContext, loss_fn: LossFn = cross_entropy_loss) -> list[np.ndarray]:
+def full_gradient(model: nn.Module, ctx: ClientContext, loss_fn: LossFn | None = None) -> list[np.ndarray]:
     """``∇f_i(x)``: the gradient of the client's mean loss over all its data (train mode as in training, in
     order, no augmentation; BatchNorm statistics restored after) plus the optimiser's L2 term ``wd · x``."""
     params = list(model.parameters())
+    objective = loss_fn or task_loss(ctx)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     total = [torch.zeros_like(p) for p in params]
     model.train()
     for x, y in ctx.batches(shuffle=False, train=False):
-        grads = torch.autograd.grad(loss_fn(model, x, y) * len(y), params)
+        grads = torch.autograd.grad(objective(model, x, y) * len(y), params)
         total = [t + g for t, g in zip(total, grads, strict=True)]
     with torch.no_grad():
         for k, v in model.named_buffers():
@@ -104,12 +108,8 @@ class Scaffold(Method):
     Params = ScaffoldParams
     params: ScaffoldParams
     search_space: ClassVar[dict[str, list[Any]]] = {"server_lr": [0.5, 1.0]}
-    loss_fn: LossFn = staticmethod(cross_entropy_loss)  # the local objective f_i (tests swap in a quadratic)
+    loss_fn: LossFn | None = None  # the local objective f_i: the task's loss (tests swap in a quadratic)
 
-    @property
-    def p(self) -> ScaffoldParams:
-        assert isinstance(self.params, ScaffoldParams)
-        return self.params
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
         control = {n: np.zeros_like(p.detach().cpu().numpy()) for n, p in model.named_parameters()}
@@ -122,7 +122,7 @@ class Scaffold(Method):
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
         option2_ok = ctx.optim.name == "sgd" and ctx.optim.momentum == 0
-        if self.p.control == "option2" and not option2_ok:
+        if self.params.control == "option2" and not option2_ok:
             raise ValueError("SCAFFOLD option II assumes plain SGD local steps: set optim.momentum=0 (optim.name=sgd) "
                              "or method.params.control=option1")
         load_weights(model, msg)
@@ -131,7 +131,7 @@ class Scaffold(Method):
         c = [np.asarray(msg[CONTROL + n]) for n in names]
         ci = [np.asarray(client_state.get(OWN + n, np.zeros_like(v))) for n, v in zip(names, c, strict=True)]
         x = [np.asarray(msg[WEIGHT_PREFIX + n]) for n in names]
-        grad_x = full_gradient(model, ctx, self.loss_fn) if self.p.control == "option1" else None
+        grad_x = full_gradient(model, ctx, self.loss_fn) if self.params.control == "option1" else None
         correction = [torch.from_numpy(cc - cic).to(ctx.device) for cc, cic in zip(c, ci, strict=True)]
         loss, steps = corrected_training(model, ctx, lr, correction, self.loss_fn)
         reply = weights_reply(model, ctx.num_examples, loss)
@@ -153,7 +153,7 @@ class Scaffold(Method):
 
     def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
         assert acc.weights is not None
-        mean, old, eta = acc.weights.mean(), state["weights"], self.p.server_lr
+        mean, old, eta = acc.weights.mean(), state["weights"], self.params.server_lr
         new = dict(mean)
         for n in state["control"]:
             k = WEIGHT_PREFIX + n  # x + η_g (ȳ − x), written as ȳ + (η_g − 1)(ȳ − x): exactly ȳ at η_g = 1

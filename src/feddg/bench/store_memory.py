@@ -73,7 +73,7 @@ def local_only_server(n_clients: int, params: int, budget_mb: float | None, root
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     t0 = time.perf_counter()
-    state = method.server_init(model, ServerContext(n_clients, 1, 10, 0, stores.open))
+    state = method.server_init(model, ServerContext(n_clients, 1, 0, stores.open))
     client_states = stores.open("client_states")
     for first in range(0, n_clients, PER_ROUND):
         state = _round(method, state, client_states, template, range(first, min(first + PER_ROUND, n_clients)))

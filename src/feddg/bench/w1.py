@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +25,9 @@ from feddg.algorithms.registry import create_method
 from feddg.config import ExperimentConfig, build_config
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.engines.inprocess import run_inprocess
-from feddg.engines.workers import one_torch_thread, resolve_workers
+from feddg.engines.workers import can_fork, one_torch_thread, resolve_workers
 from feddg.federation.server import Server
-from feddg.federation.setup import Federation, make_clients, make_split, make_topology
+from feddg.federation.setup import Federation, make_clients, make_split, make_topology, resolve_device
 from feddg.models import create_model
 
 CLIENTS, IMAGES, SIZE, CLASSES, ROUNDS, BATCH, LR = 4, 2000, 28, 10, 5, 32, 0.05
@@ -47,11 +48,11 @@ def w1_dataset(images: int = IMAGES, seed: int = 0) -> TensorDomainDataset:
                                           mean=[0.5] * 3, std=[0.25] * 3)
 
 
-def w1_config(workers: int | str, images: int = IMAGES) -> ExperimentConfig:
+def w1_config(workers: int | str, images: int = IMAGES, device: str = "cpu") -> ExperimentConfig:
     """W1 as a config; ``data.max_per_domain`` carries the images per client (the dataset itself is built here)."""
     return build_config({
         "data": {"max_per_domain": images},
-        "name": "w1", "model": {"name": "cnn4"}, "method": {"name": "fedavg"}, "device": "cpu",
+        "name": "w1", "model": {"name": "cnn4"}, "method": {"name": "fedavg"}, "device": device,
         "partition": {"kind": "by_domain", "num_clients": CLIENTS, "holdout": 0.0}, "split": {"target": "test"},
         "optim": {"name": "sgd", "lr": LR, "schedule": "constant"},
         "federation": {"rounds": ROUNDS, "local_epochs": 1, "batch_size": BATCH, "workers": workers},
@@ -66,13 +67,14 @@ def w1_federation(cfg: ExperimentConfig) -> Federation:
     clients = make_clients(ds, split, cfg)
     method = create_method(cfg.method.name, cfg.method.params)
     torch.manual_seed(cfg.seed)
-    model = method.prepare_model(create_model("cnn4", num_classes=CLASSES))
-    return Federation(cfg, ds, split, clients, method, model, torch.device("cpu"), make_topology(cfg, clients, model))
+    device = resolve_device(cfg.device)
+    model = method.prepare_model(create_model("cnn4", num_classes=CLASSES)).to(device)
+    return Federation(cfg, ds, split, clients, method, model, device, make_topology(cfg, clients, model))
 
 
-def run_feddg(workers: int | str, images: int = IMAGES) -> float:
+def run_feddg(workers: int | str, images: int = IMAGES, device: str = "cpu") -> float:
     """Wall seconds of W1 through feddg's in-process engine (pool start-up, 5 rounds, evaluation, files)."""
-    cfg = w1_config(workers, images)
+    cfg = w1_config(workers, images, device)
     fed = w1_federation(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -86,11 +88,13 @@ def run_feddg_one_thread(images: int = IMAGES) -> float:
         return run_feddg(1, images)
 
 
-def _plain_worker(images: torch.Tensor, labels: torch.Tensor, epochs: int, seed: int) -> None:
-    """``epochs`` client-epochs of plain SGD training on one thread (the yardstick's half)."""
+def _plain_worker(images: torch.Tensor, labels: torch.Tensor, epochs: int, seed: int, device: str = "cpu") -> None:
+    """``epochs`` client-epochs of plain SGD training (the yardstick's half): on one thread, or on ``device``
+    with the batches built there (a GPU's yardstick)."""
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    model = create_model("cnn4", num_classes=CLASSES)
+    model = create_model("cnn4", num_classes=CLASSES).to(device)
+    images, labels = images.to(device), labels.to(device)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
@@ -98,20 +102,35 @@ def _plain_worker(images: torch.Tensor, labels: torch.Tensor, epochs: int, seed:
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
         for idx in torch.randperm(len(labels), generator=g).split(BATCH):
+            idx = idx.to(device)
             x = (images[idx].float().div_(255.0) - 0.5) / 0.25
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), labels[idx]).backward()
             opt.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def _plain_data(images: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ds = w1_dataset(images)
+    train = np.flatnonzero(ds.domain_ids != ds.domain_index("test"))[:images]
+    return ds.images[train], torch.from_numpy(ds.labels[train])
+
+
+def run_plain_on(device: str, images: int = IMAGES) -> float:
+    """Wall seconds of the 20 client-epochs in this process on ``device`` (a GPU's yardstick)."""
+    x, y = _plain_data(images)
+    t0 = time.perf_counter()
+    _plain_worker(x, y, CLIENTS * ROUNDS, 0, device)
+    return time.perf_counter() - t0
 
 
 def run_plain(images: int = IMAGES, processes: int = 2) -> float:
     """Wall seconds of the same 20 client-epochs on ``processes`` forked one-thread processes."""
-    ds = w1_dataset(images)
-    train = np.flatnonzero(ds.domain_ids != ds.domain_index("test"))[:images]
-    images, labels = ds.images[train], torch.from_numpy(ds.labels[train])
+    images, labels = _plain_data(images)
     epochs = CLIENTS * ROUNDS // processes
     importlib.import_module("torch._dynamo")  # the first optimiser step imports it: not compute; forks inherit it
-    ctx = mp.get_context("fork")
+    ctx: Any = mp.get_context("fork" if can_fork() else "spawn")  # no fork once CUDA (and its autograd threads) ran
     t0 = time.perf_counter()
     procs = [ctx.Process(target=_plain_worker, args=(images, labels, epochs, i)) for i in range(processes)]
     for p in procs:

@@ -16,26 +16,37 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from feddg.devices import Inputs
+
 
 class DomainDataset(ABC):
-    """Labelled images from several domains.
+    """Samples from several domains, each with a target for the dataset's task.
 
     Attributes:
         name: registry name, e.g. ``"digits-dg"``.
+        task: the task of its targets (``feddg.tasks``): ``classification``, ...
+        inputs: what :meth:`get_batch` returns as inputs: ``images`` (a tensor) or ``tokens`` (a dict of tensors).
         domains: domain names; ``domain_ids`` index into it.
-        classes: class names; ``labels`` index into it.
-        labels: int64 array ``[N]``.
+        classes: class names (a segmentation's per-pixel classes); ``labels`` index into it.
+        labels: int64 array ``[N]``: each sample's class where the task has one per sample (partitioners and
+            ``feddg datasets`` read it), else 0.
         domain_ids: int64 array ``[N]``.
-        image_shape: ``(C, H, W)`` of the tensors :meth:`get_batch` returns.
+        groups: int64 array ``[N]`` of natural client groups (a writer, a camera, a hospital), or ``None``;
+            ``partition.kind: natural`` makes each group a client; ``group_names`` names them.
+        image_shape: ``(C, H, W)`` of the image tensors :meth:`get_batch` returns (for tokens: ``(1, 1, L)``).
         seeded_batches: whether training batches are random (see :func:`iterate_batches`).
         loader_workers: processes that build batches for :func:`iterate_batches` (0: the caller's).
     """
 
     name: str
+    task: str = "classification"
+    inputs: str = "images"
     domains: list[str]
     classes: list[str]
     labels: np.ndarray
     domain_ids: np.ndarray
+    groups: np.ndarray | None = None
+    group_names: list[str] | None = None
     image_shape: tuple[int, int, int]
     seeded_batches: bool = False
     loader_workers: int = 0
@@ -56,8 +67,9 @@ class DomainDataset(ABC):
     @abstractmethod
     def get_batch(
         self, indices: np.ndarray, train: bool, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Float images ``[B, C, H, W]`` (normalised) and int64 labels ``[B]``.
+    ) -> tuple[Inputs, Tensor]:
+        """``(inputs, target)``: float images ``[B, C, H, W]`` (normalised), or a dict of tensors, and the task's
+        target (int64 labels ``[B]`` for classification).
 
         ``train`` switches on the dataset's training augmentation, drawn from ``generator``
         so a client's batches are reproducible.
@@ -81,7 +93,7 @@ class _Batches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, i: int) -> tuple[Inputs, Tensor]:
         generator = None if self.seed is None else torch.Generator().manual_seed(self.seed + i)
         return self.dataset.get_batch(self.chunks[i], train=self.train, generator=generator)
 
@@ -95,7 +107,7 @@ def iterate_batches(
     train: bool,
     generator: torch.Generator | None = None,
     drop_last: bool = False,
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[tuple[Inputs, Tensor]]:
     """Yield batches of ``dataset`` restricted to ``indices``.
 
     Shuffling and augmentation draw from ``generator`` only, so two runs with equally seeded

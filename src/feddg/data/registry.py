@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,13 +64,29 @@ BUILTINS: dict[str, Builtin] = {
 }
 
 
+@dataclass(frozen=True)
+class Plugin:
+    """A dataset registered from outside feddg (``PLUGINS[name] = Plugin(...)``): ``load(**options)`` takes
+    :func:`load_dataset`'s keyword options and returns the dataset; the rest is what configs are checked against
+    before it loads."""
+
+    load: Callable[..., DomainDataset]
+    domains: list[str]
+    classes: list[str]
+    task: str = "classification"
+    inputs: str = "images"
+
+
+PLUGINS: dict[str, Plugin] = {}
+
+
 def list_datasets() -> list[str]:
-    """Names accepted by :func:`load_dataset`: built-in benchmarks first, then folder presets."""
-    return [*BUILTINS, *PRESETS]
+    """Names accepted by :func:`load_dataset`: built-in benchmarks first, then folder presets, then plug-ins."""
+    return [*BUILTINS, *PRESETS, *PLUGINS]
 
 
 def _check_name(name: str) -> None:
-    if name not in BUILTINS and name not in PRESETS:
+    if name not in BUILTINS and name not in PRESETS and name not in PLUGINS:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(list_datasets())}")
 
 
@@ -77,7 +94,12 @@ def dataset_info(name: str) -> dict[str, Any]:
     """``domains``, ``classes`` (empty where discovered from the folders), ``num_classes`` (``None``
     if unknown), ``needs_root`` and the default ``image_size`` of dataset ``name``."""
     _check_name(name)
-    if name in BUILTINS:
+    task, inputs = "classification", "images"
+    if name in PLUGINS:
+        plugin = PLUGINS[name]
+        domains, classes, num_classes = list(plugin.domains), list(plugin.classes), len(plugin.classes)
+        needs_root, image_size, task, inputs = False, None, plugin.task, plugin.inputs
+    elif name in BUILTINS:
         b = BUILTINS[name]
         domains, classes, num_classes = list(b.builders), list(b.classes), len(b.classes)
         needs_root, image_size = False, digits.NATIVE_SIZE
@@ -87,7 +109,7 @@ def dataset_info(name: str) -> dict[str, Any]:
         num_classes = p.num_classes or (len(classes) or None)
         needs_root, image_size = True, DEFAULT_IMAGE_SIZE
     return {"name": name, "domains": domains, "classes": classes, "num_classes": num_classes,
-            "needs_root": needs_root, "image_size": image_size}
+            "needs_root": needs_root, "image_size": image_size, "task": task, "inputs": inputs}
 
 
 def _select(name: str, available: list[str], requested: list[str] | None) -> list[str]:
@@ -229,7 +251,10 @@ def load_dataset(
     if loader_workers < 0:
         raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
     dataset: DomainDataset
-    if name in BUILTINS:
+    if name in PLUGINS:
+        dataset = PLUGINS[name].load(root=root, cache_dir=cache_dir, image_size=image_size, seed=seed, domains=domains,
+                                     max_per_domain=max_per_domain, transforms=transforms)
+    elif name in BUILTINS:
         if root is not None:
             raise ValueError(f"{name} is built in and takes no root (got {root!r})")
         chosen = _select(name, list(BUILTINS[name].builders), domains)

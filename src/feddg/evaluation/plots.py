@@ -1,7 +1,8 @@
-"""PNG plots of a run directory: accuracy per round, and id/ood accuracy per domain.
+"""PNG plots of a run directory: the task's metric per round, and id/ood figures per domain.
 
-Rounds are integers on every axis; accuracy plots carry the chance line (100 / classes) when
-the number of classes is known; per-domain bars show sample counts when given, and error bars
+Which keys hold the metric, its name, bounds and chance level come from the run's task (results.json's ``task``
+block, :class:`~feddg.tasks.TaskInfo`), never from key names. Rounds are integers on every axis; metric plots
+carry the chance line when the task has one; per-domain bars show sample counts when given, and error bars
 (sample std) with one dot per seed when a domain has several values.
 """
 
@@ -17,11 +18,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+import yaml
 from matplotlib.axes import Axes
 from matplotlib.ticker import MaxNLocator
 
+from feddg.tasks import TaskInfo, info_for_dataset
+
 ROLE_COLOURS = {"id": "tab:blue", "val": "tab:orange", "ood": "tab:red"}
-ACC_STYLES = (("id_acc", "-o"), ("val_acc", "-s"), ("ood_acc", "-^"), ("global_ood_acc", "--"))
+ROLE_STYLES = (("id", "-o"), ("val", "-s"), ("ood", "-^"), ("global_ood", "--"))
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -37,28 +41,29 @@ def integer_rounds(ax: Axes) -> None:
     ax.set_xlabel("round")
 
 
-def chance_line(ax: Axes, num_classes: int | None) -> None:
-    if num_classes:
-        ax.axhline(100.0 / num_classes, ls=":", color="grey", label=f"chance ({100.0 / num_classes:.3g} %)")
+def chance_line(ax: Axes, task: TaskInfo) -> None:
+    if task.chance is not None:
+        ax.axhline(task.chance, ls=":", color="grey", label=f"chance ({task.chance:.3g} {task.unit})".replace(" )", ")"))
 
 
-def draw_accuracy(ax: Axes, metrics: list[dict[str, Any]], num_classes: int | None = None) -> None:
-    """Mean id / val / ood accuracy per evaluated round."""
-    for key, style in ACC_STYLES:
+def draw_metric(ax: Axes, metrics: list[dict[str, Any]], task: TaskInfo) -> None:
+    """The task's metric, mean over domains, per evaluated round: id / val / ood."""
+    for role, style in ROLE_STYLES:
+        key = task.key(role)
         pts = [(m["round"], m[key]) for m in metrics if key in m]
         if pts:
-            ax.plot(*zip(*pts), style, label=key.removesuffix("_acc"), markersize=3)
-    chance_line(ax, num_classes)
+            ax.plot(*zip(*pts), style, label=role, markersize=3)
+    chance_line(ax, task)
     integer_rounds(ax)
-    ax.set(ylabel="accuracy (%)", ylim=(0, 100), title="accuracy")
+    ax.set(ylabel=task.axis_label, ylim=task.bounds, title=task.label)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 
 
-def plot_curves(metrics: list[dict[str, Any]], path: Path, title: str = "", num_classes: int | None = None) -> Path:
-    """Mean id / val / ood accuracy (with the chance line) and training loss per round."""
+def plot_curves(metrics: list[dict[str, Any]], path: Path, task: TaskInfo, title: str = "") -> Path:
+    """The task's metric (with the chance line) and training loss per round."""
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.8))
-    draw_accuracy(ax_acc, metrics, num_classes)
+    draw_metric(ax_acc, metrics, task)
     ax_loss.plot([m["round"] for m in metrics], [m["train_loss"] for m in metrics], "-o", markersize=3)
     integer_rounds(ax_loss)
     ax_loss.set(ylabel="loss", title="mean client training loss")
@@ -67,44 +72,46 @@ def plot_curves(metrics: list[dict[str, Any]], path: Path, title: str = "", num_
     return save(fig, path)
 
 
-def domain_bars(values: Mapping[str, float | Sequence[float]]) -> list[tuple[str, str, list[float]]]:
-    """``(domain, role, values)`` for every per-domain key (``ood_acc/uci`` -> ``("uci", "ood", [...])``)."""
+def domain_bars(values: Mapping[str, float | Sequence[float]], task: TaskInfo) -> list[tuple[str, str, list[float]]]:
+    """``(domain, role, values)`` for every per-domain key of the task's metric of the id / val / ood roles
+    (``ood_acc/uci`` -> ``("uci", "ood", [...])``)."""
     bars = []
     for key, val in values.items():
-        if "/" in key and not key.startswith("global"):
-            kind, dom = key.split("/", 1)
+        parsed = task.parse(key)
+        if parsed is not None and parsed[1] is not None and parsed[0] in ROLE_COLOURS:
             vals = [float(val)] if isinstance(val, int | float) else [float(v) for v in val]
-            bars.append((dom, kind.removesuffix("_acc"), vals))
+            bars.append((parsed[1], parsed[0], vals))
     return bars
 
 
-def draw_domains(ax: Axes, values: Mapping[str, float | Sequence[float]], counts: Mapping[str, int] | None = None,
-                 title: str = "") -> None:
+def draw_domains(ax: Axes, values: Mapping[str, float | Sequence[float]], task: TaskInfo,
+                 counts: Mapping[str, int] | None = None, title: str = "") -> None:
     """One bar per domain (mean); error bar = sample std and a dot per value where there are several;
     ``counts`` (same keys) put ``n=`` under each domain name."""
-    bars = domain_bars(values)
+    bars = domain_bars(values, task)
+    top = task.bounds[1]
     for i, (dom, kind, vals) in enumerate(bars):
         mean = float(np.mean(vals))
         std = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
         ax.bar(i, mean, color=ROLE_COLOURS.get(kind, "grey"), alpha=0.8, label=kind, yerr=std, capsize=4)
         if len(vals) > 1:
             ax.plot(i + np.linspace(-0.15, 0.15, len(vals)), vals, "o", color="black", markersize=3, zorder=3)
-        ax.text(i, min(mean + (std or 0) + 1.5, 101), f"{mean:.1f}", ha="center", fontsize=8)
-    labels = [f"{dom}\nn={counts[f'{kind}_acc/{dom}']}" if counts and f"{kind}_acc/{dom}" in counts else dom
+        ax.text(i, min(mean + (std or 0) + 0.015 * top, 1.01 * top), f"{mean:.1f}", ha="center", fontsize=8)
+    labels = [f"{dom}\nn={counts[task.key(kind, dom)]}" if counts and task.key(kind, dom) in counts else dom
               for dom, kind, _ in bars]
     ax.set_xticks(range(len(bars)), labels, fontsize=8)
     handles, names = ax.get_legend_handles_labels()
     uniq = dict(zip(names, handles))
     ax.legend(uniq.values(), uniq.keys(), fontsize=8)
-    ax.set(ylabel="accuracy (%)", ylim=(0, 108), title=title or "accuracy per domain")
+    ax.set(ylabel=task.axis_label, ylim=(task.bounds[0], 1.08 * top), title=title or f"{task.label} per domain")
 
 
-def plot_domains(final: Mapping[str, float | Sequence[float]], path: Path, title: str = "",
+def plot_domains(final: Mapping[str, float | Sequence[float]], path: Path, task: TaskInfo, title: str = "",
                  counts: Mapping[str, int] | None = None) -> Path:
-    """Per-domain accuracy: id for source domains, ood (and val) for held-out ones."""
-    n = len(domain_bars(final))
+    """Per-domain figures: id for source domains, ood (and val) for held-out ones."""
+    n = len(domain_bars(final, task))
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * n), 3.8))
-    draw_domains(ax, final, counts, title)
+    draw_domains(ax, final, task, counts, title)
     return save(fig, path)
 
 
@@ -125,28 +132,36 @@ def run_title(run_dir: Path) -> str:
     return f"{r['method']} · {r['dataset']} · held out {held} · seed {r['seed']}"
 
 
-def known_num_classes(run_dir: Path) -> int | None:
-    """Classes of the run's dataset where the registry knows them without loading it."""
-    from feddg.data import dataset_info
+def run_task(run_dir: Path) -> TaskInfo | None:
+    """What the run measures: results.json's ``task`` block; for a run that has not written it (still running, or
+    from before the block), its dataset's task from the registry (config.yaml's, else results.json's)."""
+    results = _json(run_dir / "results.json")
+    if results and isinstance(results.get("task"), dict):
+        return TaskInfo.of(results["task"])
+    config = run_dir / "config.yaml"
+    raw = yaml.safe_load(config.read_text()) if config.is_file() else None
+    dataset = ((raw or {}).get("data") or {}).get("dataset") or (results or {}).get("dataset")
+    return info_for_dataset(dataset) if isinstance(dataset, str) else None
 
-    path = run_dir / "results.json"
-    if not path.is_file():
-        return None
-    try:
-        return dataset_info(json.loads(path.read_text())["dataset"])["num_classes"]
-    except (KeyError, ValueError):
-        return None
+
+def _json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
-def plot_run(run_dir: str | Path, num_classes: int | None = None, counts: Mapping[str, int] | None = None) -> list[Path]:
-    """Write ``curves.png`` and ``domains.png`` into ``run_dir`` (``counts``: samples per ``<role>_acc/<domain>``)."""
+def plot_run(run_dir: str | Path, task: TaskInfo | None = None, counts: Mapping[str, int] | None = None) -> list[Path]:
+    """Write ``curves.png`` and ``domains.png`` into ``run_dir`` (``counts``: samples per key)."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)
     if not metrics:
         raise ValueError(f"{run_dir}/metrics.jsonl has no rounds yet")
+    task = task or run_task(run_dir)
+    if task is None:
+        raise ValueError(f"{run_dir}: its task is unknown (no results.json task block, and no dataset in config.yaml)")
     title = run_title(run_dir)
-    out = [plot_curves(metrics, run_dir / "curves.png", title, num_classes or known_num_classes(run_dir))]
-    last = next((m for m in reversed(metrics) if "ood_acc" in m), None)
-    if last is not None:
-        out.append(plot_domains({k: v for k, v in last.items() if "acc" in k}, run_dir / "domains.png", title, counts))
+    out = [plot_curves(metrics, run_dir / "curves.png", task, title)]
+    results = _json(run_dir / "results.json") or {}
+    last = results.get("final") or next((m for m in reversed(metrics) if task.key("ood") in m), None)
+    if last:
+        figures = {k: v for k, v in last.items() if task.parse(k) is not None}
+        out.append(plot_domains(figures, run_dir / "domains.png", task, title, counts or results.get("counts")))
     return out

@@ -26,6 +26,7 @@ def client_context(fed: Federation, client_id: int, round: int) -> ClientContext
         local_epochs=cfg.federation.local_epochs,
         optim=fed.optim,
         generator=client_generator(cfg.seed, round, client_id),
+        task=fed.task,
         device=fed.device,
     )
 

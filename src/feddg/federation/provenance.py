@@ -25,6 +25,7 @@ import torch
 
 import feddg
 from feddg.config import ConfigError, ExperimentConfig, build_config, read_yaml
+from feddg.reproducibility import kernel_record
 
 PROVENANCE = "provenance.json"
 CONFIG = "config.yaml"  # the run's resolved config, written by federation/server.py
@@ -35,6 +36,7 @@ HASH_EXCLUDES = (
     "data.cache_dir",  # where the built-in datasets are cached
     "data.loader_workers",  # DataLoader processes: the batches are the same for any value
     "device",  # cpu / cuda: float rounding only, like workers; provenance.json records the device used
+    "reproducibility",  # which CPU kernels: float rounding only; provenance.json records the kernels used
     "federation.workers",  # sequential vs worker processes: float summation order only (docs/architecture.md)
     "federation.checkpoint_every",  # resumes are bit-identical whatever the checkpoint interval
     "federation.client_timeout_s",  # a time limit, not a computation
@@ -71,6 +73,7 @@ def provenance(cfg: ExperimentConfig) -> dict[str, Any]:
         "flwr": _version("flwr"),
         "platform": platform.platform(),
         "machine": {"cpus": os.cpu_count(), "device": _device(cfg.device), "hostname": socket.gethostname()},
+        "reproducibility": kernel_record(cfg.reproducibility),
         "command": sys.argv,
         "resumed": [],
     }
@@ -89,7 +92,8 @@ def record_resume(run_dir: str | Path, cfg: ExperimentConfig, overrides: list[st
         return  # a run from before provenance.json: its config.yaml is re-hashed instead
     record["config_hash"] = config_hash(cfg)
     record.setdefault("resumed", []).append(
-        {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": overrides, "feddg": feddg.__version__, **git_state()}
+        {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": overrides, "feddg": feddg.__version__, **git_state(),
+         "reproducibility": kernel_record(cfg.reproducibility)}
     )
     _write(path, record)
 

@@ -21,15 +21,15 @@ import numpy as np
 
 from feddg.algorithms.base import Reply, ServerContext
 from feddg.config import ExperimentConfig, dump_config
-from feddg.evaluation.accuracy import accuracy_metrics, merge_counts
 from feddg.federation.checkpoint import load_checkpoint, save_checkpoint
 from feddg.federation.client_store import STORE_DIR, ClientStore, ClientStores, restore
-from feddg.federation.extra_eval import counts, extra_metrics
+from feddg.federation.evaluator import Evaluator
 from feddg.federation.provenance import write_provenance
 from feddg.federation.rounds import learning_rate
 from feddg.federation.setup import Federation
 from feddg.federation.validation import RunStopped, check_reply, outliers, shapes_of, update_norm
-from feddg.messages import Message, load_weights, message_nbytes, weights_of
+from feddg.messages import Message, message_nbytes, weights_of
+from feddg.reproducibility import check_pinned
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class Server:
     """Server-side state of one run, resumable from its run directory."""
 
     def __init__(self, fed: Federation, run_dir: str | Path, *, resume: bool = False) -> None:
+        check_pinned(fed.cfg.reproducibility)
         self.fed = fed
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +80,7 @@ class Server:
         if ckpt is None:
             cfg = fed.cfg
             self.stores = ClientStores(self.run_dir / STORE_DIR, budget_bytes)
-            ctx = ServerContext(len(fed.clients), self.rounds, fed.dataset.num_classes, cfg.seed, self.stores.open)
+            ctx = ServerContext(len(fed.clients), self.rounds, cfg.seed, self.stores.open)
             self.state = fed.topology.init(fed.method, fed.model, ctx)
             self.client_states = self.stores.open("client_states")
             self.metrics: list[dict[str, Any]] = []
@@ -94,6 +95,7 @@ class Server:
             self.setup_done = ckpt["setup_done"]
         self.saved_round: int | None = ckpt["round"] if ckpt is not None else None
         self.declared = shapes_of(weights_of(fed.model))  # what a reply's w/ arrays may be
+        self.evaluator = Evaluator(fed)
         if fed.cfg.federation.reject_outliers is not None and not fed.method.averages_weights:
             raise ValueError(f"federation.reject_outliers: {fed.method.name} does not average weights, so a "
                              "reply's update norm is not defined")
@@ -228,7 +230,9 @@ class Server:
             row["clients_failed_reasons"] = {str(cid): reason for cid, reason in failed.items()}
         if self.eval_due(round):
             t1 = time.perf_counter()
-            row.update(self.evaluate())
+            figures = self.evaluator.evaluate(self.state)
+            kept = None if self.fed.cfg.eval.per_domain else self.evaluator.aggregate_keys()
+            row.update(figures if kept is None else {k: v for k, v in figures.items() if k in kept})
             row["time_eval_s"] = time.perf_counter() - t1
         engine_times = (*timings, "time_aggregate_s", "time_eval_s")  # a method's own time_* metrics are not summed
         row["time_round_s"] = sum(row[k] for k in engine_times if k in row)
@@ -248,35 +252,6 @@ class Server:
         return (f"round {round}: {len(fold.accepted)} of {len(fold.sent)} clients replied usably, fewer than "
                 f"federation.min_clients={self.fed.cfg.federation.min_clients} ({reasons}); stopped, {kept}: "
                 f"feddg run --resume {self.run_dir} continues from it")
-
-    # --- evaluation --------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
-        """id accuracy on the clients' holdouts, ood accuracy on the held-out domain(s), and the extra targets'
-        accuracy (``eval.extra``), per domain."""
-        fed, method, model, topo = self.fed, self.fed.method, self.fed.model, self.fed.topology
-        ds, split = fed.dataset, fed.split
-        holdouts = np.concatenate([c.holdout_idx for c in fed.clients])
-        out: dict[str, float] = {}
-        if not method.personalized:
-            load_weights(model, topo.eval_weights(method, self.state, None))
-            out.update(accuracy_metrics(counts(fed, ds, holdouts), ds.domains, "id_acc"))
-            out.update(accuracy_metrics(counts(fed, ds, split.test_idx), ds.domains, "ood_acc"))
-            if len(split.val_idx):
-                out.update(accuracy_metrics(counts(fed, ds, split.val_idx), ds.domains, "val_acc"))
-        else:  # personalised: each client's own model on its holdout and on the unseen domain(s)
-            id_counts, ood_accs = [], []
-            for cid, client in enumerate(fed.clients):
-                load_weights(model, topo.eval_weights(method, self.state, cid))
-                id_counts.append(counts(fed, ds, client.holdout_idx))
-                ood_accs.append(accuracy_metrics(counts(fed, ds, split.test_idx), ds.domains, "ood_acc"))
-            out.update(accuracy_metrics(merge_counts(*id_counts), ds.domains, "id_acc"))
-            out.update({k: float(np.mean([a[k] for a in ood_accs])) for k in ood_accs[0]})
-            load_weights(model, topo.eval_weights(method, self.state, None))
-            out.update(accuracy_metrics(counts(fed, ds, split.test_idx), ds.domains, "global_ood_acc"))
-            out.update(accuracy_metrics(counts(fed, ds, holdouts), ds.domains, "global_id_acc"))  # on every holdout
-        for target in fed.extra:
-            out.update(extra_metrics(fed, self.state, target))
-        return out
 
     # --- persistence -------------------------------------------------------------------
     def checkpoint(self) -> None:
@@ -302,11 +277,15 @@ class Server:
         (self.run_dir / METRICS).write_text(lines)
 
     def write_results(self) -> dict[str, Any]:
-        """results.json: the last evaluation, totals, and what the run was."""
-        last: dict[str, Any] = next((m for m in reversed(self.metrics) if "ood_acc" in m), {})
+        """results.json: the task and the last evaluation (every domain's figures, the samples behind them),
+        totals, and what the run was."""
         fed = self.fed
+        last: dict[str, Any] = next((m for m in reversed(self.metrics) if self.evaluator.headline in m), {})
+        if last and not fed.cfg.eval.per_domain:  # metrics.jsonl kept the means only: the final figures again
+            last = self.evaluator.evaluate(self.state)
         results = {
             "method": fed.method.name,
+            **({"method_label": f"{fed.method.name} (reconstructed)"} if fed.method.reconstructed else {}),
             "method_params": fed.method.params.model_dump(mode="json"),
             "dataset": fed.dataset.name,
             "target": [fed.dataset.domains[d] for d in fed.split.test_domains],
@@ -315,14 +294,14 @@ class Server:
             "seed": fed.cfg.seed,
             "rounds": self.round,
             "num_clients": len(fed.clients),
-            "final": {k: v for k, v in last.items() if "acc" in k},
+            **self.evaluator.results(last),
             "bytes_up_total": int(sum(m["bytes_up"] for m in self.metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in self.metrics)),
             "time_total_s": float(sum(m.get("time_round_s", 0.0) for m in self.metrics)),
             "bytes_per_round": _mean_bytes(self.metrics),
         }
         results.update(fed.topology.results(fed.method, self.metrics))
-        if fed.extra:  # what the extra/<name>_acc keys of "final" were measured on
+        if fed.extra:  # what the extra/<name>_<metric> keys of "final" were measured on
             results["extra"] = {t.name: {"dataset": t.dataset.name, "domains": t.dataset.domains} for t in fed.extra}
         results.update({"privacy": p} if (p := fed.method.privacy(self.round)) is not None else {})
         (self.run_dir / RESULTS).write_text(json.dumps(results, indent=2))

@@ -21,6 +21,7 @@ from feddg.data.splits import DomainSplit, holdout_split, leave_one_domain_out, 
 from feddg.federation.topology import Topology, station_topology
 from feddg.models import create_model
 from feddg.seeds import derived_seed
+from feddg.tasks import Task, make_task
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,22 @@ class Federation:
     device: torch.device
     topology: Topology
     extra: list[ExtraTarget] = field(default_factory=list)
+    #: the dataset's task (loss, tallies, metric), made from ``dataset``
+    task: Task = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.task = task_of(self.dataset)
 
     @property
     def optim(self) -> OptimSettings:
         o = self.cfg.optim
         return OptimSettings(name=o.name, momentum=o.momentum, weight_decay=o.weight_decay, amp=o.amp,
                              channels_last=self.cfg.model.channels_last, augment=tuple(o.augment))
+
+
+def task_of(dataset: DomainDataset) -> Task:
+    """The task of ``dataset``'s targets, for its classes and kind of inputs."""
+    return make_task(dataset.task, dataset.num_classes, dataset.inputs)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -171,7 +182,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
     c, h, _ = dataset.image_shape
     base = create_model(
         cfg.model.name,
-        num_classes=dataset.num_classes,
+        **task_of(dataset).model_head(),
         in_channels=c,
         image_size=h,
         weights=cfg.model.weights,

@@ -26,15 +26,8 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from feddg.aggregation.merges import StationMerge, station_merge
+from feddg.aggregation.merges import GRAM_FLAG, GRAM_PREFIX, HFedATMParams, StationMerge, StationParams, station_merge
 from feddg.algorithms.base import ClientContext, ClientState, Method, Metrics, Reply, ServerContext, ServerState
-from feddg.algorithms.hfedatm import (
-    GRAM_FLAG,
-    GRAM_PREFIX,
-    HFedATMParams,
-    station_grams,
-    update_with_grams,
-)
 from feddg.federation.rounds import sample_members
 from feddg.messages import Message, entries, message_nbytes, subset, weights_of, without
 from feddg.models.permutation import PermutationSpec, permutation_spec
@@ -132,7 +125,7 @@ class StationTopology(Topology):
         station_rounds: int,
         station_fraction: float,
         merge: str,
-        params: HFedATMParams,
+        params: StationParams,
         spec: PermutationSpec | None,
     ) -> None:
         super().__init__(len(station_of))
@@ -142,8 +135,10 @@ class StationTopology(Topology):
         self.merge_name = merge
         self.merge: StationMerge = station_merge(merge)
         self.params = params
+        #: HFedATM's merge parameters, for the merges that collect Grams or align (``hierarchy.params``)
+        self.hfedatm = params if isinstance(params, HFedATMParams) else None
         self.spec = spec if self.merge.uses_alignment else None
-        self.dp_sigma = params.dp_sigma() if self.merge.uses_grams else None
+        self.dp_sigma = self.hfedatm.dp_sigma() if self.merge.uses_grams and self.hfedatm else None
 
     @property
     def num_stations(self) -> int:
@@ -232,12 +227,14 @@ class StationTopology(Topology):
                metrics: dict[str, float]) -> ServerState:
         t0 = time.perf_counter()
         weights = [state["stations"][e]["weights"] for e in active]
-        grams = [station_grams(acc.grams[e], self.params) for e in active] if self.merge.uses_grams else None
+        grams = None
+        if self.merge.uses_grams:
+            from feddg.algorithms.hfedatm import station_grams  # HFedATM's station statistics (eqs. 9–10)
+
+            assert self.hfedatm is not None
+            grams = [station_grams(acc.grams[e], self.hfedatm) for e in active]
         gammas = [method.station_weight(state["stations"][e], acc.clients[e]) for e in active]  # γ_e (eq. 7)
-        p = self.params
-        merged, merge_metrics = self.merge.fn(
-            weights, grams, gammas, self.spec, solver=p.solver, lambda_ot=p.lambda_ot, sinkhorn_iters=p.sinkhorn_iters
-        )
+        merged, merge_metrics = self.merge.fn(weights, grams, gammas, self.spec, **self.params.model_dump())
         metrics.update(merge_metrics)
         metrics["hfl/time_merge_s"] = time.perf_counter() - t0
         metrics["hfl/bytes_station_up"] = sum(message_nbytes(w) for w in weights) + sum(
@@ -264,7 +261,12 @@ class StationTopology(Topology):
     def client_update(
         self, method: Method, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
-        return update_with_grams(method, model, msg, client_state, ctx, self.params)
+        if not self.merge.uses_grams:
+            return method.client_update(model, msg, client_state, ctx)
+        from feddg.algorithms.hfedatm import update_with_grams  # the client's Grams (eq. 8)
+
+        assert self.hfedatm is not None
+        return update_with_grams(method, model, msg, client_state, ctx, self.hfedatm)
 
     # --- results.json ------------------------------------------------------------------
     def results(self, method: Method, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -294,7 +296,7 @@ def station_summary(topo: StationTopology, rows: Sequence[dict[str, Any]]) -> di
     keys = sorted({k for acc in done for k in acc} - {"station_rounds"})
     last = rows[-1] if rows else {}
     gram_layers = sum(1 for k in last if k.startswith("regmean/") and k.endswith("/cond"))
-    p = topo.params
+    p = topo.hfedatm
     out: dict[str, Any] = {
         "merge": topo.merge_name,
         "stations": topo.num_stations,
@@ -303,10 +305,10 @@ def station_summary(topo: StationTopology, rows: Sequence[dict[str, Any]]) -> di
         "per_server_round": {k: float(np.mean([acc[k] for acc in done])) for k in keys} if done else {},
         "fot_moved_mean": _mean_of(rows, "fot/moved"),
         "regmean_fallbacks": int(sum(row.get("regmean/fallbacks", 0) for row in rows)),
-        "dp_epsilon": p.dp_epsilon if topo.dp_sigma is not None else None,
+        "dp_epsilon": p.dp_epsilon if p is not None and topo.dp_sigma is not None else None,
     }
     if topo.dp_sigma is not None:
-        assert p.dp_epsilon is not None
+        assert p is not None and p.dp_epsilon is not None
         eps_total, delta_total = basic_composition(p.dp_epsilon, p.dp_delta, len(done) * gram_layers)
         out.update(
             dp_delta=p.dp_delta, dp_clip=p.dp_clip, dp_mechanism=p.dp_mechanism, dp_sigma=topo.dp_sigma,
@@ -356,4 +358,6 @@ def station_topology(
     client method: FOT's permutation spec is built from it when the merge aligns)."""
     spec = permutation_spec(model) if station_merge(merge).uses_alignment else None
     station_of = assign_stations(assignment, stations, client_domains)
-    return StationTopology(station_of, station_rounds, station_fraction, merge, HFedATMParams(**params), spec)
+    kind = station_merge(merge).params  # the keys this merge uses (config.py validates all of them)
+    return StationTopology(station_of, station_rounds, station_fraction, merge,
+                           kind(**{k: v for k, v in params.items() if k in kind.model_fields}), spec)

@@ -36,6 +36,31 @@ MODELS: dict[str, Callable[..., FedModel]] = {
 }
 
 
+_STAGES = frozenset({"conv_stages"})
+_BN_STAGES = frozenset({"batchnorm", "conv_stages"})
+#: what each model offers methods (``feddg.tasks`` capabilities): BatchNorm layers, a conv-stage map
+#: (models/stages.py); checked against the built models by tests/test_models.py
+CAPABILITIES: dict[str, frozenset[str]] = {
+    "alexnet": _BN_STAGES,
+    "cnn": _BN_STAGES,
+    "cnn4": _BN_STAGES,
+    "efficientnet_lite0": _BN_STAGES,
+    "hfedf-cnn": _STAGES,
+    "lenet": _STAGES,
+    "resnet18": _BN_STAGES,
+    "resnet50": _BN_STAGES,
+    "vgg11": _STAGES,
+    "vgg11_bn": _BN_STAGES,
+}
+
+
+def model_capabilities(name: str) -> frozenset[str]:
+    """What model ``name`` offers methods, without building it."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    return CAPABILITIES[name]
+
+
 def list_models() -> list[str]:
     """Names accepted by :func:`create_model`."""
     return sorted(MODELS)

@@ -45,5 +45,14 @@ def conv_stages(model: nn.Module) -> list[str]:
     raise TypeError(f"no conv-stage map for {type(model).__name__}; add one in feddg/models/stages.py")
 
 
+def stem_stages(model: nn.Module) -> int:
+    """How many of ``conv_stages(model)`` belong to the stem: 1 for ResNets (``maxpool``, the output of the first
+    convolution), 0 for models whose first stage is already a block. Placements that the papers give as "after the
+    first residual stage" (MixStyle, Manifold Mixup) start after the stem."""
+    if isinstance(inner := getattr(model, "stages_in", None), str):
+        return stem_stages(model.get_submodule(inner))
+    return 1 if isinstance(model, ResNet) else 0
+
+
 def _strided(block: nn.Module) -> bool:
     return isinstance(block, MBConv) and block._depthwise_conv.stride != (1, 1)

@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from feddg.evaluation.plots import integer_rounds
+from feddg.tasks import TaskInfo
 
 ENGINE_KEYS = {"round", "lr", "clients", "train_loss", "bytes_down", "bytes_up", "time_train_s", "time_aggregate_s",
                "time_eval_s",
@@ -72,13 +73,13 @@ def schedule(metrics: list[dict[str, Any]]) -> plt.Figure:
     return diagnostics({k: {k: [(m["round"], m[k]) for m in metrics if k in m]} for k in ("lr", "clients")})
 
 
-def diagnostic_panels(metrics: list[dict[str, Any]]) -> dict[str, dict[str, Series]]:
+def diagnostic_panels(metrics: list[dict[str, Any]], task: TaskInfo) -> dict[str, dict[str, Series]]:
     """``{figure: {panel: {line: [(round, value), ...]}}}`` for every numeric key that is not an
-    engine key or an accuracy; keys without a prefix go to the figure ``other``."""
+    engine key or a figure of the task's metric; keys without a prefix go to the figure ``other``."""
     figs: dict[str, dict[str, Series]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for m in metrics:
         for key, val in m.items():
-            if key in ENGINE_KEYS or "acc" in key or isinstance(val, bool) or not isinstance(val, int | float):
+            if key in ENGINE_KEYS or task.parse(key) is not None or isinstance(val, bool) or not isinstance(val, int | float):
                 continue
             parts = key.split("/")
             if len(parts) == 1:

@@ -11,9 +11,10 @@ import numpy as np
 from feddg.config import read_yaml
 from feddg.evaluation.plots import plot_run, read_metrics, run_title
 from feddg.reports import figures
-from feddg.reports.counts import counts_for, run_counts
+from feddg.reports.counts import run_counts
 from feddg.reports.page import REPORT, file_uri, page_context, render
 from feddg.reports.style_grid import style_grid
+from feddg.tasks import TaskInfo
 
 ROLE_ORDER = ("id", "val", "ood", "global_id", "global_ood")
 
@@ -56,16 +57,13 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return rows
 
 
-def domain_rows(final: dict[str, float], counts: dict[str, int]) -> list[dict[str, Any]]:
-    """One row per ``<role>_acc/<domain>`` key: accuracy, samples, correct predictions."""
-    n_of = counts_for(list(final), counts)
+def domain_rows(final: dict[str, float], counts: dict[str, int], task: TaskInfo) -> list[dict[str, Any]]:
+    """One row per ``<role>_<metric>/<domain>`` key: the figure and the samples behind it."""
     rows = []
-    for key, acc in final.items():
-        if "/" in key:
-            role, dom = key.split("/", 1)
-            n = n_of.get(key)
-            rows.append({"domain": dom, "role": role.removesuffix("_acc"), "acc": acc, "n": n,
-                         "correct": None if n is None else round(acc * n / 100)})
+    for key, value in final.items():
+        parsed = task.parse(key)
+        if parsed is not None and parsed[1] is not None:
+            rows.append({"domain": parsed[1], "role": parsed[0], "value": value, "n": counts.get(key)})
     rank = {r: i for i, r in enumerate(ROLE_ORDER)}
     return sorted(rows, key=lambda r: rank.get(r["role"], len(rank)))
 
@@ -76,10 +74,12 @@ def run_report(run_dir: Path) -> list[Path]:
     if not metrics:
         raise ValueError(f"{run_dir}/metrics.jsonl has no rounds yet")
     results = _json(run_dir / "results.json") or {}
-    last = next((m for m in reversed(metrics) if "ood_acc" in m), metrics[-1])
-    final = results.get("final") or {k: v for k, v in last.items() if "acc" in k}
-    counts, num_classes, notes = run_counts(run_dir)
-    pngs = plot_run(run_dir, num_classes, counts_for(list(final), counts))
+    counts, task, notes = run_counts(run_dir)
+    if task is None:
+        raise ValueError(f"{run_dir}: {'; '.join(notes)}")
+    last = next((m for m in reversed(metrics) if task.key("ood") in m), metrics[-1])
+    final = results.get("final") or {k: v for k, v in last.items() if task.parse(k) is not None}
+    pngs = plot_run(run_dir, task, counts)
     extra = method_figures(run_dir)
     config_path = run_dir / "config.yaml"
     config_text = config_path.read_text() if config_path.is_file() else ""
@@ -87,25 +87,26 @@ def run_report(run_dir: Path) -> list[Path]:
     given = {k: (raw.get(k) or {}) for k in ("method", "data", "split", "federation")}  # a run still in progress
     provenance = _json(run_dir / "provenance.json")
     bytes_keys = sorted({k for m in metrics for k in m if "bytes" in k})
-    summary = [("method", results.get("method", given["method"].get("name", "?"))),
+    summary = [("method", results.get("method_label", results.get("method", given["method"].get("name", "?")))),
                ("dataset", results.get("dataset", given["data"].get("dataset", "?"))),
                ("held out", ", ".join(results.get("target", [])) or given["split"].get("target") or "?"),
                ("seed", results.get("seed", raw.get("seed", "?"))), ("rounds", len(metrics)),
                ("clients", results.get("num_clients", metrics[-1].get("clients"))),
                ("engine", given["federation"].get("engine", "inprocess"))]
-    summary += [(f"{k} (%)", f"{final[k]:.2f}") for k in ("ood_acc", "val_acc", "id_acc", "global_ood_acc") if k in final]
-    summary += [("chance (%)", f"{100 / num_classes:.3g}")] if num_classes else []
+    summary += [(f"{k} ({task.unit})", f"{final[k]:.2f}") for k in map(task.key, ("ood", "val", "id", "global_ood"))
+                if k in final]
+    summary += [(f"chance ({task.unit})", f"{task.chance:.3g}")] if task.chance is not None else []
     summary += [("time (s)", f"{sum(m.get('time_round_s', 0.0) for m in metrics):.1f}"),
                 ("sent down / up", " / ".join(_size(sum(m[k] for m in metrics)) for k in ("bytes_down", "bytes_up")))]
     out = render(
         "run.html.j2", run_dir / REPORT, **page_context(run_title(run_dir), str(run_dir), notes),
         subtitle=f"run directory {run_dir}", summary=summary, last_round=last["round"],
         method=summary[0][1],
-        curves={"title": "accuracy and loss", "uri": file_uri(pngs[0]),
-                "caption": "mean accuracy over domains per evaluated round; dotted: chance level"},
+        curves={"title": f"{task.label} and loss", "uri": file_uri(pngs[0]),
+                "caption": f"mean {task.label} over domains per evaluated round; dotted: chance level"},
         domains={"title": "per domain", "uri": file_uri(pngs[1]), "caption": "n = samples evaluated"}
         if len(pngs) > 1 else None,
-        domain_rows=domain_rows(final, counts),
+        domain_rows=domain_rows(final, counts, task), metric_label=task.axis_label,
         communication={"title": "bytes per round", "uri": figures.png_uri(figures.communication(metrics)),
                        "caption": "message bytes (arrays + scalars) over all sampled clients"},
         bytes_rows=[(k, float(np.mean([m[k] for m in metrics if k in m])) / 1024) for k in bytes_keys],
@@ -113,7 +114,7 @@ def run_report(run_dir: Path) -> list[Path]:
                 "caption": "wall-clock seconds: client training (all clients), aggregation, evaluation"},
         schedule={"title": "schedule", "uri": figures.png_uri(figures.schedule(metrics)), "caption": ""},
         diagnostics=[{"title": name, "uri": figures.png_uri(figures.diagnostics(panels)), "caption": ""}
-                     for name, panels in sorted(figures.diagnostic_panels(metrics).items())],
+                     for name, panels in sorted(figures.diagnostic_panels(metrics, task).items())],
         method_figures=[{"title": p.name, "uri": file_uri(p), "caption": ""} for p in extra],
         hierarchy=_flat(results["hierarchy"]) if "hierarchy" in results else [],
         method_params=_flat(results.get("method_params", {})),

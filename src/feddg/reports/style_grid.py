@@ -29,6 +29,7 @@ from feddg.algorithms.ccst import CCSTParams
 from feddg.algorithms.components.style import StyleCodec, StyleParams, make_codec
 from feddg.algorithms.pardon import PardonParams
 from feddg.config import build_config, read_yaml
+from feddg.devices import images
 from feddg.federation.client import client_context
 from feddg.federation.client_store import open_checkpoint
 from feddg.federation.setup import Federation, build_federation
@@ -47,8 +48,7 @@ def replay_setup(
     replies and the client states, in the order of ``clients``.
     """
     cfg = fed.cfg
-    state = method.server_init(fed.model, ServerContext(len(fed.clients), cfg.federation.rounds,
-                                                        fed.dataset.num_classes, cfg.seed))
+    state = method.server_init(fed.model, ServerContext(len(fed.clients), cfg.federation.rounds, cfg.seed))
     request = method.setup_request(state)
     assert request is not None, f"{method.name} has no setup exchange"
     ids = list(range(len(fed.clients))) if clients is None else clients
@@ -138,7 +138,8 @@ def style_grid(run_dir: str | Path, per_domain: int = 2) -> Path | None:
     pardon = create_method("pardon", {**(own if cfg.method.name == "pardon" else shared), "objective": "triplet"})
     ccst = create_method("ccst", {**(own if cfg.method.name == "ccst" else shared), "style_type": "overall"})
     idx, doms = _samples(fed, per_domain)
-    x, _ = fed.dataset.get_batch(idx, train=False)
+    inputs, _ = fed.dataset.get_batch(idx, train=False)
+    x = images(inputs)
     g_mean, g_std, p_client = _pardon_style(fed, pardon, ckpt)
     styles, owners, c_client = _ccst_styles(fed, ccst, ckpt, doms)
     p_params, c_params = cast(PardonParams, pardon.params), cast(CCSTParams, ccst.params)

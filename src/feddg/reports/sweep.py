@@ -1,6 +1,7 @@
 """The report of a sweep directory (feddg.sweep): mean ± sample std and 95 % CI per method and target,
-bars with each seed as a dot, accuracy curves as mean ± std bands, per-domain bars over seeds, and with a
-``sweep.baseline`` each variant's paired difference from it."""
+bars with each seed as a dot, metric curves as mean ± std bands, per-domain bars over seeds, and with a
+``sweep.baseline`` each variant's paired difference from it. The metric, its bounds and chance level come from the
+runs' task (results.json)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from feddg.evaluation.tables import ci95, paired_deltas, pivot, sample_std, seed
 from feddg.reports.counts import run_counts
 from feddg.reports.figures import png_uri
 from feddg.reports.page import REPORT, page_context, render
+from feddg.tasks import TaskInfo
 
 RUNS = "runs.jsonl"
 SPEC = "sweep.json"  # the sweep section as run (feddg.sweep writes it)
@@ -59,7 +61,8 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         rows = []
         for res in sorted(sweep_dir.glob("*/*/seed*/results.json")):
             r = json.loads(res.read_text())
-            rows.append({"variant": res.parts[-4], "target": res.parts[-3], "seed": r["seed"],
+            variant = res.parts[-4] + (" (reconstructed)" if "method_label" in r else "")
+            rows.append({"variant": variant, "target": res.parts[-3], "seed": r["seed"],
                          "run_dir": str(res.parent), **r["final"], "time_total_s": r["time_total_s"]})
     for r in rows:
         given = Path(r["run_dir"])
@@ -79,7 +82,7 @@ def cells(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str]
     return variants, columns, {k: stat(v) for k, v in vals.items()}
 
 
-def bars(rows: list[dict[str, Any]], metric: str, num_classes: int | None) -> plt.Figure:
+def bars(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
     """Grouped bars per target: mean per variant, error bar = sample std, a dot per seed."""
     variants, columns, st = cells(rows, metric)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(columns) * max(1, len(variants)) * 0.6 + 2), 3.8))
@@ -93,15 +96,15 @@ def bars(rows: list[dict[str, Any]], metric: str, num_classes: int | None) -> pl
             ax.bar(x, s.mean, width * 0.92, color=f"C{j}", label=v if i == 0 else None,
                    yerr=None if math.isnan(s.std) else s.std, capsize=3)
             ax.plot(x + np.linspace(-width / 5, width / 5, s.n), s.values, "o", color="black", markersize=2.5, zorder=3)
-    chance_line(ax, num_classes)
+    chance_line(ax, task)
     ax.set_xticks(range(len(columns)), columns)
-    ax.set(ylabel=f"{metric} (%)", ylim=(0, 100), title=f"{metric}: mean ± sample std, dots = seeds")
+    ax.set(ylabel=f"{metric} ({task.unit})", ylim=task.bounds, title=f"{metric}: mean ± sample std, dots = seeds")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncols=min(4, len(variants) + 1))
     return fig
 
 
-def curves(rows: list[dict[str, Any]], metric: str, num_classes: int | None) -> plt.Figure:
+def curves(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
     """Per target, ``metric`` per evaluated round: mean over seeds with a ± sample std band, per variant."""
     variants, columns, _ = cells(rows, metric)
     targets = [c for c in columns if c != AVG]
@@ -119,11 +122,11 @@ def curves(rows: list[dict[str, Any]], metric: str, num_classes: int | None) -> 
             if len(per_seed) > 1:
                 sd = y.std(0, ddof=1)
                 ax.fill_between(rounds, mean - sd, mean + sd, color=f"C{j}", alpha=0.2)
-        chance_line(ax, num_classes)
+        chance_line(ax, task)
         integer_rounds(ax)
-        ax.set(title=f"held out {target}", ylim=(0, 100))
+        ax.set(title=f"held out {target}", ylim=task.bounds)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"{metric} (%)")
+    axes[0][0].set_ylabel(f"{metric} ({task.unit})")
     axes[0][0].legend(fontsize=7)
     return fig
 
@@ -149,14 +152,15 @@ def paired(rows: list[dict[str, Any]], metric: str, baseline: str) -> plt.Figure
     return fig
 
 
-def domains(rows: list[dict[str, Any]], variant: str, counts: dict[str, dict[str, int]]) -> plt.Figure:
-    """Per target (one panel each), per-domain accuracy of ``variant`` over its seeds."""
+def domains(rows: list[dict[str, Any]], variant: str, counts: dict[str, dict[str, int]], task: TaskInfo) -> plt.Figure:
+    """Per target (one panel each), the per-domain figures of ``variant`` over its seeds."""
     targets = list(dict.fromkeys(r["target"] for r in rows if r["variant"] == variant))
     fig, axes = plt.subplots(1, len(targets), figsize=(3.4 * len(targets) + 0.6, 3.6), squeeze=False)
     for ax, target in zip(axes[0], targets):
         runs = [r for r in rows if r["variant"] == variant and r["target"] == target]
-        keys = [k for k in runs[0] if "acc/" in k]
-        draw_domains(ax, {k: [r[k] for r in runs if k in r] for k in keys}, counts.get(target), f"held out {target}")
+        keys = [k for k in runs[0] if (parsed := task.parse(k)) is not None and parsed[1] is not None]
+        draw_domains(ax, {k: [r[k] for r in runs if k in r] for k in keys}, task, counts.get(target),
+                     f"held out {target}")
     return fig
 
 
@@ -176,21 +180,25 @@ def sweep_report(sweep_dir: Path) -> Path:
         raise ValueError(f"{sweep_dir} holds no finished runs yet")
     first_cfg = Path(rows[0]["run_dir"]) / "config.yaml"
     name = read_yaml(first_cfg).get("name", sweep_dir.name) if first_cfg.is_file() else sweep_dir.name
-    csv_metrics = [p.stem.removeprefix("table_") for p in sorted(sweep_dir.glob("table_*.csv"))]
-    metrics: list[str] = [m for m in ("ood_acc", "val_acc", "id_acc") if m in csv_metrics or (not csv_metrics and m in rows[0])]
-    metrics += [m for m in csv_metrics if m not in metrics]
     counts: dict[str, dict[str, int]] = {}
-    num_classes: int | None = None
+    task: TaskInfo | None = None
     notes: list[str] = []
     for r in rows:  # per target, the sample counts of its first run
         if r["target"] not in counts:
-            c, num_classes, notes = run_counts(Path(r["run_dir"]))
+            c, task, notes = run_counts(Path(r["run_dir"]))
             counts[r["target"]] = c
+    if task is None:
+        raise ValueError(f"{sweep_dir}: the runs' task is unknown ({'; '.join(notes)})")
+    csv_metrics = [p.stem.removeprefix("table_") for p in sorted(sweep_dir.glob("table_*.csv"))]
+    metrics: list[str] = [m for m in (task.key(r) for r in ("ood", "val", "id"))
+                          if m in csv_metrics or (not csv_metrics and m in rows[0])]
+    metrics += [m for m in csv_metrics if m not in metrics]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     seeds = sorted({r["seed"] for r in rows})
     summary = [("runs", len(rows)), ("variants", len(variants)), ("targets", len({r["target"] for r in rows})),
                ("seeds", ", ".join(map(str, seeds))), ("time (s)", f"{sum(r.get('time_total_s', 0) for r in rows):.0f}")]
-    summary += [("chance (%)", f"{100 / num_classes:.3g}")] if num_classes else []
+    summary += [("metric", task.axis_label)]
+    summary += [(f"chance ({task.unit})", f"{task.chance:.3g}")] if task.chance is not None else []
     spec = json.loads((sweep_dir / SPEC).read_text()) if (sweep_dir / SPEC).is_file() else {}
     baseline = spec.get("baseline")
     figures = {m: paired(rows, m, baseline) if baseline else None for m in metrics}
@@ -199,13 +207,13 @@ def sweep_report(sweep_dir: Path) -> Path:
                      "title": f"{m}: paired difference from {baseline}", "uri": png_uri(fig),
                      "caption": f"per seed, the variant's average over targets minus {baseline}'s (same splits); "
                                 "square: mean, bar: Student-t 95 % CI over seeds, dots: seeds"},
-                 "bars": {"title": f"{m} per target", "uri": png_uri(bars(rows, m, num_classes)),
+                 "bars": {"title": f"{m} per target", "uri": png_uri(bars(rows, m, task)),
                           "caption": "bars: mean over seeds; error bars: sample std; dots: individual seeds; "
                                      "dotted: chance"},
-                 "curves": {"title": f"{m} per round", "uri": png_uri(curves(rows, m, num_classes)),
+                 "curves": {"title": f"{m} per round", "uri": png_uri(curves(rows, m, task)),
                             "caption": "mean over seeds per evaluated round, band: ± sample std"}}
                 for m in metrics]
-    per_domain = [{"title": v, "uri": png_uri(domains(rows, v, counts)),
+    per_domain = [{"title": v, "uri": png_uri(domains(rows, v, counts, task)),
                    "caption": "mean over seeds, error bars: sample std, dots: seeds; n: samples evaluated"}
                   for v in variants]
     cfg_text = first_cfg.read_text() if first_cfg.is_file() else ""
@@ -213,6 +221,7 @@ def sweep_report(sweep_dir: Path) -> Path:
                  if Path(r["run_dir"]).is_relative_to(sweep_dir) else r["run_dir"]} for r in rows]
     return render("sweep.html.j2", sweep_dir / REPORT, **page_context(f"sweep: {name}", str(sweep_dir), notes),
                   subtitle=f"{len(variants)} variants × {len(counts)} targets × {len(seeds)} seeds",
-                  summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows,
+                  summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows, unit=task.unit,
+                  metric_label=task.label,
                   base_config=cfg_text)
 

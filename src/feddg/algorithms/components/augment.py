@@ -7,8 +7,10 @@ proximal term, FedFA's FFA layers, ...):
 
 * **Mixup** (Zhang et al., 2018): ``x̃ = λ x_i + (1−λ) x_j``, ``ỹ = λ y_i + (1−λ) y_j``, λ ~ Beta(α, α).
 * **Manifold Mixup** (Verma et al., 2019): the same at a stage ``k`` drawn uniformly from ``stages``
-  each step (0 is the input), mixing that stage's output.
-* **MixStyle** (Zhou et al., 2021): at each listed stage, with probability ``p``, per sample
+  each step (0 is the input), mixing that stage's output; by default {input, after the first and the second
+  residual stage}, the paper's k ∈ {0, 1, 2}.
+* **MixStyle** (Zhou et al., 2021): at each listed stage (default: after the first two residual stages, the
+  paper's res1 and res2), with probability ``p``, per sample
   ``μ_mix = λ μ_i + (1−λ) μ_j``, ``σ_mix = λ σ_i + (1−λ) σ_j`` (channel statistics over H×W, detached),
   ``x̂ = σ_mix (x − μ_i)/σ_i + μ_mix``, λ ~ Beta(α, α) per sample; labels unchanged.
 * **MoEx** (Li et al., 2021): at ``stage``, with probability ``p``, exchange the positional moments
@@ -16,16 +18,20 @@ proximal term, FedFA's FFA layers, ...):
   interpolate the labels ``ỹ = λ y_i + (1−λ) y_j`` with a fixed λ.
 
 Mixed labels reach the loss as soft targets ``[B, classes]`` (``F.cross_entropy`` takes class
-probabilities), so a label-mixing augmentation needs a loss that uses the labels only through
-cross-entropy (:data:`HARD_LABEL_METHODS` do not). Stage ``k ≥ 1`` is the output of the module
-``conv_stages(model)[k-1]``, hooked for the local training only. All randomness comes from one
-seed drawn from the client's generator, so runs stay reproducible.
+probabilities), so a label-mixing augmentation needs a method whose loss uses the labels only through the
+task's loss (``Method.takes_soft_targets``). Each augmentation names what it needs (``requires``: image inputs,
+class labels, conv-stage feature maps), checked with the method's own needs at config load.
+
+Stage ``k ≥ 1`` is the output of the module ``conv_stages(model)[k-1]``, hooked for the local training only; a
+default placement counts its stages after the model's stem (``stem_stages``: a ResNet's stage 1 is its stem, so
+"after the first residual stage" is its stage 2), so it is the paper's on every zoo model. All randomness comes
+from one seed drawn from the client's generator, so runs stay reproducible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal, Self
+from typing import Annotated, ClassVar, Literal, Self
 
 import numpy as np
 import torch
@@ -33,46 +39,54 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from torch import Tensor, nn
 
+from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
+
 #: variance epsilon of the MixStyle / MoEx standard deviations
 EPS = 1e-6
-#: methods whose loss uses the labels beyond cross-entropy (CCST repeats them, PARDON's triplets, FedSR's
-#: per-class reference r(z|y), FPL's class prototypes)
-HARD_LABEL_METHODS = frozenset({"ccst", "pardon", "fedsr", "fpl"})
 
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    #: what the augmentation needs of the task and the model (``feddg.tasks`` capabilities)
+    requires: ClassVar[frozenset[str]]
 
 
 class Mixup(_Spec):
+    requires = frozenset({IMAGES, CLASS_LABELS})
     name: Literal["mixup"]
     alpha: float = Field(0.2, gt=0, description="λ ~ Beta(α, α)")
 
 
 class ManifoldMixup(_Spec):
+    requires = frozenset({IMAGES, CLASS_LABELS, CONV_STAGES})
     name: Literal["manifold_mixup"]
     alpha: float = Field(2.0, gt=0, description="λ ~ Beta(α, α)")
-    stages: list[int] = Field([0, 1, 2], min_length=1, description="candidate stages, one drawn per step; 0 = input")
+    stages: list[int] | None = Field(None, min_length=1, description="candidate stages, one drawn per step; 0 = "
+                                     "input; default: input and after the first two stages past the stem (paper)")
 
 
 class MixStyle(_Spec):
+    requires = frozenset({IMAGES, CONV_STAGES})
     name: Literal["mixstyle"]
     alpha: float = Field(0.1, gt=0, description="λ ~ Beta(α, α), one per sample")
     p: float = Field(0.5, ge=0, le=1, description="probability per stage and step")
-    stages: list[int] = Field([1, 2], min_length=1, description="1-based conv stages")
+    stages: list[int] | None = Field(None, min_length=1, description="1-based conv stages; default: after the first "
+                                     "two stages past the stem (the paper's res1, res2)")
 
     @model_validator(mode="after")
     def _no_input(self) -> MixStyle:
-        if min(self.stages) < 1:
+        if self.stages is not None and min(self.stages) < 1:
             raise ValueError("mixstyle.stages are 1-based conv stages (feature maps), not the input")
         return self
 
 
 class MoEx(_Spec):
+    requires = frozenset({IMAGES, CLASS_LABELS, CONV_STAGES})
     name: Literal["moex"]
     lam: float = Field(0.9, ge=0, le=1, description="label weight of the sample that keeps its normalised features")
     p: float = Field(0.5, ge=0, le=1, description="probability per step")
-    stage: int = Field(1, ge=1, description="1-based conv stage (an early layer)")
+    stage: int = Field(1, ge=1, description="1-based conv stage (default: the first, after the first convolution as "
+                       "in the paper)")
 
 
 AugmentSpec = Annotated[Mixup | ManifoldMixup | MixStyle | MoEx, Field(discriminator="name")]
@@ -89,10 +103,14 @@ def parse_augment(items: list[dict] | tuple[dict, ...]) -> list[AugmentSpec]:
     return specs
 
 
-def check_method(specs: list[AugmentSpec], method: str) -> None:
-    """Refuse combinations that would be silently wrong: label mixing under a hard-label loss."""
-    if method in HARD_LABEL_METHODS and any(s.name in LABEL_MIXING for s in specs):
-        raise ValueError(f"optim.augment: {method}'s loss uses hard labels; use mixstyle with it, not label mixing")
+def augment_requirements(specs: list[AugmentSpec]) -> dict[str, frozenset[str]]:
+    """What each augmentation of the list needs, by name."""
+    return {s.name: s.requires for s in specs}
+
+
+def label_mixing(specs: list[AugmentSpec]) -> list[str]:
+    """The augmentations of the list that hand the loss soft targets."""
+    return [s.name for s in specs if s.name in LABEL_MIXING]
 
 
 # --- the formulas, on tensors --------------------------------------------------------------------
@@ -131,12 +149,16 @@ class Augmenter:
     """Hooks the augmentation list onto ``model``'s conv stages for one local training (``with``)."""
 
     def __init__(self, model: nn.Module, specs: list[AugmentSpec], seed: int, num_classes: int) -> None:
-        self.specs, self.num_classes = specs, num_classes
+        self.num_classes = num_classes
         self.rng = np.random.default_rng(seed)
         self.plan: dict[int, list[Callable[[Tensor], Tensor]]] = {}
         self.batch_size = 0
-        stages = sorted({k for s in specs for k in _stages(s) if k >= 1})
-        self.modules = _stage_modules(model, stages) if stages else {}
+        stem = _stem(model)
+        self.placed = [(s, _stages(s, stem)) for s in specs]  # each spec with the stages it acts at
+        stages = sorted({k for _, ks in self.placed for k in ks if k >= 1})
+        self.names = _stage_names(model, stages) if stages else {}  # stage -> hooked module name
+        modules = dict(model.named_modules())
+        self.modules = {k: modules[name] for k, name in self.names.items()}
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> Self:
@@ -165,9 +187,9 @@ class Augmenter:
         """Draw this step's augmentations; return the (input-mixed) batch and the target (soft if mixed)."""
         self.batch_size, self.plan = len(y), {}
         target = y
-        for s in self.specs:
+        for s, stages in self.placed:
             if s.name == "mixstyle":
-                for k in s.stages:
+                for k in stages:
                     if self.rng.random() < s.p:
                         lam = torch.as_tensor(self.rng.beta(s.alpha, s.alpha, self.batch_size), device=x.device)
                         perm = self._perm(x.device)
@@ -180,7 +202,7 @@ class Augmenter:
                 self.plan.setdefault(k, []).append(lambda f, perm=perm: moex(f, perm))
             else:
                 lam = float(self.rng.beta(s.alpha, s.alpha))
-                k = 0 if s.name == "mixup" else int(self.rng.choice(s.stages))
+                k = 0 if s.name == "mixup" else int(self.rng.choice(stages))
                 perm = self._perm(x.device)
                 if k == 0:
                     x = mix(x, x[perm], lam)
@@ -190,20 +212,29 @@ class Augmenter:
         return x, target
 
 
-def _stages(spec: AugmentSpec) -> list[int]:
+def _stages(spec: AugmentSpec, stem: int) -> list[int]:
+    """The stages ``spec`` acts at; a default placement counts from the first stage past ``stem`` stem stages."""
     if spec.name == "mixup":
         return [0]
     if spec.name == "moex":
         return [spec.stage]
-    return list(spec.stages)
+    if spec.stages is not None:
+        return list(spec.stages)
+    default = [1, 2] if spec.name == "mixstyle" else [0, 1, 2]
+    return [k + stem if k else 0 for k in default]
 
 
-def _stage_modules(model: nn.Module, stages: list[int]) -> dict[int, nn.Module]:
-    from feddg.models.stages import conv_stages  # models sit beside algorithms, imported on use
+def _stem(model: nn.Module) -> int:
+    from feddg.models.stages import stem_stages  # models sit beside algorithms, imported on use
+
+    return stem_stages(model)
+
+
+def _stage_names(model: nn.Module, stages: list[int]) -> dict[int, str]:
+    from feddg.models.stages import conv_stages
 
     names = conv_stages(model)
     bad = [k for k in stages if k > len(names)]
     if bad:
         raise ValueError(f"augmentation stages {bad} out of range: the model has conv stages 1..{len(names)}")
-    modules = dict(model.named_modules())
-    return {k: modules[names[k - 1]] for k in stages}
+    return {k: names[k - 1] for k in stages}

@@ -1,25 +1,27 @@
-"""The local training loop every client method shares: optimiser, epochs, a loss hook, and the configured
-mixed precision (``optim.amp``: the loss is computed under ``ctx.autocast()``, fp16 with a gradient scaler;
-the weights and the optimiser stay float32), and the configured local augmentations (``optim.augment``:
-:mod:`feddg.algorithms.components.augment`; label-mixing ones hand ``loss_fn`` soft targets)."""
+"""The local training loop every client method shares: optimiser, epochs, a loss hook (by default the task's loss
+of the model's output, ``ctx.task.loss``), the configured mixed precision (``optim.amp``: the loss is computed
+under ``ctx.autocast()``, fp16 with a gradient scaler; the weights and the optimiser stay float32), and the
+configured local augmentations (``optim.augment``: :mod:`feddg.algorithms.components.augment`; label-mixing ones
+hand ``loss_fn`` soft targets)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from feddg.algorithms.base import ClientContext, OptimSettings
 from feddg.algorithms.components.augment import Augmenter, parse_augment
+from feddg.devices import Inputs, images
 
 #: ``loss_fn(model, x, y) -> scalar loss``
-LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+LossFn = Callable[[nn.Module, Inputs, Tensor], Tensor]
 
 
-def cross_entropy_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(model(x), y)
+def task_loss(ctx: ClientContext) -> LossFn:
+    """The task's loss of the model's output: every method's objective unless it adds terms."""
+    return lambda model, x, y: ctx.task.loss(model(x), y)
 
 
 def make_optimizer(params: Iterable[Tensor], optim: OptimSettings, lr: float) -> torch.optim.Optimizer:
@@ -36,30 +38,43 @@ def grad_scaler(ctx: ClientContext) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(ctx.device.type, enabled=ctx.optim.amp == "fp16")
 
 
-def scaled_step(loss: Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
-    """Backward and step through ``scaler`` (plain ``loss.backward(); opt.step()`` when it is disabled)."""
+#: edits the gradients in place between backward and the step (SCAFFOLD's and MTGC's corrections)
+GradEdit = Callable[[], None]
+
+
+def scaled_step(loss: Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                edit_grads: GradEdit | None = None) -> None:
+    """Backward and step through ``scaler`` (plain ``loss.backward(); opt.step()`` when it is disabled).
+    ``edit_grads`` sees the true, unscaled gradients (fp16's loss scale already divided out): a term it adds
+    moves the weights by ``lr × term`` under every ``optim.amp``."""
     scaler.scale(loss).backward()
+    if edit_grads is not None:
+        scaler.unscale_(opt)  # a no-op when the scaler is disabled
+        edit_grads()
     scaler.step(opt)
     scaler.update()
 
 
-def local_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Tensor, Tensor]]:
+def local_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Inputs, Tensor]]:
     """``(epoch, x, target)`` over ``ctx.local_epochs`` epochs of the client's batches, with ``optim.augment``
     applied (its stage hooks live while the batches are drawn; the target is soft after label mixing) and
     single-sample batches skipped when the model has BatchNorm (it cannot train on one sample)."""
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     specs = parse_augment(ctx.optim.augment)
     seed = int(torch.randint(2**62, (1,), generator=ctx.generator)) if specs else 0  # no draw without augment
-    with Augmenter(model, specs, seed, ctx.dataset.num_classes) as augment:
+    with Augmenter(model, specs, seed, ctx.task.num_classes) as augment:
         for epoch in range(ctx.local_epochs):
             for x, y in ctx.batches():
                 if has_bn and len(y) < 2:
                     continue
-                yield (epoch, *augment.step(x, y)) if specs else (epoch, x, y)
+                yield (epoch, *augment.step(images(x), y)) if specs else (epoch, x, y)
 
 
-def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn = cross_entropy_loss) -> float:
-    """Run ``ctx.local_epochs`` epochs of ``loss_fn`` on the client's data; return the mean loss."""
+def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn | None = None,
+                edit_grads: GradEdit | None = None) -> float:
+    """Run ``ctx.local_epochs`` epochs of ``loss_fn`` (default: the task's loss) on the client's data; return the
+    mean loss. ``edit_grads``: see :func:`scaled_step`."""
+    loss_fn = loss_fn or task_loss(ctx)
     model.train()
     opt = make_optimizer(model.parameters(), ctx.optim, lr)
     scaler = grad_scaler(ctx)
@@ -68,7 +83,7 @@ def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn
         opt.zero_grad(set_to_none=True)
         with ctx.autocast():
             loss = loss_fn(model, x, y)
-        scaled_step(loss, opt, scaler)
+        scaled_step(loss, opt, scaler, edit_grads)
         total += float(loss.detach())
         steps += 1
     return total / max(steps, 1)

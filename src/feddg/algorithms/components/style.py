@@ -37,6 +37,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from feddg.algorithms.base import ClientContext, Params
+from feddg.devices import images
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights, subset
 
 logger = logging.getLogger(__name__)
@@ -401,10 +402,10 @@ def local_moments(
     if subset(msg, WEIGHT_PREFIX):
         load_weights(model, msg)
     first, _ = next(ctx.batches(shuffle=False, train=False))
-    codec, enc = setup_codec(params, model, first)
+    codec, enc = setup_codec(params, model, images(first))
     if ctx.client_id == 0:
         logger.warning("%s: style path = %s", method, codec.describe())
-    mean, second = client_moments(codec, ctx.batches(shuffle=False, train=False))
+    mean, second = client_moments(codec, ((images(x), y) for x, y in ctx.batches(shuffle=False, train=False)))
     return codec, enc, mean, second
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,21 @@ from flwr.serverapp import Grid, ServerApp
 
 from feddg.config import ExperimentConfig, dump_config, load_config
 from feddg.engines.flower.client import config_from_text, make_client_app
+from feddg.tasks import metric_key
 
 server_app = ServerApp()
 client_app = make_client_app()
 
 
-def _log_round(row: dict[str, Any]) -> None:
-    accs = {k: round(v, 2) for k, v in row.items() if k in ("id_acc", "val_acc", "ood_acc")}
-    log(INFO, "feddg round %d: train_loss %.4f %s", row["round"], row["train_loss"], accs)
+def _round_logger(metric: str) -> Callable[[dict[str, Any]], None]:
+    """A log line per round: the training loss and the means of the task's ``metric`` (id / val / ood)."""
+    keys = [metric_key(role, metric) for role in ("id", "val", "ood")]
+
+    def log_round(row: dict[str, Any]) -> None:
+        means = {k: round(row[k], 2) for k in keys if k in row}
+        log(INFO, "feddg round %d: train_loss %.4f %s", row["round"], row["train_loss"], means)
+
+    return log_round
 
 
 @server_app.main()
@@ -49,7 +57,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = config_from_text(str(rc.get("config", "")))
     run_dir = Path(str(rc.get("run-dir", "")) or default_run_dir(cfg))
     server = Server(build_federation(cfg), run_dir, resume=bool(rc.get("resume", False)))
-    results = run_on_grid(server, PollingGrid(grid), on_round=_log_round)
+    results = run_on_grid(server, PollingGrid(grid), on_round=_round_logger(server.fed.task.metric))
     plot_run(run_dir)
     log(INFO, "feddg results (%s): %s", run_dir, json.dumps(results["final"]))
 

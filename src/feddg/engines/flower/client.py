@@ -79,7 +79,8 @@ def client_federation(cfg: ExperimentConfig) -> Federation:
 
 def node_federation(text: str, factory: FederationFactory) -> Federation:
     """The Federation of config ``text``, built once per process (the last ``MAX_FEDERATIONS`` configs kept)."""
-    key = (f"{factory.__module__}.{factory.__qualname__}", hashlib.sha256(text.encode()).hexdigest())
+    name = getattr(factory, "__qualname__", type(factory).__qualname__)  # a function, or a callable object
+    key = (f"{factory.__module__}.{name}", hashlib.sha256(text.encode()).hexdigest())
     fed = _FEDERATIONS.get(key)
     if fed is None:
         t0 = time.perf_counter()

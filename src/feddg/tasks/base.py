@@ -1,0 +1,100 @@
+"""What a dataset asks of a model and how its predictions are scored: the task seam.
+
+A :class:`Task` owns, for a dataset, everything after the model's output: the training loss, an additive
+per-domain *tally* of sufficient statistics of the predictions (classification: correct and total;
+segmentation: twice the true positives and the predicted-plus-true pixels per class; a confusion matrix for
+macro-F1) and the metric computed from a tally, with its name, bounds, direction and chance level. Because tallies
+add, per-domain, id/ood and cross-client figures are sums however the evaluation is split (batches, worker
+processes, Flower replies), and the sample count behind every figure comes with it.
+
+It also says what its batches *provide* (:data:`CAPABILITIES`): methods name what they need
+(``Method.requires``) and a config that pairs a method with a task or model that cannot serve it is refused at
+load. Metric keys are ``<role>_<metric>[/<domain>]`` (``ood_acc/uci``, ``id_dice``): :func:`metric_key`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+from torch import Tensor
+
+# what a dataset's batches provide (the inputs' kind, the targets' kind) ...
+IMAGES = "images"  # inputs are image tensors [B, C, H, W]
+TOKENS = "tokens"  # inputs are a dict of token ids and attention masks [B, L]
+CLASS_LABELS = "class_labels"  # one class index per sample
+DENSE_MASKS = "dense_masks"  # one class index per pixel [B, H, W]
+# ... and what a model offers (models/registry.py declares them per model)
+BATCHNORM = "batchnorm"  # BatchNorm layers (FedBN keeps them local)
+CONV_STAGES = "conv_stages"  # a conv-stage map of [B, C, H, W] feature maps (models/stages.py)
+CAPABILITIES = frozenset({IMAGES, TOKENS, CLASS_LABELS, DENSE_MASKS, BATCHNORM, CONV_STAGES})
+INPUT_KINDS = frozenset({IMAGES, TOKENS})
+
+#: the roles a metric is reported for: the clients' holdouts, the held-out (test) and validation domains, and for a
+#: personalised method the global model's
+ROLES = ("id", "val", "ood", "global_id", "global_ood")
+
+
+def metric_key(role: str, metric: str, domain: str | None = None) -> str:
+    """``id_acc``, ``ood_dice/BIDMC``, ``extra/rot_acc``: the key a figure is written under."""
+    return f"{role}_{metric}" + ("" if domain is None else f"/{domain}")
+
+
+class Task(ABC):
+    """A dataset's loss, tally and metric (see the module docstring). Subclasses set the class attributes and the
+    four methods; ``num_classes`` counts the target classes (a segmentation's background included)."""
+
+    name: ClassVar[str]
+    metric: ClassVar[str]  # the metric keys' suffix, e.g. "acc"
+    label: ClassVar[str]  # how plots and tables name it, e.g. "accuracy"
+    unit: ClassVar[str] = "%"
+    bounds: ClassVar[tuple[float, float]] = (0.0, 100.0)
+    higher_is_better: ClassVar[bool] = True
+    targets: ClassVar[frozenset[str]]  # the target kind (CLASS_LABELS, DENSE_MASKS)
+
+    def __init__(self, num_classes: int, inputs: str = IMAGES) -> None:
+        if inputs not in INPUT_KINDS:
+            raise ValueError(f"unknown input kind {inputs!r}; expected one of {sorted(INPUT_KINDS)}")
+        self.num_classes, self.inputs = int(num_classes), inputs
+
+    @property
+    def provides(self) -> frozenset[str]:
+        """The capabilities of this task's batches: its inputs' kind and its targets'."""
+        return frozenset({self.inputs}) | self.targets
+
+    @abstractmethod
+    def loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """The training loss of a batch (a scalar tensor); ``target`` may be soft (label mixing)."""
+
+    @abstractmethod
+    def tally_zeros(self, num_domains: int) -> np.ndarray:
+        """The empty tally, ``[num_domains, *shape]``."""
+
+    @abstractmethod
+    def tally(self, output: Tensor, target: Tensor, domains: np.ndarray, num_domains: int) -> np.ndarray:
+        """Sufficient statistics of one batch per domain, ``[num_domains, *shape]`` (``domains``: each sample's),
+        additive over batches and over disjoint sample sets."""
+
+    @abstractmethod
+    def score(self, tally: np.ndarray) -> float:
+        """The metric of one tally row (a domain's, or several domains' summed), in :attr:`unit` within
+        :attr:`bounds`."""
+
+    @abstractmethod
+    def count(self, tally: np.ndarray) -> int:
+        """The samples behind one tally row."""
+
+    def chance(self) -> float | None:
+        """The metric of an uninformed predictor (plots draw it), ``None`` where it has none."""
+        return None
+
+    def model_head(self) -> dict[str, Any]:
+        """What ``create_model`` needs of the task (the output head)."""
+        return {"num_classes": self.num_classes}
+
+    def info(self) -> dict[str, Any]:
+        """results.json's ``task`` block: what every consumer of a run reads instead of sniffing key names."""
+        return {"name": self.name, "metric": self.metric, "label": self.label, "unit": self.unit,
+                "bounds": list(self.bounds), "higher_is_better": self.higher_is_better, "chance": self.chance(),
+                "num_classes": self.num_classes, "inputs": self.inputs}

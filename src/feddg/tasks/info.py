@@ -1,0 +1,70 @@
+"""A task as the readers of a run see it: results.json's ``task`` block (``Task.info()``), and how to read the
+metric keys a run wrote (``ood_acc/uci`` -> role ``ood``, domain ``uci``) without guessing from their names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from feddg.tasks.base import metric_key
+
+EXTRA = "extra/"
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    name: str
+    metric: str
+    label: str
+    unit: str
+    bounds: tuple[float, float]
+    higher_is_better: bool
+    chance: float | None
+
+    @classmethod
+    def of(cls, block: Mapping[str, Any]) -> TaskInfo:
+        """From results.json's ``task`` block."""
+        lo, hi = block["bounds"]
+        return cls(block["name"], block["metric"], block["label"], block.get("unit", ""), (float(lo), float(hi)),
+                   bool(block["higher_is_better"]), None if block.get("chance") is None else float(block["chance"]))
+
+    @property
+    def axis_label(self) -> str:
+        """``accuracy (%)``."""
+        return f"{self.label} ({self.unit})" if self.unit else self.label
+
+    def key(self, role: str, domain: str | None = None) -> str:
+        return metric_key(role, self.metric, domain)
+
+    def parse(self, key: str) -> tuple[str, str | None] | None:
+        """``(role, domain)`` of a key of this metric (``ood_acc/uci`` -> ``("ood", "uci")``, ``id_acc`` ->
+        ``("id", None)``, ``extra/rot_acc/a`` -> ``("extra/rot", "a")``), ``None`` for any other key."""
+        head, prefix = (key[len(EXTRA):], EXTRA) if key.startswith(EXTRA) else (key, "")
+        base, sep, domain = head.partition("/")
+        suffix = f"_{self.metric}"
+        if not base.endswith(suffix) or base == suffix:
+            return None
+        return prefix + base[: -len(suffix)], (domain if sep else None)
+
+    def clip(self, low: float, high: float) -> tuple[float, float]:
+        """An interval clipped to the metric's bounds."""
+        return max(low, self.bounds[0]), min(high, self.bounds[1])
+
+
+def info_for_dataset(name: str) -> TaskInfo | None:
+    """The task of dataset ``name`` from the registry alone (no data loaded): what a run that has not written
+    results.json yet measures; ``None`` for an unknown dataset. ``chance`` is ``None`` where the class count is
+    discovered from folders."""
+    from feddg.data import dataset_info
+    from feddg.tasks.registry import task_class
+
+    try:
+        info = dataset_info(name)
+    except ValueError:
+        return None
+    cls = task_class(info["task"])
+    num_classes = info["num_classes"]
+    if num_classes is None:
+        return TaskInfo.of({**cls(2, info["inputs"]).info(), "chance": None})
+    return TaskInfo.of(cls(num_classes, info["inputs"]).info())
