@@ -189,6 +189,7 @@ PLACEMENTS = {
     "vgg11": (["features.2", "features.5"], ["features.2"]),
     "vgg11_bn": (["features.3", "features.7"], ["features.3"]),
     "efficientnet_lite0": (["_blocks.0", "_blocks.2"], ["_blocks.0"]),
+    "unet": (["encoders.0", "encoders.1"], ["encoders.0"]),
 }
 
 

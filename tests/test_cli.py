@@ -165,8 +165,11 @@ def test_a_finished_run_is_never_overwritten_and_resumes_change_only_safe_keys(t
             "-o", "optim.schedule=constant", "-o", "federation.workers=1", "--run-dir", str(run_dir), "--quiet"]
     assert _invoke(*args).exit_code == 0
     _one_line_error(_invoke(*args), "not empty", "--overwrite", "--resume")
-    (run_dir / "stale.txt").write_text("from the first run")
-    assert _invoke(*args, "--overwrite").exit_code == 0 and not (run_dir / "stale.txt").exists()
+    (run_dir / "notes.txt").write_text("a user's notes")
+    (run_dir / "round_0001.stale").write_text("")  # not feddg's: kept too
+    res = _invoke(*args, "--overwrite")
+    assert res.exit_code == 0 and (run_dir / "notes.txt").exists() and "notes.txt" in res.output, res.output
+    assert (run_dir / "results.json").exists() and (run_dir / "round_0001.stale").exists()
     foreign = tmp_path / "mine"
     (foreign / "notes.txt").parent.mkdir()
     (foreign / "notes.txt").write_text("not a run")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from toy import toy_federation
+from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
 from typer.testing import CliRunner
 
 from feddg.algorithms.registry import list_methods
@@ -35,6 +36,16 @@ TOY_PARAMS = {
     "mtgc": ["optim.momentum=0", "hierarchy.stations=2"],
     "fedrc": ["hierarchy.stations=2"],
 }
+
+
+@contextmanager
+def _federation(name: str, *overrides: str) -> Iterator[Any]:
+    """The toy federation, or for a method that needs dense masks the pixel task's (registered meanwhile)."""
+    if name != "hfedatm" and needs_masks(name):
+        with registered():
+            yield pixel_federation(pixel_config(*overrides))
+    else:
+        yield toy_federation(*overrides)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -84,21 +95,22 @@ def test_every_method_feeds_its_modules_on_the_models_device_and_dtype(name, tmp
     """hfedatm: FedAvg clients under HFedATM's RegMean merge without FOT (ToyNet has no permutation spec)."""
     hfedatm = ["hierarchy.stations=2", "hierarchy.station_rounds=1", "hierarchy.merge=hfedatm-no-fot"]
     over = hfedatm if name == "hfedatm" else [f"method.name={name}", *TOY_PARAMS.get(name, [])]
-    fed = toy_federation("federation.rounds=1", *over)
-    with inputs_checked(fed.device) as ran:
+    with _federation(name, "federation.rounds=1", *over) as fed, inputs_checked(fed.device) as ran:
         results = run_inprocess(Server(fed, tmp_path / name))
-    assert ran and math.isfinite(results["final"]["ood_acc"])
+    assert ran and math.isfinite(results["final"][f"ood_{fed.task.metric}"])
 
 
 @pytest.mark.parametrize("name", list_methods())
 def test_bf16_autocast_trains_one_round_with_float32_weights(name, tmp_path):
-    fed = toy_federation(f"method.name={name}", "federation.rounds=1", "optim.amp=bf16", *TOY_PARAMS.get(name, []))
     training_outputs: list[torch.dtype] = []
-    handle = torch.nn.modules.module.register_module_forward_hook(
-        lambda m, a, out: training_outputs.append(out.dtype) if isinstance(m, torch.nn.Linear) and m.training else None)
+    handle = torch.nn.modules.module.register_module_forward_hook(  # the heads: a Linear, or the pixel task's conv
+        lambda m, a, out: training_outputs.append(out.dtype) if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)
+        and m.training else None)
     try:
-        server = Server(fed, tmp_path / name)
-        run_inprocess(server)
+        with _federation(name, f"method.name={name}", "federation.rounds=1", "optim.amp=bf16",
+                         *TOY_PARAMS.get(name, [])) as fed:
+            server = Server(fed, tmp_path / name)
+            run_inprocess(server)
     finally:
         handle.remove()
     assert math.isfinite(server.metrics[0]["train_loss"])

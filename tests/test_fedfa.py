@@ -249,6 +249,28 @@ def test_alexnet_extra_bytes_match_the_papers_arithmetic():
     assert m["fedfa/bytes_extra"] < 1e-3 * m["fedfa/bytes_weights_up"]
 
 
+
+def test_unet_has_ffa_after_each_encoder_stage_aligns_at_the_bottleneck_and_costs_the_papers_bytes():
+    method = create_method("fedfa", {"lambda_h": 0.1})
+    torch.manual_seed(0)
+    model = method.prepare_model(create_model("unet", num_classes=2, in_channels=3, image_size=32)).train()
+    model.fedfa.tap.recording = True
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    assert model.fedfa.channels() == {1: 32, 2: 64, 3: 128, 4: 256, 5: 512}  # FedFA §6.1's U-Net widths
+    features = model.fedfa.tap.features
+    assert model.fedfa.stage_names[model.fedfa.tap_stage - 1] == "bottleneck" and features.shape == (2, 512, 2, 2)
+    pi = method._histogram(method._samples(features)).numpy()
+    stats = {k.replace("ffa/", "stat/"): v for k, v in method._ffa_state(model.fedfa).items()}
+    reply = {**weights_of(model), "num_examples": 2, "train_loss": 0.0, **stats, "hist/pi": pi}
+    state = method.server_init(model, ServerContext(1, 2, 0))
+    state, _ = method.aggregate(state, [Reply(0, reply)])
+    state, m = method.aggregate(state, [Reply(0, reply)])
+    kb = 1024
+    # 4 × (32+64+128+256+512) × 4 B = 15.5 KB; 2 × 8 × 512 × 4 B = 32 KB (plus the key names)
+    assert 15.5 * kb < m["fedfa/bytes_stats_up"] + m["fedfa/bytes_stats_down"] < 15.5 * kb + 400
+    assert 32 * kb < m["fedfa/bytes_hist_up"] + m["fedfa/bytes_hist_down"] < 32 * kb + 20
+
 # --- evaluation protocols ------------------------------------------------------------------------
 def test_one_client_per_source_domain_makes_id_acc_the_per_client_test_accuracy(tmp_path):
     # by_domain with one client per source domain: LODO = leave-one-client-out, and id_acc/<d> is
@@ -260,8 +282,9 @@ def test_one_client_per_source_domain_makes_id_acc_the_per_client_test_accuracy(
     load_weights(fed.model, server.state["weights"])
     for client in fed.clients:
         (d,) = client.domains
-        correct, total = tally_by_domain(fed.model, fed.dataset, client.holdout_idx, fed.task, batch_size=64,
-                                         device=torch.device("cpu"))[d]
+        row = tally_by_domain(fed.model, fed.dataset, client.holdout_idx, fed.task, batch_size=64,
+                              device=torch.device("cpu"))[d]
+        correct, total = int(row[0]), int(row[1])
         assert res["final"][f"id_acc/{fed.dataset.domains[d]}"] == pytest.approx(100.0 * correct / total)
 
 

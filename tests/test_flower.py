@@ -26,6 +26,7 @@ from flwr.common.serde import (
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from toy import ToyDomains, ToyNet
+from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
 
 from feddg.aggregation.mean import weighted_mean_messages
 from feddg.algorithms import create_method
@@ -262,12 +263,16 @@ METHOD_OVERRIDES = {"central": ["partition.kind=iid", "partition.num_clients=1"]
 
 @pytest.mark.parametrize("method", sorted(set(list_methods()) - NEEDS_CNN))
 def test_every_method_runs_the_same_over_the_flower_protocol(tmp_path, task_identity, method):
-    cfg = toy_config(f"method.name={method}", "federation.rounds=2", *METHOD_OVERRIDES.get(method, []))
-    ref = Server(toy_federation_of(cfg), tmp_path / "ref")
-    run_inprocess(ref)
-    server = Server(toy_federation_of(cfg), tmp_path / "flower")
-    nodes = len(server.fed.clients)
-    run_on_grid(server, LoopbackGrid(make_client_app(server_config_text(server), factory=toy_federation_of), nodes))
+    with registered():  # a method that needs dense masks runs on the pixel task
+        dense = needs_masks(method)
+        cfg = (pixel_config if dense else toy_config)(f"method.name={method}", "federation.rounds=2",
+                                                      *METHOD_OVERRIDES.get(method, []))
+        factory = pixel_federation if dense else toy_federation_of
+        ref = Server(factory(cfg), tmp_path / "ref")
+        run_inprocess(ref)
+        server = Server(factory(cfg), tmp_path / "flower")
+        nodes = len(server.fed.clients)
+        run_on_grid(server, LoopbackGrid(make_client_app(server_config_text(server), factory=factory), nodes))
     assert _untimed(server.metrics) == _untimed(ref.metrics) and len(ref.metrics) == 2
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from feddg.models import FedModel, create_model, list_models
+from feddg.models import MODELS, FedModel, create_model, list_models
 from feddg.models.vgg import VGG
 
 # torchvision.models.resnet18(num_classes=1000).state_dict(), in order: "key dim dim ..." (no dims: a scalar).
@@ -202,10 +202,10 @@ SHAPE_CASES: list[tuple[str, int, int, dict[str, Any]]] = [
 
 def test_registry_lists_every_model() -> None:
     assert list_models() == [
-        "alexnet", "cnn", "cnn4", "efficientnet_lite0", "hfedf-cnn", "lenet", "resnet18", "resnet50", "vgg11",
+        "alexnet", "cnn", "cnn4", "efficientnet_lite0", "hfedf-cnn", "lenet", "resnet18", "resnet50", "unet", "vgg11",
         "vgg11_bn",
     ]
-    assert {name for name, *_ in SHAPE_CASES} == set(list_models())
+    assert {name for name, *_ in SHAPE_CASES} | {"unet"} == set(list_models())  # dense outputs: tests/test_unet.py
 
 
 @pytest.mark.parametrize(
@@ -389,3 +389,18 @@ def test_trunk_shape_mismatch_and_non_state_dict_files_are_errors(tmp_path: Path
 def test_unknown_model_lists_the_valid_names() -> None:
     with pytest.raises(ValueError, match="unknown model 'resnet19'.*resnet18.*vgg11"):
         create_model("resnet19", num_classes=3)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_declared_capabilities_are_the_built_models(name: str) -> None:
+    """What configs are checked against (models/registry.py: CAPABILITIES) is what the model has."""
+    from feddg.models.registry import CAPABILITIES
+    from feddg.models.stages import conv_stages
+
+    model = create_model(name, num_classes=3, in_channels=3, image_size=32)
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    try:
+        staged = bool(conv_stages(model))
+    except TypeError:
+        staged = False
+    assert CAPABILITIES[name] == {c for c, on in (("batchnorm", has_bn), ("conv_stages", staged)) if on}

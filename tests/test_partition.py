@@ -58,7 +58,19 @@ SIZES = [[40, 25, 61], [100, 100, 100], [13, 200, 57]]
 
 
 def test_cases_cover_every_partitioner() -> None:
-    assert {kind for kind, _, _ in CASES} == set(PARTITIONERS)
+    # natural takes the dataset's groups, not a client count: its own tests below and in test_natural_groups.py
+    assert {kind for kind, _, _ in CASES} | {"natural"} == set(PARTITIONERS)
+
+
+def test_natural_makes_each_group_of_the_sources_a_client_in_group_order() -> None:
+    domain_ids = np.array([0, 0, 1, 1, 1, 2, 2, 1])
+    groups = np.array([5, 5, 2, 2, 9, 7, 7, 9])
+    p = make_partition("natural", np.array([0, 1, 2, 3, 4, 7]), domain_ids, np.zeros(8, np.int64), 99,
+                       np.random.default_rng(0), natural_groups=groups)
+    assert [ix.tolist() for ix in p.client_indices] == [[2, 3], [0, 1], [4, 7]]  # groups 2, 5, 9 (7 held out)
+    assert p.client_domains == [[1], [0], [1]]
+    with pytest.raises(ValueError, match="natural group"):
+        make_partition("natural", np.array([0, 1]), domain_ids, np.zeros(8, np.int64), 2, np.random.default_rng(0))
 
 
 @pytest.mark.parametrize("sizes", SIZES)
@@ -348,5 +360,14 @@ def test_lambda_one_balances_leftover_samples_across_clients() -> None:
 def test_every_keyword_parameter_has_a_check() -> None:
     for fn in PARTITIONERS.values():
         for name, p in inspect.signature(fn).parameters.items():
-            if p.kind is p.KEYWORD_ONLY:
+            if p.kind is p.KEYWORD_ONLY and name != "natural_groups":  # the dataset's, not the config's
                 assert name in _PARAM_CHECKS, f"{fn.__name__}: no check for {name!r}"
+
+
+def test_a_partitioner_parameter_named_groups_is_not_the_natural_grouping() -> None:
+    # make_clients passes the dataset's natural groups (None here) beside the config's params
+    rng = np.random.default_rng(0)
+    domain_ids, labels = np.repeat([0, 1], 40), np.tile(np.arange(4), 20)
+    p = make_partition("two_level_dirichlet", np.arange(80), domain_ids, labels, 4, rng, natural_groups=None,
+                       groups=2, alpha_group=1.0, alpha_client=1.0)
+    assert p.num_clients == 4 and np.array_equal(np.sort(np.concatenate(p.client_indices)), np.arange(80))

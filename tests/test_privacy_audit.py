@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 from toy import ToyNet, toy_federation
+from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
 
 from feddg.aggregation.accounting import gaussian_epsilon, statistic_privacy
 from feddg.aggregation.dp import gram_sensitivity, symmetric_noise
@@ -33,7 +34,8 @@ OVERRIDES = {
     "fedrc": ("hierarchy.stations=2",),
 }
 #: what a setup exchange releases, per method (one statistic per client, never per sample)
-SETUP_KEYS = {"fedrc": {"fedrc/n", "fedrc/n_eff", "fedrc/mean", "fedrc/var"}}
+SETUP_KEYS = {"fedrc": {"fedrc/n", "fedrc/n_eff", "fedrc/mean", "fedrc/var"}, "harmofl": {"amp/mean"},
+              "elcfs": {"amp/bank"}}
 
 
 def _declared(method: str, model: nn.Module) -> set[str]:
@@ -53,6 +55,7 @@ def _declared(method: str, model: nn.Module) -> set[str]:
         "fedrc": plain | {"fedrc/weight"},
         "fpl": plain | {"proto/mean", "proto/present"},
         "fedfa": plain | {f"stat/{k}/{s}" for k in (1, 2) for s in ("mu_bar", "sigma_bar")} | {"hist/pi"},
+        "harmofl": plain, "elcfs": plain,  # their spectra leave once, in the setup exchange
         "fedbn": (plain - bn) | {f"bn/{k}" for k in bn},
         "hfedf": (plain - {f"w/{n}" for n in params}) | {f"delta/{n}" for n in params},
         "pfedhn": (plain - {f"w/{n}" for n in params}) | {f"delta/{n}" for n in params},
@@ -81,7 +84,15 @@ def _no_per_sample_array(msg, n: int) -> bool:
 
 @pytest.mark.parametrize("method", list_methods())
 def test_every_method_replies_only_its_declared_keys_and_no_per_sample_array(method):
-    fed = toy_federation(f"method.name={method}", *OVERRIDES.get(method, ()))
+    if needs_masks(method):
+        with registered():
+            _declared_keys_and_no_per_sample_array(method, pixel_federation(pixel_config(f"method.name={method}")))
+    else:
+        _declared_keys_and_no_per_sample_array(method, toy_federation(f"method.name={method}",
+                                                                      *OVERRIDES.get(method, ())))
+
+
+def _declared_keys_and_no_per_sample_array(method, fed):
     m = fed.method
     state = m.server_init(fed.model, ServerContext(len(fed.clients), 3, 0))
     state, setup_replies, states = _setup(fed, state)

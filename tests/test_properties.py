@@ -101,6 +101,7 @@ PARAMS = {
     "groups": st.integers(1, 4),
     "max_tries": st.integers(1, 50),
     "shuffle_clients": st.booleans(),
+    "natural_groups": st.lists(st.integers(0, 6), min_size=140, max_size=140).map(np.array),
 }
 
 
@@ -122,12 +123,15 @@ def test_every_partitioner_loses_and_duplicates_no_sample(kind):
         domain_ids, labels = rng.integers(0, domains, total), rng.integers(0, classes, total)
         source = np.sort(rng.choice(total, size=n, replace=False))
         try:
-            part = make_partition(kind, source, domain_ids, labels, clients, rng, **data.draw(_params(kind)))
+            params = data.draw(_params(kind))
+            part_groups = params.get("natural_groups")
+            part = make_partition(kind, source, domain_ids, labels, clients, rng, **params)
         except ValueError:  # a documented refusal (too many clients for the data, ...), never a bad partition
             assume(False)
             return
         dealt = np.concatenate(part.client_indices)
-        assert len(part.client_indices) == clients and all(len(ix) for ix in part.client_indices)
+        count = len(np.unique(part_groups[source])) if kind == "natural" else clients
+        assert len(part.client_indices) == count and all(len(ix) for ix in part.client_indices)
         assert len(dealt) == n and np.array_equal(np.sort(dealt), source)
 
     check()

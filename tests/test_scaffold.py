@@ -91,12 +91,14 @@ def test_server_step_and_control_update():
     np.testing.assert_allclose(new["control"]["p"], 0.5 + (0.4 + 0.8) / 4, rtol=1e-6)  # c + (1/N) Σ_S Δc_i
 
 
-def test_option2_refuses_momentum():
-    fed = toy_federation("method.name=scaffold")  # optim.momentum defaults to 0.9
+def test_option2_refuses_momentum_on_the_client_too():  # a client of another deployment's config
+    fed = toy_federation("method.name=scaffold", "optim.momentum=0")
     msg = {**Scaffold().client_config(Scaffold().server_init(fed.model, ServerContext(4, 3, 0)), 0, 1),
            "lr": 0.1, "round": 1}
+    ctx = client_context(fed, 0, 1)
+    ctx.optim = replace(ctx.optim, momentum=0.9)
     with pytest.raises(ValueError, match="momentum=0"):
-        Scaffold().client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+        Scaffold().client_update(fed.model, msg, {}, ctx)
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
@@ -117,3 +119,13 @@ def test_a_correction_moves_each_weight_by_lr_times_it_under_every_amp(amp):
     assert steps == 1 and loss == plain_loss
     for n in names:
         np.testing.assert_allclose(plain["w/" + n] - corrected["w/" + n], lr, rtol=1e-3)
+
+
+def test_option_two_with_momentum_or_adam_is_refused_when_the_config_loads():
+    from feddg.config import ConfigError, build_config
+
+    for over in (["optim.momentum=0.9"], ["optim.name=adam", "optim.momentum=0"]):
+        with pytest.raises(ConfigError, match="SCAFFOLD option II assumes plain SGD"):
+            build_config({}, ["method.name=scaffold", *over])
+    build_config({}, ["method.name=scaffold", "optim.momentum=0"])
+    build_config({}, ["method.name=scaffold", "method.params.control=option1", "optim.name=adam"])

@@ -81,3 +81,13 @@ def test_holdout_is_random_and_reproducible() -> None:
 def test_holdout_rejects_bad_fraction(fraction: float) -> None:
     with pytest.raises(ValueError, match="fraction"):
         holdout_split(np.arange(10), fraction, np.random.default_rng(0))
+
+
+def test_a_holdout_by_case_keeps_every_case_on_one_side():
+    from feddg.data.splits import holdout_split_by_case
+
+    cases = np.repeat(np.arange(10), 4)  # 10 cases of 4 slices
+    idx = np.arange(8, 40)  # a client with cases 2..9
+    train, hold = holdout_split_by_case(idx, cases, 0.25, np.random.default_rng(0))
+    assert len(np.unique(cases[hold])) == 2 and len(hold) == 8  # floor(0.25 × 8 cases) whole
+    assert not set(cases[train]) & set(cases[hold]) and sorted(np.concatenate([train, hold])) == list(idx)

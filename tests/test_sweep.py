@@ -102,11 +102,11 @@ def test_tables_use_the_sample_std_and_a_student_t_interval():
             for t, vals in (("x", [10.0, 20.0, 30.0]), ("y", [50.0, 50.0, 50.0])) for s, v in enumerate(vals)]
     rows.append({"variant": "B", "target": "x", "seed": 0, "ood_acc": 42.0})
     md = markdown_table(rows, "ood_acc")
-    assert "| A | 20.0 ± 10.0 | 50.0 ± 0.0 | 35.0 ± 5.0 | [22.6, 47.4] |" in md  # t(0.975, 2) = 4.303
+    assert "| A | 20.0 ± 10.0 | 50.0 ± 0.0 | 35.0 ± 5.0 | [22.6, 47.4] n=3 |" in md  # t(0.975, 2) = 4.303
     assert "| B | 42.0 ± – | – | – | – |" in md  # one seed: no std, never 0
     lines = csv_table(rows, "ood_acc").splitlines()
-    assert lines[0] == "method,target,mean,std_ddof1,ci95_low,ci95_high,n"
-    assert "A,x,20.000,10.000,-4.841,44.841,3" in lines and "B,x,42.000,,,,1" in lines
+    assert lines[0] == "method,target,mean,std_ddof1,ci95_low,ci95_high,n,dropped_clients"
+    assert "A,x,20.000,10.000,-4.841,44.841,3,0" in lines and "B,x,42.000,,,,1,0" in lines
 
 
 def test_paired_differences_cancel_what_moves_both_rows():
@@ -123,9 +123,9 @@ def test_paired_differences_cancel_what_moves_both_rows():
     assert paired_deltas(rows, "new", "base") == [1.0, 2.0, 3.0]
     md = markdown_table(rows, "ood_acc", baseline="base")
     assert md.splitlines()[0].endswith("| Δ avg vs base, paired [95 % CI] |")
-    assert md.splitlines()[2].endswith("| 50.0 ± 40.0 | [-49.4, 149.4] | – |")  # t(0.975, 2) = 4.303
+    assert md.splitlines()[2].endswith("| 50.0 ± 40.0 | [-49.4, 149.4] n=3 | – |")  # t(0.975, 2) = 4.303
     assert md.splitlines()[3].endswith("| +2.0 [-0.5, +4.5] |")  # 2 ± 4.303 · 1 / √3
-    assert "new,avg - base,2.000,1.000,-0.484,4.484,3" in csv_table(rows, "ood_acc", baseline="base").splitlines()
+    assert "new,avg - base,2.000,1.000,-0.484,4.484,3,0" in csv_table(rows, "ood_acc", baseline="base").splitlines()
     assert "Δ" not in markdown_table(rows, "ood_acc")
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from toy import toy_federation
-from toy_pixels import NAME, pixel_federation, registered
+from toy_pixels import NAME, PIXELS, pixel_federation, registered
 from typer.testing import CliRunner
 
 from feddg.cli import app
@@ -27,15 +27,12 @@ from feddg.reports.run import report
 from feddg.sweep import run_sweep
 from feddg.tasks.classification import Classification
 
+
 @pytest.fixture(autouse=True, scope="module")
 def pixel_task():
     with registered():
         yield
 
-
-PIXELS = {"data": {"dataset": NAME}, "model": {"name": "pixelnet"}, "split": {"target": "c"},
-          "partition": {"kind": "by_domain", "num_clients": 4}, "optim": {"lr": 0.5},
-          "federation": {"rounds": 3, "batch_size": 16, "workers": 1}, "device": "cpu", "name": "pixels"}
 
 
 def test_classification_loss_tally_score_and_chance_by_hand():
@@ -44,7 +41,10 @@ def test_classification_loss_tally_score_and_chance_by_hand():
     y = torch.tensor([0, 1, 2, 3])
     assert task.loss(out, y) == F.cross_entropy(out, y)
     tally = task.tally(out, y, np.array([0, 0, 1, 1]), 3)
-    np.testing.assert_array_equal(tally, [[2, 2], [0, 2], [0, 0]])  # a: both right; b: both wrong; c: none
+    np.testing.assert_array_equal(tally[:, :2], [[2, 2], [0, 2], [0, 0]])  # a: both right; b: both wrong; c: none
+    # per class: correct, samples, predictions (a: classes 0, 1 right; b: 2 taken for 3, 3 for 0)
+    np.testing.assert_array_equal(tally[0, 2:], [1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(tally[1, 2:], [0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1])
     assert domain_metrics(task, tally, ["a", "b", "c"], "ood") == {"ood_acc/a": 100.0, "ood_acc/b": 0.0,
                                                                    "ood_acc": 50.0}
     assert domain_counts(task, tally, ["a", "b", "c"], "ood") == {"ood_acc/a": 2, "ood_acc/b": 2, "ood_acc": 4}

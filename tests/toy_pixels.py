@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from feddg.config import ExperimentConfig
+from feddg.config import ExperimentConfig, build_config
 from feddg.data.base import DomainDataset
 from feddg.data.registry import PLUGINS, Plugin
 from feddg.federation.setup import Federation, build_federation
@@ -144,3 +144,19 @@ def _factory_in_a_node() -> PixelFederation:
 
 
 pixel_federation = PixelFederation()
+
+#: a small federation of the pixel task (4 clients over domains a, b; c held out)
+PIXELS = {"data": {"dataset": NAME}, "model": {"name": "pixelnet"}, "split": {"target": "c"},
+          "partition": {"kind": "by_domain", "num_clients": 4}, "optim": {"lr": 0.5},
+          "federation": {"rounds": 3, "batch_size": 16, "workers": 1}, "device": "cpu", "name": "pixels"}
+
+
+def needs_masks(method: str) -> bool:
+    """Whether ``method`` needs dense masks (it then runs on the pixel task, not the toy classification)."""
+    from feddg.algorithms.registry import method_class
+
+    return DENSE_MASKS in method_class(method).requires
+
+
+def pixel_config(*overrides: str) -> ExperimentConfig:
+    return build_config(PIXELS, list(overrides))

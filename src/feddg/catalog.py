@@ -13,15 +13,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pydantic
 
 import feddg
 
 PACKAGE = Path(feddg.__file__).resolve().parent
-Catalog = dict[str, Any]  # {"methods": [[name, params]], "merges": [[name, what]], "hierarchy": params}
-KEYS = {"methods", "merges", "hierarchy"}
+Catalog = dict[str, Any]  # {"methods": [[name, params]], "merges": [[name, what]], "hierarchy": params,
+#                            "augmentations": [[name, params]]}
+KEYS = {"methods", "merges", "hierarchy", "augmentations"}
 KEEP = 16  # listings kept (the newest): checkouts and versions sharing the cache folder each keep theirs
 
 
@@ -42,13 +43,14 @@ def source_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-def _defaults(params: type[pydantic.BaseModel]) -> str:
-    return ", ".join(f"{k}={f.default}" for k, f in params.model_fields.items())
+def _defaults(params: type[pydantic.BaseModel], skip: str = "") -> str:
+    return ", ".join(f"{k}={f.default}" for k, f in params.model_fields.items() if k != skip)
 
 
 def build_catalog() -> Catalog:
     """The listing from the registry itself (imports every method, hence torch)."""
     from feddg.aggregation.merges import MERGES, HFedATMParams
+    from feddg.algorithms.components.augment import AUGMENTATIONS
     from feddg.algorithms.registry import list_methods, method_class, method_label
 
     merges = []
@@ -56,8 +58,10 @@ def build_catalog() -> Catalog:
         parts = ["FOT alignment (eqs. 2–6)"] * merge.uses_alignment
         parts += ["RegMean of linear layers (eqs. 8–12)"] * merge.uses_grams
         merges.append([name, " + ".join(parts) or "γ-weighted mean of the station models (HFedAvg)"])
+    augmentations = [[get_args(spec.model_fields["name"].annotation)[0], _defaults(spec, skip="name")]
+                     for spec in AUGMENTATIONS]  # each spec's name is a Literal of its one name
     return {"methods": [[method_label(name), _defaults(method_class(name).Params)] for name in list_methods()],
-            "merges": merges, "hierarchy": _defaults(HFedATMParams)}
+            "merges": merges, "hierarchy": _defaults(HFedATMParams), "augmentations": augmentations}
 
 
 def catalog(cache_dir: Path | None = None, root: Path | None = None) -> Catalog:

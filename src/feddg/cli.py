@@ -6,18 +6,18 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 import typer.core
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
-from feddg.config import ConfigError, load_config, one_line, read_yaml
+from feddg.config import ConfigError, load_config, one_line, parse_overrides, read_yaml
 
 
 def _keep_argument_help() -> None:
@@ -77,11 +77,15 @@ def _fail(msg: str) -> NoReturn:
 @contextmanager
 def _user_errors() -> Iterator[None]:
     """User mistakes (config, run directory, checkpoint, missing or unreadable files) end in :func:`_fail`."""
+    from feddg.experiment import Interrupted
     from feddg.federation.checkpoint import CheckpointError  # imports torch: only commands that train need it
     from feddg.federation.validation import RunStopped
 
     try:
         yield
+    except Interrupted as err:  # where the run stopped and how it continues; the shell's code for the signal
+        out.print(f"[red]error:[/red] {escape(one_line(str(err)))}", soft_wrap=True, highlight=False)
+        raise typer.Exit(err.code) from None
     except (ConfigError, CheckpointError, RunStopped, OSError, ValueError) as err:
         _fail(str(err))
 
@@ -111,7 +115,8 @@ def results_table(results: dict) -> Table:
     if task is None:
         _fail(f"results of {results['dataset']}: unknown task (no task block)")
     method = results.get("method_label", results["method"])
-    t = Table(title=f"{method} on {results['dataset']} (held out: {', '.join(results['target'])})")
+    held = f"held out: {', '.join(results['target'])}" if results["target"] else "every domain trains"
+    t = Table(title=f"{method} on {results['dataset']} ({held})")
     t.add_column("domain")
     t.add_column("role")
     t.add_column(task.axis_label, justify="right")
@@ -133,7 +138,7 @@ def communication_table(results: dict) -> Table:
     """Mean bytes per round: all clients together (engine) and each method's own per-client counts."""
     t = Table(title="communication per round (mean over rounds)")
     t.add_column("what")
-    t.add_column("KB", justify="right")
+    t.add_column("KiB", justify="right")
     for key, val in results.get("bytes_per_round", {}).items():
         t.add_row(key, f"{val / 1024:,.2f}")
     return t
@@ -173,11 +178,19 @@ def run(
                       "(-o changes the keys a resume may change)")
             _pin_kernels(_run_dir_mode(resume))
             results = resume_experiment(resume, list(overrides or []), progress=not quiet)
+            if results.get("resumed") is False:
+                out.print(f"{resume} finished all its rounds already: nothing resumed (grow it with "
+                          "-o federation.rounds=N)", soft_wrap=True, highlight=False)
         else:
             if config is None:
                 _fail("give a config file, or --resume RUN_DIR")
             if weights is not None and not weights.is_file():
                 _fail(f"--weights: no such file: {weights}")
+            given = dict(parse_overrides(list(overrides or [])))
+            for flag, key, value in (("--engine", "federation.engine", engine),
+                                     ("--weights", "model.weights", None if weights is None else str(weights))):
+                if value is not None and key in given and given[key] != value:
+                    _fail(f"{flag} {value} and -o {key}={given[key]} contradict each other: give one")
             extra = list(overrides or []) + ([f"federation.engine={engine}"] if engine else [])
             extra += [f"model.weights={json.dumps(str(weights))}"] if weights is not None else []
             cfg = load_config(config, extra)
@@ -279,12 +292,12 @@ def datasets(
 
     if name is None:
         t = Table(title="datasets")
-        for col in ("name", "domains", "classes", "needs --root"):
+        for col in ("name", "task", "domains", "classes", "needs --root"):
             t.add_column(col)
         for n in list_datasets():
             info = dataset_info(n)
-            t.add_row(n, ", ".join(info["domains"]) or "(from folders)", str(info["num_classes"] or "?"),
-                      "yes" if info["needs_root"] else "no")
+            t.add_row(n, info["task"], ", ".join(info["domains"]) or "(from folders)",
+                      str(info["num_classes"] or "?"), "yes" if info["needs_root"] else "no")
         out.print(t)
         return
     folder = str(root) if root else None
@@ -296,34 +309,50 @@ def datasets(
             if problems:
                 out.print(f"[red]{len(problems)} problem(s)[/red] in {name} at {root}")
                 raise typer.Exit(1)
-            out.print(f"[green]no problems[/green]: every image of {name} decodes, every domain has every class")
+            what = ("every case reads and matches its mask" if name == "prostate"
+                    else "every image decodes, every domain has every class")
+            out.print(f"[green]no problems[/green] in {name}: {what}")
         s = describe_dataset(name, root=folder, cache_dir=str(cache_dir) if cache_dir else None, image_size=image_size)
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
     t = Table()
-    t.add_column("class")
+    t.add_column("class" if s.unit == "images" else "")
     for d in s.domains:
         t.add_column(d, justify="right")
-    for c in s.classes:
-        t.add_row(c, *(str(s.counts[d][c]) for d in s.domains))
-    t.add_row("[bold]total[/bold]", *(f"[bold]{sum(s.counts[d].values())}[/bold]" for d in s.domains))
-    out.print(f"{name}: {s.total} images, {len(s.classes)} classes, shape {s.image_shape}", soft_wrap=True)
+    for row in s.counts[s.domains[0]]:
+        t.add_row(row, *(str(s.counts[d][row]) for d in s.domains))
+    if s.unit == "images":
+        t.add_row("[bold]total[/bold]", *(f"[bold]{sum(s.counts[d].values())}[/bold]" for d in s.domains))
+    out.print(f"{name}: {s.total} {s.unit}, {len(s.classes)} classes ({', '.join(s.classes)}), shape {s.image_shape}",
+              soft_wrap=True)
     out.print(t)
-    out.print(f"training transforms: {s.transforms.describe()}", soft_wrap=True, markup=False)
+    if s.transforms is None:
+        out.print("transforms: fixed (each volume scaled to 0..255 at its 99th percentile, normalised with 0.5; "
+                  "training flips left-right)", soft_wrap=True)
+    else:
+        out.print(f"training transforms: {s.transforms.describe()}", soft_wrap=True, markup=False)
 
 
 @app.command()
 def export(
-    dataset: Annotated[str, typer.Argument(help="a built-in dataset, e.g. digits-dg")],
-    out_dir: Annotated[Path, typer.Argument(help="new or empty folder to write root/<domain>/<class>/<i>.png into")],
+    dataset: Annotated[str, typer.Argument(help="a built-in dataset, e.g. digits-dg or synthetic-mri")],
+    out_dir: Annotated[Path, typer.Argument(help="new or empty folder to write root/<domain>/<class>/<i>.png "
+                                                 "(synthetic-mri: root/<SITE>/CaseNN.nii.gz) into")],
     cache_dir: Annotated[Path | None, typer.Option(help="cache for built-in datasets")] = None,
     image_size: Annotated[int | None, typer.Option(help="image side (default: the dataset's native one)")] = None,
     max_per_domain: Annotated[int | None, typer.Option(help="export at most this many images per domain")] = None,
 ) -> None:
-    """Write a built-in dataset to DomainBed folders (lossless PNG) plus a feddg.json of its defaults."""
-    from feddg.data.export import export_dataset
+    """Write a built-in dataset to DomainBed folders (lossless PNG) plus a feddg.json of its defaults; synthetic-mri
+    to the prostate layout (NIfTI volumes and masks)."""
+    from feddg.data.export import export_dataset, export_volumes
+    from feddg.data.synthetic_mri import NAME as SYNTHETIC_MRI
 
     try:
+        if dataset == SYNTHETIC_MRI:
+            count = export_volumes(out_dir, image_size=image_size)
+            out.print(f"wrote {count} NIfTI volumes with their masks to {out_dir}; "
+                      f"use -o data.dataset=prostate -o data.root={out_dir}", soft_wrap=True)
+            return
         count = export_dataset(dataset, out_dir, cache_dir=str(cache_dir) if cache_dir else None,
                                image_size=image_size, max_per_domain=max_per_domain)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
@@ -350,6 +379,13 @@ def methods() -> None:
         merges.add_row(name, what)
     out.print(merges)
     out.print(f"hfedatm parameters (hierarchy.params): {listing['hierarchy']}")
+    augment = Table(title="local augmentations (optim.augment: [{name: ..., ...}]; with any client method, "
+                    "docs/methods/augmentation.md)")
+    augment.add_column("name")
+    augment.add_column("parameters (default)")
+    for name, params in listing["augmentations"]:
+        augment.add_row(name, params)
+    out.print(augment)
 
 
 @app.command()
@@ -375,48 +411,48 @@ bench_app = typer.Typer(no_args_is_help=True, help="Speed benchmarks (numbers fo
 app.add_typer(bench_app, name="bench")
 
 
+def _print_all(items: Iterable[RenderableType]) -> None:
+    """Print a benchmark's tables and lines as it yields them."""
+    for item in items:
+        out.print(item)
+
+
 @bench_app.command("all")
 def bench_all(
     quick: Annotated[bool, typer.Option(help="smaller sizes: a smoke run of every figure (minutes)")] = False,
     repeats: Annotated[int, typer.Option(help="interleaved repeats of every timed figure")] = 3,
 ) -> None:
-    """Issue #13's figures in one table: W1, M1, server memory, `feddg methods`, worker start, with ratios."""
-    from feddg.bench.summary import summary_rows
-    from feddg.bench.w1 import load_average
+    """The headline figures in one table: W1, M1, server memory, `feddg methods`, worker start, with ratios."""
+    from feddg.bench.summary import summary_report
 
-    before = load_average()
     with out.status("benchmarking") as status:
-        rows = summary_rows(quick, repeats, lambda name: status.update(f"benchmarking: {name}"))
-    t = Table(title=f"feddg bench all{' --quick' if quick else ''}: {repeats} interleaved repeats; min / median")
-    for col in ("figure", "measured", "yardstick", "× yardstick", "target", "met"):
-        t.add_column(col, justify="right" if col in ("measured", "× yardstick") else "left")
-    for r in rows:
-        t.add_row(r.figure, r.value, r.yardstick, "" if r.ratio is None else f"{r.ratio:.2f}", r.target,
-                  "" if r.met is None else ("yes" if r.met else "no"))
-    out.print(t)
-    out.print(f"load average before: {before}; after: {load_average()}")
+        report = summary_report(quick, repeats, lambda name: status.update(f"benchmarking: {name}"))
+    _print_all(report)
 
 
 @bench_app.command("models")
 def bench_models(
-    names: Annotated[str, typer.Option(help="comma-separated model@size list")] = "cnn@28,lenet@28,resnet18@32",
+    names: Annotated[str, typer.Option(help="comma-separated model@size[:key=value...] list (unet@64:width=8)")] = (
+        "cnn@28,lenet@28,resnet18@32"),
     threads: Annotated[int, typer.Option(help="torch threads")] = 2,
-    seconds: Annotated[float, typer.Option(help="seconds per timing round (best of 3)")] = 2.0,
+    seconds: Annotated[float, typer.Option(help="seconds per timing round")] = 2.0,
+    batch: Annotated[int, typer.Option(help="images per batch")] = 32,
+    repeats: Annotated[int, typer.Option(help="timing rounds (with --feddg: interleaved feddg, plain, ...)")] = 3,
+    feddg: Annotated[bool, typer.Option("--feddg", help="feddg's client loop (train_local, Adam, the task's loss, the "
+                                        "dataset's batches) against a plain PyTorch loop on the same data as tensors; "
+                                        "segmentation on synthetic-mri for dense-output models (unet)")] = False,
+    steps: Annotated[int, typer.Option(help="with --feddg: batches per timed run (0: about --seconds' worth)")] = 0,
 ) -> None:
-    """Training throughput (images/s, batch 32, SGD) of zoo models on this machine's CPU."""
-    import torch
+    """Training throughput (images/s, SGD on random data; with --feddg, feddg's loop next to a plain PyTorch loop) of
+    zoo models on this machine's CPU."""
+    from feddg.bench.throughput import loops_table, models_table
 
-    from feddg.bench.throughput import train_images_per_second
-
-    torch.set_num_threads(threads)
-    t = Table(title=f"training throughput, batch 32, {threads} torch threads")
-    t.add_column("model")
-    t.add_column("px", justify="right")
-    t.add_column("img/s", justify="right")
-    for item in names.split(","):
-        name, _, px = item.partition("@")
-        t.add_row(name, px or "28", f"{train_images_per_second(name, int(px or 28), seconds=seconds):,.0f}")
-    out.print(t)
+    with _user_errors():
+        if feddg:
+            table = loops_table(names.split(","), threads, seconds, batch, repeats, steps)
+        else:
+            table = models_table(names.split(","), threads, seconds, batch, repeats)
+    out.print(table)
 
 
 @bench_app.command("engine")
@@ -426,24 +462,11 @@ def bench_engine(
     engines: Annotated[str, typer.Option(help="comma-separated: sequential, workers, flower")] = "sequential,workers",
 ) -> None:
     """Wall time per round of the same config on several engines."""
-    from feddg.bench.throughput import engine_seconds_per_round
+    from feddg.bench.throughput import engine_table
 
-    variants = {
-        "sequential": ["federation.engine=inprocess", "federation.workers=1"],
-        "workers": ["federation.engine=inprocess", "federation.workers=auto"],
-        "flower": ["federation.engine=flower"],
-    }
-    t = Table(title=f"seconds per round: {config}")
-    for col in ("engine", "rounds", "mean s/round", "min s/round", "start-up s", "total s"):
-        t.add_column(col, justify="right" if col != "engine" else "left")
-    for engine in engines.split(","):
-        if engine not in variants:
-            _fail(f"unknown engine {engine!r}; expected one of {sorted(variants)}")
-        cfg = load_config(config, list(overrides or []) + variants[engine])
-        r = engine_seconds_per_round(cfg)
-        t.add_row(engine, str(r["rounds"]), f"{r['mean_round_s']:.2f}", f"{r['min_round_s']:.2f}",
-                  f"{r['overhead_s']:.1f}", f"{r['total_s']:.1f}")
-    out.print(t)
+    with _user_errors():
+        table = engine_table(config, list(overrides or []), engines.split(","))
+    out.print(table)
 
 
 @bench_app.command("data")
@@ -459,37 +482,10 @@ def bench_data(
     digits_seeds: Annotated[int, typer.Option(help="experiment seeds of each Digits-DG variant")] = 2,
 ) -> None:
     """Folder data: images/s of epoch 1 (cache build) and epochs 2+ vs decoding every epoch; Digits-DG per round."""
-    import statistics
+    from feddg.bench.data import data_report
 
-    import torch
-
-    from feddg.bench.data import digits_rounds as run_digits
-    from feddg.bench.data import folder_throughput, load_average
-
-    torch.set_num_threads(threads)
-    out.print(f"load average before: {load_average()}")
-    times = folder_throughput(images, size, repeats, loader_workers)
-    count = times.pop("images")[0]
-    t = Table(title=f"{int(count)} JPEGs at {size}px, batch 32, {threads} torch thread(s), "
-              f"{repeats} interleaved rounds")
-    for col in ("variant", "min s", "median s", "img/s (best)", "× decode every epoch"):
-        t.add_column(col, justify="left" if col == "variant" else "right")
-    yardstick = min(times["decode every epoch"])
-    for name, secs in times.items():
-        t.add_row(name, f"{min(secs):.2f}", f"{statistics.median(secs):.2f}", f"{count / min(secs):,.0f}",
-                  f"{yardstick / min(secs):.2f}")
-    out.print(t)
-    if digits:
-        runs = run_digits(digits_rounds, digits_max_per_domain, digits_seeds)
-        t = Table(title=f"FedAvg on Digits-DG ({digits_max_per_domain}/domain, 6 clients, {digits_rounds} rounds, "
-                  "target mnistm), interleaved, seeds 0, 1, ...")
-        for col in ("data path", "s/round (median, each seed)", "total s", "ood acc", "id acc"):
-            t.add_column(col, justify="left" if col == "data path" else "right")
-        for name, rows in runs.items():
-            t.add_row(name, *(" ".join(f"{r[k]:.{2 if k == 'round_s' else 1}f}" for r in rows)
-                              for k in ("round_s", "total_s", "ood_acc", "id_acc")))
-        out.print(t)
-    out.print(f"load average after: {load_average()}")
+    _print_all(data_report(images, size, repeats, threads, loader_workers,
+                           (digits_rounds, digits_max_per_domain, digits_seeds) if digits else None))
 
 
 @bench_app.command("w1")
@@ -498,17 +494,9 @@ def bench_w1(
     images: Annotated[int, typer.Option(help="images per client (W1: 2000)")] = 2000,
 ) -> None:
     """W1: FedAvg, 4 clients, cnn4, 5 rounds, in-process (workers 1 and 2) vs a plain PyTorch loop on 2 processes."""
-    from feddg.bench.w1 import load_average, summary, w1_table
+    from feddg.bench.w1 import w1_report
 
-    out.print(f"load average before: {load_average()}")
-    t = Table(title=f"W1: FedAvg, 4 clients × {images} images 3×28×28, cnn4, batch 32, 5 rounds; "
-              f"{repeats} interleaved")
-    for col in ("variant", "min s", "median s", "× yardstick (min)"):
-        t.add_column(col, justify="left" if col == "variant" else "right")
-    for name, lo, med, ratio in summary(w1_table(repeats, images)):
-        t.add_row(name, f"{lo:.1f}", f"{med:.1f}", f"{ratio:.2f}")
-    out.print(t)
-    out.print(f"load average after: {load_average()}")
+    _print_all(w1_report(repeats, images))
 
 
 @bench_app.command("memory")
@@ -523,36 +511,15 @@ def bench_memory(
 ) -> None:
     """Server peak extra memory of a FedAvg round: streaming fold vs the all-at-once list of replies; with
     --per-client, the client store's RAM, peaks and disk for Local-only at each budget."""
-    from feddg.bench.memory import memory_table
-
     if per_client:
-        _per_client_memory([int(c) for c in per_client.split(",")], params,
-                           [None if b.strip() == "none" else float(b) for b in budgets_mb.split(",")])
+        from feddg.bench.store_memory import store_memory_report
+
+        _print_all(store_memory_report([int(c) for c in per_client.split(",")], params,
+                                       [None if b.strip() == "none" else float(b) for b in budgets_mb.split(",")]))
         return
-    t = Table(title=f"FedAvg round, {params:,}-parameter model: server peak above the global model (tracemalloc)")
-    for col in ("fold", "clients", "peak MiB", "models", "s", "how"):
-        t.add_column(col, justify="left" if col in ("fold", "how") else "right")
-    for r in memory_table(params, [int(c) for c in clients.split(",")], max_list_mb * 2**20):
-        t.add_row(str(r["fold"]), str(r["clients"]), f"{r['peak_mb']:,.1f}", f"{r['models']:.1f}",
-                  f"{r['seconds']:.1f}", str(r["note"]))
-    out.print(t)
+    from feddg.bench.memory import fold_memory_table
 
-
-def _per_client_memory(clients: list[int], params: int, budgets: list[float | None]) -> None:
-    from feddg.bench.store_memory import PER_ROUND, store_memory_table
-    from feddg.bench.w1 import load_average
-
-    out.print(f"load average before: {load_average()}")
-    t = Table(title=f"Local-only server, {params:,}-parameter model, rounds of {PER_ROUND} clients then every client "
-              "evaluated: MiB above the start")
-    for col in ("clients", "budget", "store RAM", "traced peak", "traced kept", "peak RSS", "disk", "s"):
-        t.add_column(col, justify="right")
-    for r in store_memory_table(clients, params, budgets):
-        t.add_row(f"{r['clients']:,}", "unlimited" if r["budget_mb"] is None else f"{r['budget_mb']:g}",
-                  *(f"{r[k]:,.1f}" for k in ("store_ram_mb", "traced_peak_mb", "traced_kept_mb", "peak_rss_mb",
-                                             "disk_mb", "seconds")))
-    out.print(t)
-    out.print(f"load average after: {load_average()}")
+    out.print(fold_memory_table(params, [int(c) for c in clients.split(",")], max_list_mb))
 
 
 @bench_app.command("scale")
@@ -562,19 +529,25 @@ def bench_scale(
     overrides: Overrides = None,
 ) -> None:
     """The papers' client counts end to end: build time, seconds per round and peak RSS of each config."""
-    from feddg.bench.scale import scale_run
-    from feddg.bench.w1 import load_average
+    from feddg.bench.scale import scale_report
 
     paths = configs or [Path("configs/scale/femnist-scale.yaml"), Path("configs/scale/iwildcam-scale.yaml")]
-    out.print(f"load average before: {load_average()}")
-    t = Table(title=f"{rounds} rounds each; peak RSS of this process / of its worker processes")
-    for col in ("config", "clients", "sampled/round", "build s", "s/round", "peak RSS MiB (self / workers)"):
-        t.add_column(col, justify="left" if col == "config" else "right")
-    for path in paths:
-        with _user_errors():
-            r = scale_run(path, rounds, list(overrides or []))
-        rss = r["peak_rss_mb"]
-        t.add_row(str(path), f"{r['clients']:,}", " ".join(map(str, r["sampled"])), f"{r['build_s']:.1f}",
-                  " ".join(f"{s:.1f}" for s in r["round_s"]), f"{rss['self']:,.0f} / {rss['children']:,.0f}")
-    out.print(t)
-    out.print(f"load average after: {load_average()}")
+    with _user_errors():
+        _print_all(scale_report(paths, rounds, list(overrides or [])))
+
+
+@bench_app.command("portable", help="The cost of reproducibility: portable: the same short run with this CPU's own "
+                   "kernels and with the pinned ones, interleaved")  # one line: a docstring's line break would show
+def bench_portable(
+    config: Annotated[Path, typer.Argument(help="experiment YAML")] = Path("configs/demo.yaml"),
+    repeats: Annotated[int, typer.Option(help="interleaved runs of each kernel choice")] = 3,
+    overrides: Overrides = None,
+) -> None:
+    from feddg.bench.portable import portable_table
+
+    extra = [arg for item in overrides or [] for arg in ("-o", item)]
+    try:
+        table = portable_table(config, repeats, extra)
+    except RuntimeError as err:  # a run failed: its last line of stderr
+        _fail(str(err))
+    out.print(table)

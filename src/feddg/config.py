@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,8 +51,15 @@ class DataConfig(Strict):
 
 
 class SplitConfig(Strict):
-    protocol: Literal["lodo", "ltdo"] = "lodo"
-    target: str | None = Field(None, description="held-out test domain (default: the first domain)")
+    protocol: Literal["lodo", "ltdo", "federated"] = Field(
+        "lodo", description="lodo: hold out split.target; ltdo: an ood validation and a test domain; federated: "
+        "every domain trains, figures are each client's own holdout (id) only (FedFA Tables 3-5)")
+    target: str | list[str] | None = Field(
+        None, description="held-out test domain, or several (lodo; default: the first domain)")
+    target_fraction: float | None = Field(
+        None, gt=0, lt=1, description="lodo over many domains: hold out this fraction of the domains (at least one; "
+        "whole domains, a seeded draw) instead of split.target"
+    )
     val_domain: str | None = Field(None, description="ood validation domain (ltdo only)")
     few_shot_k: int = Field(
         0, ge=0, description="few-shot mode (hFedF Fig. 3): k target-domain samples added to every client's "
@@ -60,10 +68,16 @@ class SplitConfig(Strict):
 
 
 class PartitionConfig(Strict):
-    kind: str = "by_domain"
-    num_clients: int = Field(4, ge=1)
+    kind: str = Field("by_domain", description="how source samples are dealt to clients (docs/partitions.md); "
+                      "natural: each natural group of the dataset (a writer, a camera) is one client")
+    num_clients: int = Field(4, ge=1, description="clients (natural: decided by the groups; leave it unset)")
     params: dict[str, Any] = Field(default_factory=dict, description="partitioner parameters (lam, d, alpha)")
-    holdout: float = Field(0.1, ge=0.0, lt=1.0, description="per-client id-validation fraction")
+    holdout: float = Field(0.1, ge=0.0, lt=1.0, description="per-client id-validation fraction (of whole cases where "
+                           "the dataset has cases: a volume's slices)")
+    train_fraction: float = Field(1.0, gt=0.0, le=1.0, description="keep this seeded fraction of each client's "
+                                  "training samples (at least one): FedFA's mini-ProstateMRI (1/6) and Fig. 3")
+    train_min: int = Field(0, ge=0, description="with train_fraction: keep at least this many training samples "
+                           "per client (all it has if fewer); FedFA's mini-ProstateMRI keeps max(N/6, 32)")
 
 
 class ModelConfig(Strict):
@@ -82,11 +96,15 @@ class MethodConfig(Strict):
 
 
 class OptimConfig(Strict):
-    name: Literal["sgd", "adam"] = "sgd"
+    name: Literal["sgd", "adam", "adamw"] = Field(
+        "sgd", description="sgd | adam (L2 weight decay) | adamw (decoupled weight decay; HFedATM's Amazon Reviews)")
     lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.9, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum; for adam / adamw their β1")
     weight_decay: float = Field(5e-4, ge=0)
     schedule: Literal["constant", "cosine", "step"] = "constant"
+    warmup_rounds: int = Field(0, ge=0, description="linear warm-up: round r ≤ k trains at lr·r/(k+1); the schedule "
+                               "then runs over the remaining rounds")
+    grad_clip: float | None = Field(None, gt=0, description="clip each local step's gradient to this global L2 norm")
     step_size: int = Field(10, ge=1, description="rounds between decays (step schedule)")
     gamma: float = Field(0.1, gt=0, description="decay factor (step schedule)")
     amp: Literal["off", "bf16", "fp16"] = Field(
@@ -308,6 +326,8 @@ class ExperimentConfig(Strict):
                 raise ValueError(f"{who} needs {', '.join(sorted(missing))}: the {info['task']} task of "
                                  f"{self.data.dataset} provides {', '.join(sorted(task))}, model {self.model.name} "
                                  f"{', '.join(sorted(model)) or 'nothing more'}")
+        if problem := cls.optim_problem(cls.Params(**self.method.params), self.optim.name, self.optim.momentum):
+            raise ValueError(problem)
         if (mixing := label_mixing(specs)) and not cls.takes_soft_targets:
             raise ValueError(f"optim.augment: {cls.name}'s loss uses hard labels beyond the task's loss; use mixstyle "
                              f"with it, not {mixing[0]}")
@@ -358,7 +378,11 @@ def _show(key: object) -> str:
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    """``set_dotted(d, "a.b.c", v)`` sets ``d["a"]["b"]["c"] = v``, creating dicts on the way."""
+    """``set_dotted(d, "a.b.c", v)`` sets ``d["a"]["b"]["c"] = v``, creating dicts on the way. A mapping value is
+    merged key by key into a section already there (``federation={local_epochs: 1}`` keeps the section's other
+    keys), except a component's ``params`` (``method.params``, ``model.params``, ...), which belong to whatever
+    the component is named and are replaced whole (a sweep variant that switches methods gives the new method's
+    parameters); an empty mapping ``{}`` empties a section."""
     *parents, leaf = dotted.split(".")
     if not all(parents) or not leaf:
         raise ConfigError(f"override key {_show(dotted)} has an empty part")
@@ -368,7 +392,25 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"{_show(dotted)}: {p!r} is not a section")
         node = child
-    node[leaf] = value
+    if isinstance(value, dict) and value and isinstance(node.get(leaf), dict) and leaf != "params":
+        for key, sub in value.items():
+            set_dotted(node[leaf], str(key), sub)
+    else:
+        node[leaf] = value
+
+
+def _leaves(key: str, value: Any) -> list[str]:
+    """The dotted keys an override sets (a mapping's every leaf; a component's ``params`` as a whole)."""
+    if isinstance(value, dict) and value and not key.endswith("params"):
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+    return [key]
+
+
+def _get_dotted(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -389,8 +431,21 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
 def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> ExperimentConfig:
     """Validate ``raw`` after applying ``overrides``; errors name the key, on one line."""
     tree = copy.deepcopy(raw)  # overrides must not leak into ``raw`` (a sweep reuses it per variant)
-    for key, value in parse_overrides(overrides or []):
+    given: dict[str, Any] = {}
+    pairs = parse_overrides(overrides or [])
+    for key, value in pairs:
+        for leaf in _leaves(key, value):
+            if leaf in given:
+                warnings.warn(f"{leaf} is overridden twice: the last value wins ({given[leaf]!r} is replaced)",
+                              stacklevel=2)
+        old = _get_dotted(tree, key)
+        renamed = key.removesuffix("params") + "name" in {k for k, _ in pairs}
+        if key.endswith(".params") and isinstance(old, dict) and isinstance(value, dict) and not renamed:
+            if dropped := sorted(set(old) - set(value)):
+                warnings.warn(f"{key} is replaced whole: {', '.join(map(str, dropped))} go back to their defaults "
+                              f"(set {key}.<name>=... to change one)", stacklevel=2)
         set_dotted(tree, key, value)
+        given.update({leaf: _get_dotted(tree, leaf) for leaf in _leaves(key, value)})
     try:
         return ExperimentConfig.model_validate(tree)
     except ValidationError as err:
@@ -456,6 +511,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     """An experiment config; a sweep file's ``sweep:`` section is ignored (its base config runs)."""
     raw = read_yaml(path)
     raw.pop("sweep", None)
+    if not raw and not overrides:
+        raise ConfigError(f"{path} is empty: an experiment config names at least its data, partition and method "
+                          "(configs/demo.yaml is a complete one)")
     return build_config(raw, overrides)
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from feddg.config import ConfigError, ExperimentConfig, build_config, dump_config, parse_overrides, read_yaml
 from feddg.engines.inprocess import run_inprocess
 from feddg.evaluation.plots import plot_run
+from feddg.federation.checkpoint import has_checkpoint
+from feddg.federation.examples import write_examples
 from feddg.federation.provenance import record_resume
 from feddg.federation.server import CONFIG, RESULTS, Server, default_run_dir
 from feddg.federation.setup import build_federation
@@ -63,7 +71,7 @@ def run_experiment(
     fed = build_federation(cfg)
     server = Server(fed, run_dir, resume=resume)
     targets = ", ".join(fed.dataset.domains[d] for d in fed.split.test_domains)
-    with progress_bar(progress) as bar:
+    with progress_bar(progress) as bar, stop_signals() as stopped:
         task = bar.add_task(f"{cfg.method.name} → {targets}", total=server.rounds, completed=server.round,
                             status="")
 
@@ -71,16 +79,53 @@ def run_experiment(
             bar.update(task, advance=1, status=_status(row, fed.task))
             tracking.log_round(row)
 
-        if cfg.federation.engine == "flower":
-            from feddg.engines.flower.simulation import run_flower  # needs the [flower] extra
+        try:
+            if cfg.federation.engine == "flower":
+                from feddg.engines.flower.simulation import run_flower  # needs the [flower] extra
 
-            results = run_flower(server, on_round=on_round)
-        else:
-            results = run_inprocess(server, on_round=on_round)
+                results = run_flower(server, on_round=on_round)
+            else:
+                results = run_inprocess(server, on_round=on_round)
+        except KeyboardInterrupt:
+            raise Interrupted(stopped.get("signal", signal.SIGINT), run_dir, server.round, server.saved_round) from None
     results["run_dir"] = str(run_dir)
     plot_run(run_dir)
+    write_examples(server)
     tracking.finish(results)
     return results
+
+
+class Interrupted(RuntimeError):
+    """A run stopped by SIGINT or SIGTERM: where it stopped and how it continues; ``code`` is the shell's exit code
+    for the signal (128 + its number)."""
+
+    def __init__(self, sig: int, run_dir: Path, round: int, saved: int | None) -> None:
+        name = signal.Signals(sig).name
+        kept = "nothing was checkpointed yet" if saved is None else f"the last checkpoint is round {saved}"
+        super().__init__(f"{name}: the run stopped during round {round + 1} ({kept}); "
+                         f"feddg run --resume {run_dir} continues it")
+        self.code = 128 + sig
+
+
+@contextmanager
+def stop_signals() -> Iterator[dict[str, int]]:
+    """SIGTERM ends the block as SIGINT does (a KeyboardInterrupt in the main thread); the dict says which came.
+    Outside the main thread (a library caller's worker thread) signals are left alone."""
+    received: dict[str, int] = {}
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def stop(sig: int, frame: object) -> None:
+        received["signal"] = sig
+        raise KeyboardInterrupt
+
+    before = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 class RunDirError(ValueError):
@@ -96,15 +141,31 @@ def _fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
     if not overwrite:
         raise RunDirError(f"run directory {run_dir} is not empty; --resume {run_dir} continues that run, "
                           "--overwrite replaces it")
-    clear_run_dir(run_dir)
+    if kept := clear_run_dir(run_dir):
+        console.print(f"--overwrite kept what feddg did not write in {run_dir}: {', '.join(kept)}", markup=False,
+                      highlight=False)
 
 
-def clear_run_dir(run_dir: Path) -> None:
-    """Delete a run directory's content; refuses a directory that is not a feddg run (no config.yaml)."""
+#: what feddg writes into a run directory: ``--overwrite`` removes these, and only these
+RUN_FILES = ("config.yaml", "provenance.json", "provenance.json.tmp", "metrics.jsonl", "results.json",
+             "checkpoint.pt", "checkpoint.prev.pt", "checkpoint.pt.tmp", "client_store", "curves.png", "domains.png",
+             "styles.png", "report.html", "mlflow_run_id", "events.out.tfevents.*", "examples")
+
+
+def clear_run_dir(run_dir: Path) -> list[str]:
+    """Delete what feddg wrote into a run directory and keep everything else (a user's notes, an analysis
+    folder); returns the names kept. Refuses a directory that is not a feddg run (no config.yaml)."""
     if not (run_dir / CONFIG).is_file():
         raise RunDirError(f"{run_dir} is not a feddg run directory (no {CONFIG}); refusing to delete its content")
-    shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    kept = []
+    for path in sorted(run_dir.iterdir()):
+        if not any(fnmatch.fnmatchcase(path.name, pattern) for pattern in RUN_FILES):
+            kept.append(path.name)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return kept
 
 
 def _in_schema(dotted: str) -> bool:
@@ -126,7 +187,9 @@ RESUME_SAFE = tuple(key for key in ("federation.rounds", "eval.every", "federati
 
 def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *, progress: bool = True
                       ) -> dict[str, Any]:
-    """Continue a killed or finished run from its last checkpoint, with the config it was started with.
+    """Continue a killed run from its last checkpoint (or extend a finished one), with the config it was started
+    with. A finished run without a change of ``federation.rounds`` is left alone: its results come back with
+    ``"resumed": False`` and nothing is recorded.
 
     ``overrides`` may change only :data:`RESUME_SAFE` keys; they are written to config.yaml.
     """
@@ -141,13 +204,18 @@ def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *
     raw = read_yaml(run_dir / CONFIG)
     cfg = build_config(raw, overrides)
     before = raw.get("federation", {}).get("rounds")
-    if isinstance(before, int) and cfg.federation.rounds != before:
-        if cfg.federation.rounds < before:
-            raise ConfigError(f"federation.rounds: a resumed run can only grow ({before} -> {cfg.federation.rounds})")
-        if cfg.optim.schedule == "cosine":
-            raise ConfigError(f"federation.rounds: cannot change on resume with optim.schedule=cosine (its rounds "
-                              f"so far followed a cosine over {before} rounds)")
-        (run_dir / RESULTS).unlink(missing_ok=True)  # it describes the shorter run; rewritten at the new end
+    grows = isinstance(before, int) and cfg.federation.rounds != before
+    if grows and cfg.federation.rounds < before:
+        raise ConfigError(f"federation.rounds: a resumed run can only grow ({before} -> {cfg.federation.rounds})")
+    if grows and cfg.optim.schedule == "cosine":
+        raise ConfigError(f"federation.rounds: cannot change on resume with optim.schedule=cosine (its rounds "
+                          f"so far followed a cosine over {before} rounds)")
+    if not has_checkpoint(run_dir):
+        raise RunDirError(f"nothing to resume in {run_dir}: it has no checkpoint (it stopped before its first round "
+                          "ended); start it again with --overwrite")
+    if (run_dir / RESULTS).is_file() and not grows:
+        return {**json.loads((run_dir / RESULTS).read_text()), "run_dir": str(run_dir), "resumed": False}
+    (run_dir / RESULTS).unlink(missing_ok=True)  # it describes the shorter run; rewritten at the new end
     if overrides:
         (run_dir / CONFIG).write_text(dump_config(cfg))
     record_resume(run_dir, cfg, overrides)

@@ -108,7 +108,9 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
 
 
 def _cells(spec: SweepSpec, base: ExperimentConfig) -> list[tuple[str, list[str]]]:
-    """(label, split overrides) for every target (lodo) or (val, test) pair (ltdo)."""
+    """(label, split overrides) for every target (lodo) or (val, test) pair (ltdo); one cell (federated)."""
+    if base.split.protocol == "federated":
+        return [("all", [])]
     domains = base.data.domains or dataset_info(base.data.dataset)["domains"]
     if not domains:
         raise ConfigError(f"sweep over 'all' targets needs data.domains for {base.data.dataset}")
@@ -134,8 +136,10 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     out = Path(out_dir) if out_dir is not None else Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
     variants = search_variants(spec, raw)
+    _distinct_folders("variant", list(variants))
     if spec.baseline is not None and spec.baseline not in variants:
         raise ConfigError(f"sweep.baseline {spec.baseline!r} is not a variant; variants: {list(variants)}")
+    _distinct_folders("target", [label for label, _ in _cells(spec, base)])
     cells = []
     for variant, extra in variants.items():
         for label, split_over in _cells(spec, base):
@@ -152,22 +156,34 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     else:
         results = _run_parallel(cells, jobs, progress)
     rows = [{**cell, "variant": labelled(str(cell["variant"]), cfg.method.name), "run_dir": str(run_dir),
-             "config_hash": config_hash(cfg), **res["final"], "time_total_s": res["time_total_s"]}
+             "config_hash": config_hash(cfg), **res["final"], "time_total_s": res["time_total_s"],
+             "dropped": res["failures"]["client_rounds_lost"]}
             for (cell, cfg, run_dir), res in zip(cells, results, strict=True)]
     if spec.baseline is not None:  # named as its rows are
         spec.baseline = next(r["variant"] for (cell, _, _), r in zip(cells, rows, strict=True)
                              if cell["variant"] == spec.baseline)
-    if spec.metrics is None:  # the task's ood and id means, as the runs wrote them
-        task = TaskInfo.of(results[0]["task"])
-        spec.metrics = [task.key("ood"), task.key("id")]
+    task = TaskInfo.of(results[0]["task"])
+    federated = base.split.protocol == "federated"
+    if spec.metrics is None:  # the task's ood and id means, as the runs wrote them (id only: no domain held out)
+        spec.metrics = [task.key("id")] if federated else [task.key("ood"), task.key("id")]
+    table_rows = _per_domain_rows(rows, spec.metrics, results[0]["source"]) if federated else rows
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / "sweep.json").write_text(json.dumps(spec.model_dump(mode="json"), indent=1))
-    tables = {m: markdown_table(rows, m, spec.baseline) for m in spec.metrics}
+    record = {**spec.model_dump(mode="json"), "expanded": {labelled(v, build_config(raw, [
+        _override(k, x) for k, x in extra.items()]).method.name): extra for v, extra in variants.items()}}
+    (out / "sweep.json").write_text(json.dumps(record, indent=1))
+    tables = {m: markdown_table(table_rows, m, spec.baseline, task.bounds) for m in spec.metrics}
     md = "\n\n".join(f"### {m} over seeds {spec.seeds}: {STATS_NOTE}\n\n{t}" for m, t in tables.items())
+    md += "\n\n" + variants_table(record["expanded"])
     (out / "table.md").write_text(f"# {base.name}\n\n{md}\n")
     for m in spec.metrics:
-        (out / f"table_{m}.csv").write_text(csv_table(rows, m, spec.baseline))
+        (out / f"table_{m}.csv").write_text(csv_table(table_rows, m, spec.baseline, task.bounds))
     return {"out_dir": str(out), "rows": rows, "markdown": md}
+
+
+def _per_domain_rows(rows: list[dict[str, Any]], metrics: list[str], domains: list[str]) -> list[dict[str, Any]]:
+    """Federated sweeps (every domain trains): a table column per domain, from each run's ``<metric>/<domain>``, so
+    the table's avg is the mean over domains (FedFA Table 4's "Average")."""
+    return [{**r, "target": d, **{m: r[f"{m}/{d}"] for m in metrics if f"{m}/{d}" in r}} for r in rows for d in domains]
 
 
 def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jobs: int,
@@ -237,6 +253,24 @@ def _results(run_dir: Path) -> dict[str, Any] | None:
 def _say(line: str, markup: bool = False) -> None:
     """One line on the console, never wrapped (paths are long)."""
     console.print(line if markup else escape(line), soft_wrap=True, highlight=False)
+
+
+def variants_table(expanded: dict[str, dict[str, Any]]) -> str:
+    """What each variant (and each draw of ``sweep.search``) changes in the base config, as a Markdown table."""
+    lines = ["### what each variant changes", "", "| variant | overrides |", "|---|---|"]
+    for name, extra in expanded.items():
+        text = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in extra.items()) or "– (the base config)"
+        lines.append(f"| {name} | {text} |")
+    return "\n".join(lines)
+
+
+def _distinct_folders(what: str, names: list[str]) -> None:
+    """Refuse names that map to one folder (``a b`` and ``a_b``): their runs would overwrite each other."""
+    seen: dict[str, str] = {}
+    for name in names:
+        if (other := seen.setdefault(_safe(name), name)) != name:
+            raise ConfigError(f"sweep: {what}s {other!r} and {name!r} would share the folder {_safe(name)!r}; "
+                              f"rename one")
 
 
 def _safe(name: str) -> str:

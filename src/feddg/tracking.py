@@ -91,7 +91,7 @@ def mlflow_key(key: str) -> str:
 
 class MlflowSink:
     """Params (the resolved config), metrics per round (step = round; ``/`` in names becomes ``.``), the run
-    directory as artifacts."""
+    directory as artifacts (without TensorBoard's event files)."""
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, target: str) -> None:
         try:
@@ -156,7 +156,13 @@ class MlflowSink:
         keys = ("time_total_s", "bytes_up_total", "bytes_down_total")
         totals: dict[str, float] = {k: float(results[k]) for k in keys if k in results}
         self._log(totals, int(results.get("rounds", 0)))
-        self.client.log_artifacts(self._run(), str(self.run_dir))
+        for path in sorted(self.run_dir.iterdir()):
+            if path.name.startswith("events.out.tfevents"):  # TensorBoard's own files: a copy in the MLflow store
+                continue  # would show the run twice to a `tensorboard --logdir` above both
+            if path.is_dir():
+                self.client.log_artifacts(self._run(), str(path), artifact_path=path.name)
+            else:
+                self.client.log_artifact(self._run(), str(path))
         self.client.set_terminated(self._run())
 
 

@@ -119,9 +119,12 @@ def merge_stations(
         if key.endswith(".weight") and layer in layers:
             assert grams is not None
             t0 = time.perf_counter()
-            res = regmean(arrays, [g[layer] for g in grams], gammas, layer)
+            shape = arrays[0].shape  # a 1×1 conv's [out, in, 1, 1] is solved as the linear layer [out, in]
+            if any(d != 1 for d in shape[2:]):
+                raise ValueError(f"RegMean: {key} of shape {list(shape)} is not a linear layer's weight")
+            res = regmean([a.reshape(shape[0], -1) for a in arrays], [g[layer] for g in grams], gammas, layer)
             regmean_s += time.perf_counter() - t0
-            merged[key] = res.weight
+            merged[key] = res.weight.reshape(shape)
             metrics[f"regmean/{layer}/cond"] = res.cond
             metrics[f"regmean/{layer}/fallback"] = float(res.fallback)
             metrics[f"regmean/{layer}/dead_inputs"] = float(res.dead_inputs)

@@ -63,6 +63,7 @@ class OptimSettings:
     name: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    grad_clip: float | None = None  # global L2 norm of each step's gradient (None: no clipping)
     amp: str = "off"  # autocast dtype of the forward passes: off | bf16 | fp16 (ClientContext.autocast)
     channels_last: bool = False  # image batches in torch.channels_last memory format
     augment: tuple[dict[str, Any], ...] = ()  # optim.augment: local augmentations (components/augment.py)
@@ -172,6 +173,11 @@ class Method(ABC):
     def requirements(cls, params: Params) -> frozenset[str]:  # type: ignore[valid-type]  # base of every Params
         """What this configuration of the method needs (default: :attr:`requires`)."""
         return cls.requires
+
+    @classmethod
+    def optim_problem(cls, params: Params, optim_name: str, momentum: float) -> str | None:  # type: ignore[valid-type]
+        """Why this configuration of the method cannot train with the local optimiser, or ``None`` (the default)."""
+        return None
 
     def __init__(self, params: Params | None = None) -> None:  # type: ignore[valid-type]  # base of every Params
         self.params = params if params is not None else type(self).Params()

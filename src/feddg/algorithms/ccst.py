@@ -13,7 +13,7 @@ Each round: for every batch the client draws ``K`` distinct styles of the bank, 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from feddg.algorithms.components.style import (
 from feddg.devices import Inputs, images
 from feddg.messages import Message, load_weights, subset
 from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
+
+if TYPE_CHECKING:
+    from feddg.models.base import FedModel
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 BANK_MEAN, BANK_STD = "bank/mean", "bank/std"
@@ -86,10 +89,12 @@ class CCST(Method):
         else:
             pick = torch.randperm(len(mean), generator=ctx.generator)[: self.params.images_per_client]
             mu, sigma = mean[pick], std_from_moments(mean[pick], second[pick])
-        reply = {STYLE_MEAN: mu.numpy().astype(np.float32), STYLE_STD: sigma.numpy().astype(np.float32)}
+        style: dict[str, np.ndarray] = {STYLE_MEAN: mu.numpy().astype(np.float32),
+                                         STYLE_STD: sigma.numpy().astype(np.float32)}
         if (dp := self.params.dp) is not None:  # one release: all rows of μ and σ clipped as one vector; σ ≥ 0 after
-            reply = privatize(reply, dp.clip, dp.sigma(), ctx.generator)
-            reply[STYLE_STD] = np.maximum(reply[STYLE_STD], 0.0)
+            style = privatize(style, dp.clip, dp.sigma(), ctx.generator)
+            style[STYLE_STD] = np.maximum(style[STYLE_STD], 0.0)
+        reply: Message = {**style}
         return reply, {**client_state, **enc}
 
     def privacy(self, rounds_done: int) -> dict[str, Any] | None:
@@ -122,14 +127,15 @@ class CCST(Method):
         k, alpha = self.params.k, self.params.alpha
 
         def loss_fn(m: nn.Module, inputs: Inputs, y: Tensor) -> Tensor:
+            net = cast("FedModel", m)  # the network is a zoo model: classifier(features(x))
             x = images(inputs)
             rows = draw_styles(len(bank_mean), k, ctx.generator)
             if len(rows) == 0:  # a federation of one client has no other styles
-                return ctx.task.loss(m(x), y)
+                return ctx.task.loss(net(x), y)
             x_tilde = torch.cat([codec.transfer(x, bank_mean[r], bank_std[r], alpha) for r in rows.tolist()])
             x_rep = x.repeat(len(rows), *([1] * (x.dim() - 1)))
-            f_tilde = codec.features(m, x_rep, x_tilde)
-            return ctx.task.loss(m(x), y) + ctx.task.loss(m.classifier(f_tilde), y.repeat(len(rows)))
+            f_tilde = codec.features(net, x_rep, x_tilde)
+            return ctx.task.loss(net(x), y) + ctx.task.loss(net.classifier(f_tilde), y.repeat(len(rows)))
 
         loss = train_local(model, ctx, lr=float(msg["lr"]), loss_fn=loss_fn)
         return weights_reply(model, ctx.num_examples, loss), client_state

@@ -236,11 +236,12 @@ class FedFA(Method):
         if self.uploads_stats:
             seed = int(torch.randint(2**62, (1,), generator=ctx.generator)) if hp.stat_noise > 0 else 0
             rng = np.random.default_rng(seed)
-            reply.update({STAT + k[len(FFA) :]: add_noise(v, hp.stat_noise, rng) for k, v in new_state.items()})
+            reply.update({STAT + k[len(FFA) :]: add_noise(np.asarray(v), hp.stat_noise, rng) for k, v in new_state.items()})
         if self.aligns:
             reply[HIST_KEY] = self.local_histogram(model, ctx)
         if hp.dp is not None:  # after every statistic is computed: the noise is the generator's next draws
-            for group in (entries(reply, STAT), entries(reply, HIST)):
+            for prefix in (STAT, HIST):  # the statistics and the histogram are arrays
+                group = {k: np.asarray(v) for k, v in entries(reply, prefix).items()}
                 reply.update(privatize(group, hp.dp.clip, hp.dp.sigma(), ctx.generator) if group else {})
         if align_losses:
             reply["align_loss"] = float(np.mean(align_losses))

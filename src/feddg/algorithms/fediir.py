@@ -55,8 +55,8 @@ def classifier(model: nn.Module) -> nn.Module:
     return head
 
 
-def gradient_penalty(grads: tuple[Tensor, ...], mean: list[Tensor]) -> Tensor:
-    """``Σ_params ‖g − ḡ‖²``."""
+def gradient_penalty(grads: tuple[Tensor, ...], mean: list[Tensor]) -> Tensor | int:
+    """``Σ_params ‖g − ḡ‖²`` (the int 0 without any parameter)."""
     return sum(((g - m) ** 2).sum() for g, m in zip(grads, mean, strict=True))
 
 

@@ -18,8 +18,8 @@ class FedProxParams(Params):
     mu: float = Field(0.01, ge=0.0, description="weight of the proximal term")
 
 
-def proximal_term(model: nn.Module, anchor: list[Tensor]) -> Tensor:
-    """``Σ_i ‖w_i − a_i‖²`` over the trainable parameters."""
+def proximal_term(model: nn.Module, anchor: list[Tensor]) -> Tensor | int:
+    """``Σ_i ‖w_i − a_i‖²`` over the trainable parameters (the int 0 for a model without any)."""
     return sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))
 
 

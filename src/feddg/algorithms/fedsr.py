@@ -44,6 +44,7 @@ class FedSRNet(FedModel):
     """
 
     stages_in = "net"  # where models/stages.py finds the conv stages (augmentations hook them)
+    classifier: nn.Linear
 
     def __init__(self, net: FedModel, z_dim: int | None = None) -> None:
         super().__init__()
@@ -128,13 +129,14 @@ class FedSR(Method):
                 cmi = cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean()
                 loss = ctx.task.loss(model.classifier(z), y) + p.l2r * l2r + p.cmi * cmi
             opt.zero_grad(set_to_none=True)
-            scaled_step(loss, opt, scaler)
+            scaled_step(loss, opt, scaler, clip=ctx.optim.grad_clip)
             for k, v in (("loss", loss), ("l2r", l2r), ("cmi", cmi)):
                 sums[k] += float(v.detach())
             steps += 1
         n = max(steps, 1)
         reply = weights_reply(model, ctx.num_examples, sums["loss"] / n, l2r=sums["l2r"] / n, cmi=sums["cmi"] / n)
-        state = {k: t.detach().cpu().numpy().copy() for k, t in zip(REF_KEYS, (r_mu, r_sigma, scale), strict=True)}
+        state: ClientState = {k: t.detach().cpu().numpy().copy()
+                              for k, t in zip(REF_KEYS, (r_mu, r_sigma, scale), strict=True)}
         return reply, state
 
     def predict(self, model: nn.Module, x: Inputs) -> Tensor:

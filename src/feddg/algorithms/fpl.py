@@ -17,7 +17,7 @@ FedAvg aggregation of the weights by ``n_k``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from feddg.algorithms.components.local import grad_scaler, local_batches, make_o
 from feddg.algorithms.components.style import finch_labels
 from feddg.messages import Message, load_weights
 from feddg.tasks import CLASS_LABELS
+
+if TYPE_CHECKING:
+    from feddg.models.base import FedModel
 
 PROTO_MEAN, PROTO_PRESENT = "proto/mean", "proto/present"
 CLUSTER, CLUSTER_CLASS, UNBIASED, HAS_UNBIASED = "proto/cluster", "proto/cluster_class", "proto/unbiased", "proto/has"
@@ -130,17 +133,18 @@ class FPL(Method):
         total, steps = 0.0, 0
         sums: Tensor | None = None
         counts: Tensor | None = None
+        net = cast("FedModel", model)  # the network is a zoo model: classifier(features(x))
         for epoch, x, y in local_batches(model, ctx):
             opt.zero_grad(set_to_none=True)
             with ctx.autocast():
-                z = model.features(x)
-                logits = model.classifier(z)
+                z = net.features(x)  # type: ignore[arg-type]  # token inputs (a dict) go to a plugin model as they are
+                logits = net.classifier(z)
                 loss = ctx.task.loss(logits, y) + self._proto_terms(z, y, protos)
-            scaled_step(loss, opt, scaler)
+            scaled_step(loss, opt, scaler, clip=ctx.optim.grad_clip)
             total += float(loss.detach())
             steps += 1
             if epoch == ctx.local_epochs - 1:
-                if sums is None:
+                if sums is None or counts is None:  # both None until the last epoch's first batch
                     sums = torch.zeros(logits.shape[1], z.shape[1])
                     counts = torch.zeros(logits.shape[1])
                 sums.index_add_(0, y.cpu(), z.detach().float().cpu())
@@ -148,12 +152,12 @@ class FPL(Method):
         assert sums is not None and counts is not None, "a client trained on no batch"
         present = counts > 0
         mean = torch.where(present[:, None], sums / counts.clamp_min(1)[:, None], torch.zeros_like(sums))
-        protos = {PROTO_MEAN: mean.numpy().astype(np.float32)}
+        local: dict[str, np.ndarray] = {PROTO_MEAN: mean.numpy().astype(np.float32)}
         if (dp := self.params.dp) is not None:  # the [K, D] matrix clipped as one vector, noised; the label set
-            protos = privatize(protos, dp.clip, dp.sigma(), ctx.generator)  # is private too: all classes "present"
+            local = privatize(local, dp.clip, dp.sigma(), ctx.generator)  # is private too: all classes "present"
             present = torch.ones_like(present)
         reply = weights_reply(model, ctx.num_examples, total / max(steps, 1), **{
-            **protos, PROTO_PRESENT: present.numpy().astype(np.int8)})
+            **local, PROTO_PRESENT: present.numpy().astype(np.int8)})
         return reply, client_state
 
     def privacy(self, rounds_done: int) -> dict[str, Any] | None:

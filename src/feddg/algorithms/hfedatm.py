@@ -28,16 +28,38 @@ from feddg.messages import Message
 # ------------------------------------------------------------------------------- client: eq. 8
 
 
+#: a 1×1 conv's Gram is summed over chunks of images of at most this many pixels (bounds the float64 copy)
+PIXEL_CHUNK = 1 << 16
+
+
+def is_pointwise(m: nn.Module) -> bool:
+    """A 1×1 ``nn.Conv2d`` with stride 1, no padding and no groups: an ``nn.Linear`` applied to every pixel."""
+    return (isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0)
+            and m.groups == 1)
+
+
+def gram_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers whose input Grams HFedATM records: every ``nn.Linear``, and every pointwise (:func:`is_pointwise`)
+    conv of a model's ``classifier`` head (a segmentation network's 1×1 output conv). Pointwise convs inside a trunk
+    (EfficientNet's, ResNet-50's, hFedF-CNN's) are left to the weighted mean, as before."""
+    heads = {id(m) for owner in model.modules() if isinstance(head := getattr(owner, "classifier", None), nn.Module)
+             for m in head.modules()}
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) or (id(m) in heads and is_pointwise(m))}
+
+
 class GramRecorder:
-    """Eq. 8 on the client: ``G = X^T X`` of the input of every ``nn.Linear``, summed over one pass
-    over the client's data (the last pass that ran in training mode), each batch counted once.
+    """Eq. 8 on the client: ``G = X^T X`` of the input of every linear layer (:func:`gram_layers`), summed over one
+    pass over the client's data (the last pass that ran in training mode), each batch counted once. A 1×1 conv is a
+    linear layer over pixels: its input ``[B, C, H, W]`` gives ``B·H·W`` rows of ``C`` features.
 
     Forward pre-hooks see each layer's input; a pass starts with every ``ctx.batches()`` call of a
-    context from :meth:`track`. With ``clip``, each input row is clipped to that L2 norm (DP).
+    context from :meth:`track`. With ``clip``, each input row (for a 1×1 conv: each pixel) is clipped to that L2
+    norm (DP).
     """
 
     def __init__(self, model: nn.Module, clip: float | None = None) -> None:
-        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.layers = gram_layers(model)
         self.clip = clip
         self.current: dict[str, Tensor] = {}
         self.last: dict[str, Tensor] = {}
@@ -54,15 +76,25 @@ class GramRecorder:
             h.remove()
         self.handles = []
 
+    def _gram(self, x: Tensor) -> Tensor:
+        x = x.double()
+        if self.clip is not None:
+            x = clip_rows(x, self.clip)
+        return x.T @ x
+
     def _hook(self, name: str) -> Any:
-        def record(module: nn.Linear, args: tuple[Tensor, ...]) -> None:
+        def record(module: nn.Module, args: tuple[Tensor, ...]) -> None:
             if name in self.seen or not (module.training or self.eval_mode):
                 return
             self.seen.add(name)  # a second forward of the same batch is not counted again
-            x = args[0].detach().reshape(-1, module.in_features).double()
-            if self.clip is not None:
-                x = clip_rows(x, self.clip)
-            g = x.T @ x
+            x = args[0].detach()
+            if isinstance(module, nn.Linear):
+                g = self._gram(x.reshape(-1, module.in_features))
+            else:  # a 1×1 conv: pixels as rows, a chunk of images at a time
+                assert isinstance(module, nn.Conv2d)
+                per = max(1, PIXEL_CHUNK // max(1, x.shape[2] * x.shape[3]))
+                chunks = [self._gram(c.movedim(1, -1).reshape(-1, module.in_channels)) for c in x.split(per)]
+                g = torch.stack(chunks).sum(0) if len(chunks) > 1 else chunks[0]
             self.current[name] = self.current[name] + g if name in self.current else g
 
         return record

@@ -191,7 +191,7 @@ class HFedF(Method):
         """``h(θ, ν[client_id])`` (``None``: the mean embedding) and ``buffers`` as a ``w/`` message;
         ``use_shadow``: with θ_EMA (and ν_EMA) of the polyak EMA once it exists."""
         hnet: HyperNetwork = state["hnet"]
-        params = dict(hnet.named_parameters())
+        params: dict[str, Tensor] = dict(hnet.named_parameters())
         if use_shadow and state["ema_shadow"] is not None:
             params.update(state["ema_shadow"])
         nu = params["embeddings.weight"]
@@ -221,18 +221,20 @@ class HFedF(Method):
         theta, nu = hnet.theta(), hnet.embeddings.weight
 
         # line 13: g_i = ∇h(θ, ν[i])ᵀ · (φ_init − φ_final), one VJP per client
-        g_theta, g_nu = [], []
+        g_theta: list[list[Tensor]] = []
+        g_nu: list[list[Tensor]] = []
         for r in replies:
             v = {n: -torch.from_numpy(np.asarray(r.message[DELTA_PREFIX + n])) for n in hnet.names}
             gt, gn = hypernetwork_vjp(hnet, r.client_id, v, wrt_embeddings=learned)
             g_theta.append(gt)
-            g_nu.append([gn])
+            if gn is not None:  # the ν gradient, only when the embeddings learn
+                g_nu.append([gn])
 
         # lines 14–16: GradAlign weights, separately for θ and ν (the plain mean without it)
         last: dict[str, float] = {}
         grads = combine(self._align(g_theta, replies, "theta", last), g_theta)
         last["hn_grad_norm"] = float(torch.stack([torch.linalg.vector_norm(g) for g in grads]).norm())
-        params = list(theta)
+        params: list[Tensor] = list(theta)
         if learned:
             grads += combine(self._align(g_nu, replies, "nu", last), g_nu)
             params.append(nu)
@@ -276,7 +278,7 @@ class HFedF(Method):
             last[f"cos_{tag}/{r.client_id}"] = c
         return weights.tolist()
 
-    def _ema(self, hnet: HyperNetwork, smoothed: list[nn.Parameter], t: int, before: list[Tensor] | None,
+    def _ema(self, hnet: HyperNetwork, smoothed: Sequence[Tensor], t: int, before: list[Tensor] | None,
              shadow: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
         """Algorithm 4, tensor by tensor, on θ (and ν when ``ema_embeddings``).
 
@@ -294,8 +296,8 @@ class HFedF(Method):
             return None
         new: dict[str, Tensor] = {}
         for q in smoothed:
-            prev = None if shadow is None else shadow[names[id(q)]]
-            _, s = ema_step(q.detach(), prev, t, p.ema_warmup, p.ema_alpha)
+            kept = None if shadow is None else shadow[names[id(q)]]
+            _, s = ema_step(q.detach(), kept, t, p.ema_warmup, p.ema_alpha)
             if s is None:
                 return None  # before the warm-up round there is no θ_EMA yet
             new[names[id(q)]] = s

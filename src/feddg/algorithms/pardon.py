@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -62,9 +62,12 @@ from feddg.devices import Inputs, images
 from feddg.messages import Message, load_weights, subset
 from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
+if TYPE_CHECKING:
+    from feddg.models.base import FedModel
+
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
 #: ``(model, x) -> g(x̃)``
-Stylise = Callable[[nn.Module, Tensor], Tensor]
+Stylise = Callable[["FedModel", Tensor], Tensor]
 
 
 class PardonParams(StyleParams):
@@ -224,10 +227,12 @@ class Pardon(Method):
         codec, enc, mean, second = local_moments(self.params, model, msg, ctx, self.name)
         labels = self._local_labels(codec, ctx, mean, second)
         mu, sigma = client_style(mean, second, labels, self.params.client_average)
-        reply = {STYLE_MEAN: mu.numpy().astype(np.float32), STYLE_STD: sigma.numpy().astype(np.float32)}
+        style: dict[str, np.ndarray] = {STYLE_MEAN: mu.numpy().astype(np.float32),
+                                         STYLE_STD: sigma.numpy().astype(np.float32)}
         if (dp := self.params.dp) is not None:  # one release: [μ ‖ σ] clipped as one vector, noised; σ ≥ 0 after
-            reply = privatize(reply, dp.clip, dp.sigma(), ctx.generator)
-            reply[STYLE_STD] = np.maximum(reply[STYLE_STD], 0.0)
+            style = privatize(style, dp.clip, dp.sigma(), ctx.generator)
+            style[STYLE_STD] = np.maximum(style[STYLE_STD], 0.0)
+        reply: Message = {**style}
         return reply, {**client_state, **enc}
 
     def privacy(self, rounds_done: int) -> dict[str, Any] | None:
@@ -282,12 +287,13 @@ class Pardon(Method):
         stylise = self._stylise(model, msg, client_state, ctx)
 
         def loss_fn(m: nn.Module, inputs: Inputs, y: Tensor) -> Tensor:
+            net = cast("FedModel", m)  # the network is a zoo model: classifier(features(x))
             x = images(inputs)
-            f = m.features(x)
-            loss = ctx.task.loss(m.classifier(f), y)
-            f_tilde = stylise(m, x)
+            f = net.features(x)
+            loss = ctx.task.loss(net.classifier(f), y)
+            f_tilde = stylise(net, x)
             if p.objective == "stylised-ce":
-                loss = loss + ctx.task.loss(m.classifier(f_tilde), y)
+                loss = loss + ctx.task.loss(net.classifier(f_tilde), y)
             elif p.triplet_weight > 0:
                 loss = loss + p.triplet_weight * triplet_loss(f, f_tilde, y, p.margin, ctx.generator)
             return loss + p.reg_weight * representation_reg(f, f_tilde)

@@ -31,6 +31,8 @@ METHODS: dict[str, str | type[Method]] = {
     "central": "feddg.algorithms.central:Central",
     "mtgc": "feddg.algorithms.mtgc:MTGC",
     "fedrc": "feddg.algorithms.fedrc:FedRC",
+    "harmofl": "feddg.algorithms.harmofl:HarmoFL",
+    "elcfs": "feddg.algorithms.elcfs:ELCFS",
 }
 
 

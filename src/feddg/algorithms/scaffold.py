@@ -118,13 +118,18 @@ class Scaffold(Method):
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
         return {**state["weights"], **{CONTROL + n: v for n, v in state["control"].items()}}
 
+    @classmethod
+    def optim_problem(cls, params: Any, optim_name: str, momentum: float) -> str | None:
+        if params.control == "option2" and (optim_name != "sgd" or momentum != 0):
+            return ("SCAFFOLD option II assumes plain SGD local steps: set optim.name=sgd and optim.momentum=0, "
+                    "or method.params.control=option1")
+        return None
+
     def client_update(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
-        option2_ok = ctx.optim.name == "sgd" and ctx.optim.momentum == 0
-        if self.params.control == "option2" and not option2_ok:
-            raise ValueError("SCAFFOLD option II assumes plain SGD local steps: set optim.momentum=0 (optim.name=sgd) "
-                             "or method.params.control=option1")
+        if problem := self.optim_problem(self.params, ctx.optim.name, ctx.optim.momentum):
+            raise ValueError(problem)
         load_weights(model, msg)
         lr = float(msg["lr"])
         names = [n for n, _ in model.named_parameters()]

@@ -12,6 +12,7 @@ import time
 import tracemalloc
 
 import numpy as np
+from rich.table import Table
 
 from feddg.algorithms.base import Reply
 from feddg.algorithms.registry import create_method
@@ -37,7 +38,8 @@ def model_bytes(weights: Message) -> int:
 def synthetic_reply(template: Message, k: int) -> Message:
     """Client ``k``'s reply: the template scaled by ``1 + k/1000``, ``100 + k % 50`` examples."""
     scale = np.float32(1 + k / 1000)
-    w = {key: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v + k for key, v in template.items()}
+    arrays = {key: np.asarray(v) for key, v in template.items()}  # synthetic_weights: every value is an array
+    w = {key: (a * scale).astype(a.dtype) if a.dtype.kind == "f" else a + k for key, a in arrays.items()}
     return {**w, "num_examples": 100 + k % 50, "train_loss": 0.0}
 
 
@@ -96,3 +98,14 @@ def memory_table(params: int, clients: list[int], max_list_bytes: float) -> list
             rows.append({"fold": fold, "clients": n, "peak_mb": peak / 2**20, "models": peak / mb,
                          "seconds": secs, "note": "measured"})
     return rows
+
+
+def fold_memory_table(params: int, clients: list[int], max_list_mb: float) -> Table:
+    """``feddg bench memory``: the rows of :func:`memory_table` (the list only up to ``max_list_mb`` MiB)."""
+    t = Table(title=f"FedAvg round, {params:,}-parameter model: server peak above the global model (tracemalloc)")
+    for col in ("fold", "clients", "peak MiB", "models", "s", "how"):
+        t.add_column(col, justify="left" if col in ("fold", "how") else "right")
+    for r in memory_table(params, clients, max_list_mb * 2**20):
+        t.add_row(str(r["fold"]), str(r["clients"]), f"{r['peak_mb']:,.1f}", f"{r['models']:.1f}",
+                  f"{r['seconds']:.1f}", str(r["note"]))
+    return t

@@ -5,8 +5,11 @@ from __future__ import annotations
 import resource
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from rich.table import Table
 
 from feddg.config import ExperimentConfig, load_config
 from feddg.engines.workers import FederationFactory, WorkerPool
@@ -47,3 +50,21 @@ def worker_start_seconds(cfg: ExperimentConfig, fed: Federation, workers: int, f
                 raise RuntimeError("a worker could not start")
             w.ready = True
         return time.perf_counter() - t0
+
+
+def scale_report(configs: list[Path], rounds: int, overrides: list[str]) -> Iterator[Table | str]:
+    """``feddg bench scale``, each line or table as soon as it is measured: the load average, one row of
+    :func:`scale_run` per config, the load average."""
+    from feddg.bench.w1 import load_average
+
+    yield f"load average before: {load_average()}"
+    t = Table(title=f"{rounds} rounds each; peak RSS of this process / of its worker processes")
+    for col in ("config", "clients", "sampled/round", "build s", "s/round", "peak RSS MiB (self / workers)"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for path in configs:
+        r = scale_run(path, rounds, overrides)
+        rss = r["peak_rss_mb"]
+        t.add_row(str(path), f"{r['clients']:,}", " ".join(map(str, r["sampled"])), f"{r['build_s']:.1f}",
+                  " ".join(f"{s:.1f}" for s in r["round_s"]), f"{rss['self']:,.0f} / {rss['children']:,.0f}")
+    yield t
+    yield f"load average after: {load_average()}"

@@ -1,4 +1,4 @@
-"""Server memory of per-client state (issue 13): Local-only with the client store at several RAM budgets.
+"""Server memory of per-client state: Local-only with the client store at several RAM budgets.
 
 Local-only keeps two models per client on the server — the client's own state (``Server.client_states``) and
 the copy it evaluates (``state["clients"]``) — so without a budget its memory grows with the client count.
@@ -16,11 +16,13 @@ import multiprocessing as mp
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.table import Table
 from torch import nn
 
 from feddg.algorithms.base import Method, Reply, ServerContext, ServerState
@@ -108,3 +110,21 @@ def store_memory_table(clients: list[int], params: int, budgets: list[float | No
             with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
                 rows.append(pool.submit(_row, n, params, budget).result())
     return rows
+
+
+def store_memory_report(clients: list[int], params: int, budgets: list[float | None]) -> Iterator[Table | str]:
+    """``feddg bench memory --per-client``, each line or table as soon as it is measured: the load average, the
+    rows of :func:`store_memory_table`, the load average."""
+    from feddg.bench.w1 import load_average
+
+    yield f"load average before: {load_average()}"
+    t = Table(title=f"Local-only server, {params:,}-parameter model, rounds of {PER_ROUND} clients then every client "
+              "evaluated: MiB above the start")
+    for col in ("clients", "budget", "store RAM", "traced peak", "traced kept", "peak RSS", "disk", "s"):
+        t.add_column(col, justify="right")
+    for r in store_memory_table(clients, params, budgets):
+        t.add_row(f"{r['clients']:,}", "unlimited" if r["budget_mb"] is None else f"{r['budget_mb']:g}",
+                  *(f"{r[k]:,.1f}" for k in ("store_ram_mb", "traced_peak_mb", "traced_kept_mb", "peak_rss_mb",
+                                             "disk_mb", "seconds")))
+    yield t
+    yield f"load average after: {load_average()}"

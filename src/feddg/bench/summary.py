@@ -1,9 +1,9 @@
-"""``feddg bench all``: issue #13's figures in one table, each beside a yardstick measured in the same run
-(or, where none can run here, the recorded figure it is compared with), the ratio, and the target.
+"""``feddg bench all``: the headline speed and memory figures in one table, each beside a yardstick measured in
+the same run (or, where none can run here, the recorded figure it is compared with), the ratio, and the target.
 
 Every row runs the benchmark module that owns it (w1, merge, memory, scale); ``quick`` shrinks them so the
-table is a smoke run (minutes), and the full size is the issue's (W1 at 2,000 images a client, M1 on
-ResNet-18 with 10 stations, 1,000 clients of a ResNet-18-sized model).
+table is a smoke run (minutes), and the full size is the one docs/benchmarks.md records (W1 at 2,000 images a
+client, M1 on ResNet-18 with 10 stations, 1,000 clients of a ResNet-18-sized model).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: the official HFedATM aligner on this machine, ResNet-18 x 10 stations, Hungarian (issue #13, idle, recorded)
+from rich.table import Table
+
+#: the official HFedATM aligner on this machine, ResNet-18 x 10 stations, Hungarian (idle, recorded)
 OFFICIAL_ALIGNER_S = 1.09
 RESNET18_PARAMS = 11_689_512
 
@@ -100,7 +102,7 @@ def worker_start_row() -> Row:
 
 
 def summary_rows(quick: bool, repeats: int, progress: Callable[[str], None] = lambda _: None) -> list[Row]:
-    """Every figure, in the order of the issue; ``progress`` hears each one's name before it runs."""
+    """Every figure, W1 first; ``progress`` hears each one's name before it runs."""
     steps: list[tuple[str, Callable[[], list[Row]]]] = [
         ("W1", lambda: w1_rows(400 if quick else 2000, repeats)),
         ("M1", lambda: [m1_row(3 if quick else 10, repeats)]),
@@ -114,3 +116,23 @@ def summary_rows(quick: bool, repeats: int, progress: Callable[[str], None] = la
         rows += step()
     return rows
 
+
+
+def summary_table(rows: list[Row], quick: bool, repeats: int) -> Table:
+    """The rows of :func:`summary_rows` as ``feddg bench all`` prints them."""
+    t = Table(title=f"feddg bench all{' --quick' if quick else ''}: {repeats} interleaved repeats; min / median")
+    for col in ("figure", "measured", "yardstick", "× yardstick", "target", "met"):
+        t.add_column(col, justify="right" if col in ("measured", "× yardstick") else "left")
+    for r in rows:
+        t.add_row(r.figure, r.value, r.yardstick, "" if r.ratio is None else f"{r.ratio:.2f}", r.target,
+                  "" if r.met is None else ("yes" if r.met else "no"))
+    return t
+
+
+def summary_report(quick: bool, repeats: int, progress: Callable[[str], None] = lambda _: None) -> list[Table | str]:
+    """``feddg bench all``: the table of every figure, then the load average before and after."""
+    from feddg.bench.w1 import load_average
+
+    before = load_average()
+    rows = summary_rows(quick, repeats, progress)
+    return [summary_table(rows, quick, repeats), f"load average before: {before}; after: {load_average()}"]

@@ -14,11 +14,13 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from rich.table import Table
 from torch import nn
 
 from feddg.algorithms.registry import create_method
@@ -127,12 +129,12 @@ def run_plain_on(device: str, images: int = IMAGES) -> float:
 
 def run_plain(images: int = IMAGES, processes: int = 2) -> float:
     """Wall seconds of the same 20 client-epochs on ``processes`` forked one-thread processes."""
-    images, labels = _plain_data(images)
+    x, y = _plain_data(images)
     epochs = CLIENTS * ROUNDS // processes
     importlib.import_module("torch._dynamo")  # the first optimiser step imports it: not compute; forks inherit it
     ctx: Any = mp.get_context("fork" if can_fork() else "spawn")  # no fork once CUDA (and its autograd threads) ran
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=_plain_worker, args=(images, labels, epochs, i)) for i in range(processes)]
+    procs = [ctx.Process(target=_plain_worker, args=(x, y, epochs, i)) for i in range(processes)]
     for p in procs:
         p.start()
     for p in procs:
@@ -165,3 +167,17 @@ def summary(times: dict[str, list[float]]) -> list[tuple[str, float, float, floa
 
 def load_average() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def w1_report(repeats: int, images: int = IMAGES) -> Iterator[Table | str]:
+    """``feddg bench w1``, each line or table as soon as it is measured: the load average, the table of
+    :func:`w1_table` (min, median, ratio to the yardstick), the load average."""
+    yield f"load average before: {load_average()}"
+    t = Table(title=f"W1: FedAvg, 4 clients × {images} images 3×28×28, cnn4, batch 32, 5 rounds; "
+              f"{repeats} interleaved")
+    for col in ("variant", "min s", "median s", "× yardstick (min)"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for name, lo, med, ratio in summary(w1_table(repeats, images)):
+        t.add_row(name, f"{lo:.1f}", f"{med:.1f}", f"{ratio:.2f}")
+    yield t
+    yield f"load average after: {load_average()}"

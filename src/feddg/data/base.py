@@ -33,6 +33,8 @@ class DomainDataset(ABC):
         domain_ids: int64 array ``[N]``.
         groups: int64 array ``[N]`` of natural client groups (a writer, a camera, a hospital), or ``None``;
             ``partition.kind: natural`` makes each group a client; ``group_names`` names them.
+        cases: int64 array ``[N]`` of samples that stay together in every split (a volume's slices), or ``None``:
+            a client's holdout is then made of whole cases.
         image_shape: ``(C, H, W)`` of the image tensors :meth:`get_batch` returns (for tokens: ``(1, 1, L)``).
         seeded_batches: whether training batches are random (see :func:`iterate_batches`).
         loader_workers: processes that build batches for :func:`iterate_batches` (0: the caller's).
@@ -47,6 +49,7 @@ class DomainDataset(ABC):
     domain_ids: np.ndarray
     groups: np.ndarray | None = None
     group_names: list[str] | None = None
+    cases: np.ndarray | None = None
     image_shape: tuple[int, int, int]
     seeded_batches: bool = False
     loader_workers: int = 0

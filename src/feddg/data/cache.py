@@ -33,7 +33,7 @@ def save_arrays(path: Path, arrays: Arrays) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
+            np.savez_compressed(f, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **arrays to allow_pickle
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -3,7 +3,8 @@
 ``index`` is the sample's position in the built-in dataset, zero-padded, so the folder loader's
 sorted order within a class is the built-in order. ``out/feddg.json`` records the source and its
 defaults (``image_size`` and normalisation statistics, no augmentation), so reading the folder
-back gives the built-in batches pixel for pixel.
+back gives the built-in batches pixel for pixel. The synthetic MRI sites are written as NIfTI volumes in the
+prostate layout instead (:func:`export_volumes`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,27 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from feddg.data import synthetic_mri
 from feddg.data.folders import CARD
 from feddg.data.image_cache import progress_bar
 from feddg.data.registry import BUILTINS, load_dataset
+from feddg.data.synthetic_mri import export_nifti
 from feddg.data.tensor_dataset import TensorDomainDataset
+
+
+def _new_folder(out: str | os.PathLike[str]) -> Path:
+    root = Path(out).expanduser()
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise FileExistsError(f"export folder {root} exists and is not empty")
+    return root
+
+
+def export_volumes(out: str | os.PathLike[str], *, seed: int = 0, image_size: int | None = None) -> int:
+    """Write the synthetic MRI sites into the new or empty folder ``out`` in the prostate layout (volumes of
+    ``image_size`` px, default 64); returns the number of volumes."""
+    root = _new_folder(out)
+    export_nifti(root, seed=seed, size=image_size or synthetic_mri.DEFAULT_IMAGE_SIZE)
+    return sum(1 for _ in root.glob("*/Case??.nii.gz"))
 
 
 def export_dataset(
@@ -33,9 +51,7 @@ def export_dataset(
     """Export built-in dataset ``name`` into the new or empty folder ``out``; returns the number of images."""
     if name not in BUILTINS:
         raise ValueError(f"only built-in datasets can be exported ({', '.join(BUILTINS)}), got {name!r}")
-    root = Path(out).expanduser()
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise FileExistsError(f"export folder {root} exists and is not empty")
+    root = _new_folder(out)
     ds = load_dataset(name, cache_dir=cache_dir, image_size=image_size, seed=seed, max_per_domain=max_per_domain)
     assert isinstance(ds, TensorDomainDataset)
     images = ds.images.numpy()

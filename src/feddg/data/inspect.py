@@ -8,26 +8,35 @@ from typing import Any
 
 import numpy as np
 
-from feddg.data import image_cache
+from feddg.data import image_cache, prostate, synthetic_mri
 from feddg.data.folders import PRESETS, FolderScan, check_root, discover_classes, discover_domains, scan_tree
-from feddg.data.registry import BUILTINS, default_transforms, folder_image_size, load_dataset, scan_folder
+from feddg.data.registry import BUILTINS, VOLUMES, default_transforms, folder_image_size, load_dataset, scan_folder
+from feddg.data.slices import SliceDataset
 from feddg.data.transform_spec import TransformSpec, parse_transforms
 
 
 @dataclass(frozen=True)
 class Summary:
-    """Domains, classes, per-domain class counts, batch image shape and transforms of a dataset."""
+    """Domains, classes, per-domain counts (rows: the classes, or for volumes cases and slices), batch image shape
+    and transforms (``None`` where the dataset has fixed ones) of a dataset; ``total`` samples, each a ``unit``."""
 
     name: str
     domains: list[str]
     classes: list[str]
     counts: dict[str, dict[str, int]]
     image_shape: tuple[int, int, int]
-    transforms: TransformSpec
+    transforms: TransformSpec | None
+    total: int
+    unit: str = "images"
 
-    @property
-    def total(self) -> int:
-        return sum(sum(c.values()) for c in self.counts.values())
+
+def _describe_slices(ds: SliceDataset) -> Summary:
+    counts = {}
+    for i, d in enumerate(ds.domains):
+        mask = ds.domain_ids == i
+        counts[d] = {"cases": len(np.unique(ds.cases[mask])), "slices": int(mask.sum()),
+                     "slices with prostate": int(ds.labels[mask].sum())}
+    return Summary(ds.name, ds.domains, ds.classes, counts, ds.image_shape, None, len(ds), "slices")
 
 
 def describe_dataset(
@@ -39,10 +48,15 @@ def describe_dataset(
     transforms: str | dict[str, Any] | None = None,
 ) -> Summary:
     """The :class:`Summary` of dataset ``name``; a folder is scanned (and its cheap checks run), not decoded."""
+    if name in VOLUMES:
+        ds = load_dataset(name, root=root, cache_dir=cache_dir, image_size=image_size, transforms=transforms)
+        assert isinstance(ds, SliceDataset)
+        return _describe_slices(ds)
     if name in BUILTINS or root is None:
         ds = load_dataset(name, root=root, cache_dir=cache_dir, image_size=image_size, transforms=transforms)
         spec = parse_transforms(transforms, default_transforms(name))
-        return Summary(name, ds.domains, ds.classes, ds.counts(), ds.image_shape, spec)
+        counts = ds.counts()
+        return Summary(name, ds.domains, ds.classes, counts, ds.image_shape, spec, len(ds))
     spec = parse_transforms(transforms, default_transforms(name, root))
     path, domains, classes, scan = scan_folder(name, root, None)
     if scan.problems:
@@ -51,16 +65,21 @@ def describe_dataset(
     counts = {d: {c: int(((domain_ids == i) & (labels == k)).sum()) for k, c in enumerate(classes)}
               for i, d in enumerate(domains)}
     size = folder_image_size(path, image_size)
-    return Summary(name, domains, classes, counts, (3, size, size), spec)
+    return Summary(name, domains, classes, counts, (3, size, size), spec, len(labels))
 
 
 def check_dataset(name: str, *, root: str | None = None, workers: int | None = None) -> list[str]:
-    """Every problem of folder dataset ``name``: the layout ones, then each image that cannot be decoded.
+    """Every problem of folder dataset ``name``: the layout ones, then each image that cannot be decoded (for
+    prostate: each case that cannot be read or whose mask does not match it).
 
     Built-in datasets have nothing to check (``[]``).
     """
-    if name in BUILTINS:
+    if name in BUILTINS or name == synthetic_mri.NAME:
         return []
+    if name == prostate.NAME:
+        if root is None:
+            raise ValueError(f"dataset prostate needs --root <folder> laid out as {prostate.LAYOUT}")
+        return prostate.check_prostate(root)
     if root is None:
         raise ValueError(f"dataset {name} needs --root <folder> laid out as root/<domain>/<class>/<image>")
     path = check_root(root)

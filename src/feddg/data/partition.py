@@ -374,6 +374,24 @@ def _dirichlet_cut(samples: np.ndarray, parts: int, alpha: float, rng: np.random
     return np.split(samples, (np.cumsum(share)[:-1] * len(samples)).astype(np.int64))
 
 
+def natural(
+    source_idx: np.ndarray,
+    domain_ids: np.ndarray,
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    natural_groups: np.ndarray,
+) -> Partition:
+    """Each natural group of the source samples (a writer, a camera, a hospital: ``DomainDataset.groups``) is one
+    client as it is — no resampling, as FedScale and FedFA do for FEMNIST — clients in ascending group id;
+    ``num_clients`` is not used (the groups decide). ``client_domains``: the domains of each group's samples."""
+    idx = _source(source_idx, 1)
+    by_group = _group(idx, natural_groups)
+    return Partition(list(by_group.values()), [sorted({int(d) for d in np.asarray(domain_ids)[ix]})
+                                               for ix in by_group.values()])
+
+
 # --------------------------------------------------------------------------- registry
 
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
@@ -384,6 +402,7 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "dirichlet_domains": dirichlet_domains,
     "dirichlet_labels": dirichlet_labels,
     "two_level_dirichlet": two_level_dirichlet,
+    "natural": natural,
 }
 
 
@@ -414,9 +433,11 @@ def make_partition(
     labels: np.ndarray,
     num_clients: int,
     rng: np.random.Generator,
+    natural_groups: np.ndarray | None = None,
     **params: Any,
 ) -> Partition:
-    """Run the partitioner registered as ``kind`` after checking its parameters.
+    """Run the partitioner registered as ``kind`` after checking its parameters; ``natural_groups`` (each sample's
+    natural group, ``DomainDataset.groups``, or ``None``) goes to the partitioners that take it.
 
     Unknown kinds, unknown or missing parameters and out-of-range values fail with a
     ``ValueError`` that names the kind and the offending key.
@@ -425,13 +446,20 @@ def make_partition(
         raise ValueError(f"unknown partition kind {kind!r}; available: {sorted(PARTITIONERS)}")
     fn = PARTITIONERS[kind]
     keyword = {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    if keyword.pop("natural_groups", None) is not None:
+        if natural_groups is None:
+            raise ValueError(f"partition {kind!r} makes a client of each natural group, and this dataset has none "
+                             "(DomainDataset.groups)")
+        params = {**params, "natural_groups": natural_groups}
     for key in params:
-        if key not in keyword:
+        if key not in keyword and key != "natural_groups":
             raise ValueError(f"partition {kind!r} takes no parameter {key!r}; it takes {sorted(keyword) or 'none'}")
     for key, p in keyword.items():
         if p.default is p.empty and key not in params:
             raise ValueError(f"partition {kind!r} needs parameter {key!r}")
     for key, value in params.items():
+        if key == "natural_groups":
+            continue
         check, rule = _PARAM_CHECKS[key]
         if not check(value):
             raise ValueError(f"partition {kind!r}: {key} {rule}, got {value!r}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from feddg.data import digits, image_cache, mnist_variants
+from feddg.data import digits, image_cache, mnist_variants, prostate, synthetic_mri
 from feddg.data.augment import BatchAugment
 from feddg.data.base import DomainDataset
 from feddg.data.cache import resolve_cache_dir
@@ -29,6 +29,8 @@ from feddg.data.folders import (
     read_card,
     scan_tree,
 )
+from feddg.data.slices import CLASSES as SLICE_CLASSES
+from feddg.data.slices import SliceDataset
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.data.transform_spec import PRESETS as TRANSFORM_PRESETS
 from feddg.data.transform_spec import TransformSpec, check_channels, parse_transforms
@@ -75,18 +77,68 @@ class Plugin:
     classes: list[str]
     task: str = "classification"
     inputs: str = "images"
+    needs_root: bool = False
+    image_size: int | None = None
 
 
 PLUGINS: dict[str, Plugin] = {}
 
 
+def _no_transforms(name: str, transforms: object) -> None:
+    if transforms is not None:
+        raise ValueError(f"{name} takes no data.transforms: its slices are scaled per volume to 0..255, normalised "
+                         f"with (0.5, 0.5) and flipped left-right in training")
+
+
+def _trimmed(ds: SliceDataset, domains: list[str] | None, max_per_domain: int | None, seed: int) -> SliceDataset:
+    """``ds`` restricted to ``domains`` (in that order) and to ``max_per_domain`` slices each."""
+    chosen = _select(ds.name, ds.domains, domains)
+    ids = [ds.domains.index(d) for d in chosen]
+    keep = np.concatenate([np.flatnonzero(ds.domain_ids == i) for i in ids])
+    remap = np.zeros(len(ds.domains), dtype=np.int64)
+    remap[ids] = np.arange(len(ids))
+    keep = keep[subsample(chosen, remap[ds.domain_ids[keep]], ds.labels[keep], max_per_domain, seed)]
+    return ds if chosen == ds.domains and len(keep) == len(ds) else ds.subset(keep, chosen)
+
+
+def _load_prostate(*, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None, seed: int,
+                   domains: list[str] | None, max_per_domain: int | None, transforms: object) -> SliceDataset:
+    _no_transforms(prostate.NAME, transforms)
+    if root is None:
+        raise ValueError(f"dataset prostate needs root=<folder> laid out as {prostate.LAYOUT}")
+    sites = _select(prostate.NAME, prostate.SITES, domains)
+    ds = prostate.load_prostate(root, image_size or prostate.DEFAULT_IMAGE_SIZE, sites=sites, cache_dir=cache_dir)
+    return _trimmed(ds, None, max_per_domain, seed)
+
+
+def _load_synthetic_mri(*, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None,
+                        seed: int, domains: list[str] | None, max_per_domain: int | None,
+                        transforms: object) -> SliceDataset:
+    _no_transforms(synthetic_mri.NAME, transforms)
+    if root is not None:
+        raise ValueError(f"{synthetic_mri.NAME} is built in and takes no root (got {root!r}); "
+                         f"`feddg export {synthetic_mri.NAME} DIR` writes it as NIfTI for dataset prostate")
+    size = image_size or synthetic_mri.DEFAULT_IMAGE_SIZE
+    return _trimmed(synthetic_mri.load_synthetic_mri(seed, size, cache_dir=cache_dir), domains, max_per_domain, seed)
+
+
+# Multi-site volumes read as 2.5-D slices (feddg.data.slices) for the segmentation task.
+VOLUMES: dict[str, Plugin] = {
+    synthetic_mri.NAME: Plugin(_load_synthetic_mri, list(synthetic_mri.SITES), list(SLICE_CLASSES), "segmentation",
+                               image_size=synthetic_mri.DEFAULT_IMAGE_SIZE),
+    prostate.NAME: Plugin(_load_prostate, list(prostate.SITES), list(SLICE_CLASSES), "segmentation",
+                          needs_root=True, image_size=prostate.DEFAULT_IMAGE_SIZE),
+}
+
+
 def list_datasets() -> list[str]:
-    """Names accepted by :func:`load_dataset`: built-in benchmarks first, then folder presets, then plug-ins."""
-    return [*BUILTINS, *PRESETS, *PLUGINS]
+    """Names accepted by :func:`load_dataset`: built-in benchmarks first, then volume sets, folder presets and
+    plug-ins."""
+    return [*BUILTINS, *VOLUMES, *PRESETS, *PLUGINS]
 
 
 def _check_name(name: str) -> None:
-    if name not in BUILTINS and name not in PRESETS and name not in PLUGINS:
+    if name not in BUILTINS and name not in VOLUMES and name not in PRESETS and name not in PLUGINS:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(list_datasets())}")
 
 
@@ -95,10 +147,11 @@ def dataset_info(name: str) -> dict[str, Any]:
     if unknown), ``needs_root`` and the default ``image_size`` of dataset ``name``."""
     _check_name(name)
     task, inputs = "classification", "images"
-    if name in PLUGINS:
-        plugin = PLUGINS[name]
+    num_classes: int | None
+    if name in PLUGINS or name in VOLUMES:
+        plugin = PLUGINS.get(name) or VOLUMES[name]
         domains, classes, num_classes = list(plugin.domains), list(plugin.classes), len(plugin.classes)
-        needs_root, image_size, task, inputs = False, None, plugin.task, plugin.inputs
+        needs_root, image_size, task, inputs = plugin.needs_root, plugin.image_size, plugin.task, plugin.inputs
     elif name in BUILTINS:
         b = BUILTINS[name]
         domains, classes, num_classes = list(b.builders), list(b.classes), len(b.classes)
@@ -251,9 +304,10 @@ def load_dataset(
     if loader_workers < 0:
         raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
     dataset: DomainDataset
-    if name in PLUGINS:
-        dataset = PLUGINS[name].load(root=root, cache_dir=cache_dir, image_size=image_size, seed=seed, domains=domains,
-                                     max_per_domain=max_per_domain, transforms=transforms)
+    if name in PLUGINS or name in VOLUMES:
+        plugin = PLUGINS.get(name) or VOLUMES[name]
+        dataset = plugin.load(root=root, cache_dir=cache_dir, image_size=image_size, seed=seed, domains=domains,
+                              max_per_domain=max_per_domain, transforms=transforms)
     elif name in BUILTINS:
         if root is not None:
             raise ValueError(f"{name} is built in and takes no root (got {root!r})")

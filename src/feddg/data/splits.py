@@ -8,6 +8,9 @@ Two out-of-domain protocols are used by the papers:
   ood *validation* domain (model selection), another the ood *test* domain, the rest are
   source domains.
 
+With the ``federated`` protocol (FedFA Tables 3-5) no domain is held out (:func:`every_domain_trains`): the
+figures are the clients' own held-out data only.
+
 The in-domain validation set is carved out of each client's own data afterwards with
 :func:`holdout_split` (hFedF §5.1: "Each client retains 10% of its source data as a
 validation set").
@@ -79,6 +82,18 @@ def leave_one_domain_out(domain_ids: np.ndarray, target: int) -> DomainSplit:
     return _domain_split(domain_ids, val_domains=[], test_domains=[int(target)])
 
 
+def every_domain_trains(domain_ids: np.ndarray) -> DomainSplit:
+    """No held-out domain (FedFA's federated tables): every domain present is a source, the ood sets are empty."""
+    return _domain_split(domain_ids, val_domains=[], test_domains=[])
+
+
+def leave_domains_out(domain_ids: np.ndarray, targets: list[int]) -> DomainSplit:
+    """Several held-out test domains (hundreds of natural domains: a fraction of them), all others sources."""
+    if len(set(targets)) != len(targets) or not targets:
+        raise ValueError(f"held-out domains must be distinct and at least one, got {targets}")
+    return _domain_split(domain_ids, val_domains=[], test_domains=[int(t) for t in targets])
+
+
 def leave_two_domains_out(domain_ids: np.ndarray, val_domain: int, test_domain: int) -> DomainSplit:
     """LTDO (PARDON Table I): one ood validation domain, one ood test domain, rest sources.
 
@@ -91,6 +106,19 @@ def leave_two_domains_out(domain_ids: np.ndarray, val_domain: int, test_domain: 
     if val_domain == test_domain:
         raise ValueError(f"val_domain and test_domain must differ, both are {val_domain}")
     return _domain_split(domain_ids, val_domains=[int(val_domain)], test_domains=[int(test_domain)])
+
+
+def holdout_split_by_case(
+    indices: np.ndarray, cases: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`holdout_split` over whole cases: ``floor(fraction * #cases)`` of the client's cases (at least one when
+    ``fraction > 0`` and it has two, at most all but one) are held out with all their samples, so no case has
+    samples on both sides. ``cases`` is the per-sample case id of the whole dataset."""
+    indices = np.asarray(indices, dtype=np.int64)
+    own = np.unique(cases[indices])
+    _, held_cases = holdout_split(own, fraction, rng)
+    hold = np.isin(cases[indices], held_cases)
+    return np.sort(indices[~hold]), np.sort(indices[hold])
 
 
 def holdout_split(indices: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

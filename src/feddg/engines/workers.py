@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -37,6 +37,9 @@ from feddg.federation.client import Outcome, describe, try_client
 from feddg.federation.setup import Federation, build_federation, worker_device
 from feddg.federation.validation import RunStopped
 from feddg.messages import Message
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkContext, SpawnContext  # ForkContext: POSIX only
 
 FederationFactory = Callable[[ExperimentConfig], Federation]
 
@@ -121,7 +124,7 @@ class _Worker:
     """One worker process, its pipe, and the client it is running (if any)."""
 
     def __init__(self, factory: FederationFactory, cfg_tree: dict[str, Any], fed: Federation | None) -> None:
-        ctx = mp.get_context("spawn" if fed is None else "fork")
+        ctx: SpawnContext | ForkContext = mp.get_context("spawn") if fed is None else mp.get_context("fork")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, factory, cfg_tree, fed), name="feddg-client-worker")
         self.proc.start()

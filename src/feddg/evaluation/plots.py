@@ -25,7 +25,8 @@ from matplotlib.ticker import MaxNLocator
 from feddg.tasks import TaskInfo, info_for_dataset
 
 ROLE_COLOURS = {"id": "tab:blue", "val": "tab:orange", "ood": "tab:red"}
-ROLE_STYLES = (("id", "-o"), ("val", "-s"), ("ood", "-^"), ("global_ood", "--"))
+#: role, line style, marker size, hollow: larger hollow markers behind smaller ones, so equal figures stay visible
+ROLE_STYLES = (("id", "-o", 8, True), ("val", "-s", 6, True), ("ood", "-^", 4, False), ("global_ood", "--", 3, False))
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -35,10 +36,20 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def integer_rounds(ax: Axes) -> None:
-    """Round numbers as x ticks: never 2.5."""
+def integer_rounds(ax: Axes, rounds: Sequence[float] = ()) -> None:
+    """Round numbers as x ticks: never 2.5; a single round (or two) gets half a round of room on each side rather
+    than an axis of 1.9…2.1."""
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
+    if rounds and max(rounds) - min(rounds) < 2:
+        ax.set_xlim(min(rounds) - 0.5, max(rounds) + 0.5)
+
+
+def from_zero(ax: Axes, values: Sequence[float]) -> None:
+    """A y axis from 0 to above the largest of non-negative ``values``, so a constant line sits inside the frame
+    at its height (not on the frame, nor in a 5.8–6.2 window that suggests change)."""
+    if values and min(values) >= 0 and max(values) > 0:
+        ax.set_ylim(0, 1.15 * max(values))
 
 
 def chance_line(ax: Axes, task: TaskInfo) -> None:
@@ -48,13 +59,15 @@ def chance_line(ax: Axes, task: TaskInfo) -> None:
 
 def draw_metric(ax: Axes, metrics: list[dict[str, Any]], task: TaskInfo) -> None:
     """The task's metric, mean over domains, per evaluated round: id / val / ood."""
-    for role, style in ROLE_STYLES:
+    rounds: list[float] = []
+    for role, style, size, hollow in ROLE_STYLES:
         key = task.key(role)
         pts = [(m["round"], m[key]) for m in metrics if key in m]
         if pts:
-            ax.plot(*zip(*pts), style, label=role, markersize=3)
+            ax.plot(*zip(*pts), style, label=role, markersize=size, markerfacecolor="none" if hollow else None)
+            rounds += [r for r, _ in pts]
     chance_line(ax, task)
-    integer_rounds(ax)
+    integer_rounds(ax, rounds)
     ax.set(ylabel=task.axis_label, ylim=task.bounds, title=task.label)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -65,7 +78,7 @@ def plot_curves(metrics: list[dict[str, Any]], path: Path, task: TaskInfo, title
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.8))
     draw_metric(ax_acc, metrics, task)
     ax_loss.plot([m["round"] for m in metrics], [m["train_loss"] for m in metrics], "-o", markersize=3)
-    integer_rounds(ax_loss)
+    integer_rounds(ax_loss, [m["round"] for m in metrics])
     ax_loss.set(ylabel="loss", title="mean client training loss")
     ax_loss.grid(alpha=0.3)
     fig.suptitle(title)

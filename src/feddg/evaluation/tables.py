@@ -6,6 +6,11 @@ per-seed averages across targets. With a ``baseline`` row, a last column gives e
 from it: per seed, the row's average over targets minus the baseline's (same seed, same targets, so the same
 splits and partitions), as mean and Student-t 95 % CI over seeds. Seed-to-seed variation that moves both rows
 cancels, so it resolves differences the unpaired intervals cannot.
+
+Intervals are clipped to the metric's bounds (``bounds``, the task's: an accuracy's interval never leaves 0–100)
+and carry their ``n`` (two seeds give a wide, weak interval). A cell with a run that dropped clients
+(``dropped`` > 0 in its row: results.json's ``failures``) is marked ``†`` with a footnote, so complete and degraded
+runs are never averaged unawares.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from scipy import stats
 
 STATS_NOTE = "mean ± sample std (ddof=1); avg 95 % CI: Student-t over per-seed averages"
 NONE = "–"
+DEGRADED = "†"
+DEGRADED_NOTE = f"{DEGRADED} a run of this cell dropped clients in some round (its results.json `failures`)"
+Bounds = tuple[float, float] | None
 
 
 def sample_std(values: list[float]) -> float | None:
@@ -44,9 +52,22 @@ def mean_std(values: list[float]) -> str:
     return f"{np.mean(values):.1f} ± {NONE if s is None else f'{s:.1f}'}"
 
 
-def _ci_text(values: list[float]) -> str:
+def clipped_ci(values: list[float], bounds: Bounds = None) -> tuple[float, float] | None:
+    """:func:`ci95` clipped to the metric's ``bounds``."""
     ci = ci95(values)
-    return NONE if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
+    if ci is None or bounds is None:
+        return ci
+    return max(ci[0], bounds[0]), min(ci[1], bounds[1])
+
+
+def _ci_text(values: list[float], bounds: Bounds = None) -> str:
+    ci = clipped_ci(values, bounds)
+    return NONE if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}] n={len(values)}"
+
+
+def degraded(rows: list[dict[str, Any]], variant: str, target: str | None = None) -> bool:
+    """Whether a run of the cell (or of the variant, ``target=None``) dropped clients."""
+    return any(r.get("dropped", 0) for r in rows if r["variant"] == variant and target in (None, r["target"]))
 
 
 def pivot(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str], dict[tuple[str, str], list[float]]]:
@@ -87,34 +108,42 @@ def _delta_text(deltas: list[float]) -> str:
     return f"{np.mean(deltas):+.1f}" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
 
 
-def markdown_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None) -> str:
-    """One row per variant: mean ± std per target, the average over targets and its CI, and with ``baseline``
-    the paired difference of the average from that row's (mean [95 % CI] over seeds)."""
+def markdown_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None,
+                   bounds: Bounds = None) -> str:
+    """One row per variant: mean ± std per target, the average over targets and its CI (clipped to ``bounds``),
+    and with ``baseline`` the paired difference of the average from that row's (mean [95 % CI] over seeds)."""
     variants, targets, cells = pivot(rows, metric)
     head = ["method", *targets, "avg", "avg 95 % CI"] + ([f"Δ avg vs {baseline}, paired [95 % CI]"] if baseline else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in variants:
-        vals = [mean_std(cells.get((v, t), [])) for t in targets]
+        vals = [mean_std(cells.get((v, t), [])) + (f" {DEGRADED}" if degraded(rows, v, t) else "") for t in targets]
         avg = _avg_over_targets(rows, v, targets, metric)
         delta = [] if baseline is None else [NONE if v == baseline else _delta_text(paired_deltas(rows, v, baseline, metric))]
-        lines.append("| " + " | ".join([v, *vals, mean_std(avg), _ci_text(avg), *delta]) + " |")
+        lines.append("| " + " | ".join([v, *vals, mean_std(avg), _ci_text(avg, bounds), *delta]) + " |")
+    if any(r.get("dropped", 0) for r in rows):
+        lines.append(f"\n{DEGRADED_NOTE}")
     return "\n".join(lines)
 
 
-def csv_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None) -> str:
-    """One line per (method, target) and per method's avg: mean, sample std, 95 % CI, n (empty where n = 1);
-    with ``baseline``, a line ``avg - <baseline>`` of the paired differences too."""
+def csv_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None,
+              bounds: Bounds = None) -> str:
+    """One line per (method, target) and per method's avg: mean, sample std, 95 % CI (clipped to ``bounds``), n
+    (std and CI empty where n = 1), and whether a run of it dropped clients; with ``baseline``, a line
+    ``avg - <baseline>`` of the paired differences too (unclipped: a difference has no such bounds)."""
     variants, targets, cells = pivot(rows, metric)
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["method", "target", "mean", "std_ddof1", "ci95_low", "ci95_high", "n"])
+    w.writerow(["method", "target", "mean", "std_ddof1", "ci95_low", "ci95_high", "n", "dropped_clients"])
     for v in variants:
         groups = [(t, cells.get((v, t), [])) for t in targets] + [("avg", _avg_over_targets(rows, v, targets, metric))]
         if baseline is not None and v != baseline:
             groups.append((f"avg - {baseline}", paired_deltas(rows, v, baseline, metric)))
         for t, vals in groups:
             if vals:
-                s, ci = sample_std(vals), ci95(vals)
+                s = sample_std(vals)
+                ci = ci95(vals) if t.startswith("avg - ") else clipped_ci(vals, bounds)
+                cell_target = t if t in targets else None
                 w.writerow([v, t, f"{np.mean(vals):.3f}", "" if s is None else f"{s:.3f}",
-                            *(("", "") if ci is None else (f"{ci[0]:.3f}", f"{ci[1]:.3f}")), len(vals)])
+                            *(("", "") if ci is None else (f"{ci[0]:.3f}", f"{ci[1]:.3f}")), len(vals),
+                            int(degraded(rows, v, cell_target))])
     return buf.getvalue()

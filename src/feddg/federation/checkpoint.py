@@ -39,11 +39,16 @@ def save_checkpoint(run_dir: Path, payload: dict[str, Any]) -> Path:
     buf = io.BytesIO()
     torch.save(payload, buf)
     body = buf.getbuffer()
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + hashlib.sha256(body).digest())
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(body).digest())
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # a full disk: no half-written file left behind, and the path in the message
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"{err.strerror} while writing the checkpoint {latest} ({len(body):,} bytes); the "
+                      f"previous checkpoint is intact") from None
     if latest.exists():
         os.replace(latest, run_dir / PREVIOUS)  # a crash right here leaves only the previous: load_checkpoint copes
     os.replace(tmp, latest)

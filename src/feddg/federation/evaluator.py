@@ -27,11 +27,14 @@ class Evaluator:
     def __init__(self, fed: Federation) -> None:
         self.fed, self.task = fed, fed.task
         self.holdouts = np.concatenate([c.holdout_idx for c in fed.clients])
+        #: the last evaluation's per-class view of each role (the global model's), for results.json and the report
+        self.class_views: dict[str, dict[str, list[float | None]]] = {}
 
     @property
     def headline(self) -> str:
-        """The key that marks an evaluation row: the mean over the held-out domains (``ood_acc``)."""
-        return metric_key("ood", self.task.metric)
+        """The key that marks an evaluation row: the mean over the held-out domains (``ood_acc``), or over the
+        clients' holdouts where no domain is held out (``split.protocol: federated``)."""
+        return metric_key("ood" if len(self.fed.split.test_idx) else "id", self.task.metric)
 
     def tally(self, indices: np.ndarray, dataset: Any = None) -> np.ndarray:
         """The task's tally of the model as loaded, on ``indices`` of ``dataset`` (default: the run's), with the
@@ -43,6 +46,12 @@ class Evaluator:
 
     def _load(self, state: Any, client_id: int | None) -> None:
         load_weights(self.fed.model, self.fed.topology.eval_weights(self.fed.method, state, client_id))
+
+    def _figures(self, tally: np.ndarray, role: str) -> dict[str, float]:
+        """The role's figures of a tally, keeping the task's per-class view of it."""
+        if (view := self.task.class_view(tally.sum(0))) is not None:
+            self.class_views[role] = view
+        return domain_metrics(self.task, tally, self.fed.dataset.domains, role)
 
     def _roles(self) -> dict[str, np.ndarray]:
         split = self.fed.split
@@ -56,7 +65,7 @@ class Evaluator:
         if not method.personalized:
             self._load(state, None)
             for role, idx in self._roles().items():
-                out.update(domain_metrics(task, self.tally(idx), ds.domains, role))
+                out.update(self._figures(self.tally(idx), role))
         else:  # each client's own model on its holdout (tallies summed) and on the unseen domain(s) (figures averaged)
             id_tally, ood_figures = None, []
             for cid, client in enumerate(fed.clients):
@@ -68,8 +77,8 @@ class Evaluator:
             out.update(domain_metrics(task, id_tally, ds.domains, "id"))
             out.update({k: float(np.mean([f[k] for f in ood_figures])) for k in ood_figures[0]})
             self._load(state, None)
-            out.update(domain_metrics(task, self.tally(fed.split.test_idx), ds.domains, "global_ood"))
-            out.update(domain_metrics(task, self.tally(self.holdouts), ds.domains, "global_id"))  # on every holdout
+            out.update(self._figures(self.tally(fed.split.test_idx), "global_ood"))
+            out.update(self._figures(self.tally(self.holdouts), "global_id"))  # on every holdout
         for target in fed.extra:
             out.update(self.extra(state, target))
         return out
@@ -124,5 +133,7 @@ class Evaluator:
     def results(self, final: dict[str, float]) -> dict[str, Any]:
         """results.json's evaluation blocks: the task, the final figures and the samples behind each."""
         counts = self.counts()
-        return {"task": self.task.info(), "final": {k: v for k, v in final.items() if k in counts},
-                "counts": {k: n for k, n in counts.items() if k in final}}
+        out = {"task": self.task.info(), "final": {k: v for k, v in final.items() if k in counts},
+               "counts": {k: n for k, n in counts.items() if k in final}}
+        return out | ({"per_class": {"classes": self.fed.dataset.classes, **self.class_views}} if self.class_views
+                      else {})

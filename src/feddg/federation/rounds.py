@@ -28,8 +28,13 @@ def round_half_up(x: float) -> int:
     return int(math.floor(x + 0.5))
 
 
-def learning_rate(base: float, schedule: str, round: int, rounds: int, step_size: int = 10, gamma: float = 0.1) -> float:
-    """Client learning rate in 1-based ``round``: constant, cosine over ``rounds``, or step decay."""
+def learning_rate(base: float, schedule: str, round: int, rounds: int, step_size: int = 10, gamma: float = 0.1,
+                  warmup: int = 0) -> float:
+    """Client learning rate in 1-based ``round``: with ``warmup`` k, ``base · r / (k + 1)`` for rounds r ≤ k, then
+    constant, cosine over the remaining ``rounds − k``, or step decay counted from the end of the warm-up."""
+    if round <= warmup:
+        return base * round / (warmup + 1)
+    round, rounds = round - warmup, max(rounds - warmup, 1)
     if schedule == "constant":
         return base
     if schedule == "cosine":

@@ -40,7 +40,9 @@ CONFIG = "config.yaml"
 
 def default_run_dir(cfg: ExperimentConfig) -> Path:
     """``output_dir/<name>-<method>-<target>-s<seed>-<time>``."""
-    target = cfg.split.target or "first"
+    s = cfg.split
+    target = (f"{s.target_fraction:g}-of-domains" if s.target_fraction is not None
+              else "+".join(s.target) if isinstance(s.target, list) else s.target or "first")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path(cfg.output_dir) / f"{cfg.name}-{cfg.method.name}-{target}-s{cfg.seed}-{stamp}"
 
@@ -125,7 +127,7 @@ class Server:
 
     def lr(self, round: int) -> float:
         o = self.fed.cfg.optim
-        return learning_rate(o.lr, o.schedule, round, self.rounds, o.step_size, o.gamma)
+        return learning_rate(o.lr, o.schedule, round, self.rounds, o.step_size, o.gamma, o.warmup_rounds)
 
     def configure(self, round: int) -> dict[int, Message]:
         """The message for each client sampled in ``round``."""
@@ -295,6 +297,7 @@ class Server:
             "rounds": self.round,
             "num_clients": len(fed.clients),
             **self.evaluator.results(last),
+            "failures": failure_record(self.metrics),
             "bytes_up_total": int(sum(m["bytes_up"] for m in self.metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in self.metrics)),
             "time_total_s": float(sum(m.get("time_round_s", 0.0) for m in self.metrics)),
@@ -306,6 +309,19 @@ class Server:
         results.update({"privacy": p} if (p := fed.method.privacy(self.round)) is not None else {})
         (self.run_dir / RESULTS).write_text(json.dumps(results, indent=2))
         return results
+
+
+def failure_record(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """results.json's ``failures``: the rounds that dropped clients, each dropped client's rounds and reasons, and
+    how many client-rounds were lost (0: every sampled client's reply was folded in, every round)."""
+    dropped: dict[str, list[dict[str, Any]]] = {}
+    rounds = []
+    for row in rows:
+        if reasons := row.get("clients_failed_reasons"):
+            rounds.append(row["round"])
+            for cid, why in reasons.items():
+                dropped.setdefault(str(cid), []).append({"round": row["round"], "reason": why})
+    return {"rounds": rounds, "clients": dropped, "client_rounds_lost": sum(len(v) for v in dropped.values())}
 
 
 def _mean_bytes(rows: list[dict[str, Any]]) -> dict[str, float]:

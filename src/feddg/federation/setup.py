@@ -17,7 +17,14 @@ from feddg.config import ExperimentConfig, ExtraEvalConfig
 from feddg.data import load_dataset
 from feddg.data.base import DomainDataset
 from feddg.data.partition import make_partition
-from feddg.data.splits import DomainSplit, holdout_split, leave_one_domain_out, leave_two_domains_out
+from feddg.data.splits import (
+    DomainSplit,
+    every_domain_trains,
+    holdout_split,
+    holdout_split_by_case,
+    leave_domains_out,
+    leave_two_domains_out,
+)
 from feddg.federation.topology import Topology, station_topology
 from feddg.models import create_model
 from feddg.seeds import derived_seed
@@ -61,7 +68,7 @@ class Federation:
     @property
     def optim(self) -> OptimSettings:
         o = self.cfg.optim
-        return OptimSettings(name=o.name, momentum=o.momentum, weight_decay=o.weight_decay, amp=o.amp,
+        return OptimSettings(name=o.name, momentum=o.momentum, weight_decay=o.weight_decay, grad_clip=o.grad_clip, amp=o.amp,
                              channels_last=self.cfg.model.channels_last, augment=tuple(o.augment))
 
 
@@ -104,14 +111,39 @@ def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: D
     return ExtraTarget(spec.name, ds)
 
 
-def make_split(dataset: DomainDataset, cfg: ExperimentConfig) -> DomainSplit:
-    """LODO or LTDO split from the config (target defaults to the first domain)."""
+def held_out(dataset: DomainDataset, cfg: ExperimentConfig) -> list[int]:
+    """The test domains of ``split``: named (one or several), a seeded fraction of the domains, or the first."""
     s = cfg.split
-    target = dataset.domain_index(s.target) if s.target is not None else 0
+    if s.target_fraction is not None:
+        if s.target is not None:
+            raise ValueError("split.target_fraction draws the held-out domains: drop split.target")
+        present = [int(d) for d in np.unique(dataset.domain_ids)]
+        k = max(1, int(round(s.target_fraction * len(present))))
+        if k >= len(present):
+            raise ValueError(f"split.target_fraction={s.target_fraction} holds out all {len(present)} domains")
+        rng = np.random.default_rng(derived_seed(cfg.seed, 31))
+        return sorted(int(d) for d in rng.choice(present, size=k, replace=False))
+    names = [s.target] if isinstance(s.target, str) else (s.target or [dataset.domains[0]])
+    return [dataset.domain_index(n) for n in names]
+
+
+def make_split(dataset: DomainDataset, cfg: ExperimentConfig) -> DomainSplit:
+    """LODO (one or several held-out domains), LTDO or federated (none held out) split from the config (the LODO
+    target defaults to the first domain)."""
+    s = cfg.split
+    if s.protocol == "federated":
+        given = [k for k in ("target", "target_fraction", "val_domain", "few_shot_k") if getattr(s, k)]
+        if given:
+            raise ValueError(f"split.protocol=federated holds no domain out: drop split.{', split.'.join(given)}")
+        return every_domain_trains(dataset.domain_ids)
+    targets = held_out(dataset, cfg)
     if s.protocol == "lodo":
         if s.val_domain is not None:
             raise ValueError("split.val_domain is only used with split.protocol=ltdo")
-        return without_few_shot(dataset, leave_one_domain_out(dataset.domain_ids, target), cfg)
+        return without_few_shot(dataset, leave_domains_out(dataset.domain_ids, targets), cfg)
+    if len(targets) != 1:
+        raise ValueError("split.protocol=ltdo holds out one test domain: give split.target as one name")
+    target = targets[0]
     if s.val_domain is None:
         raise ValueError("split.protocol=ltdo needs split.val_domain")
     val = dataset.domain_index(s.val_domain)
@@ -143,11 +175,30 @@ def make_clients(dataset: DomainDataset, split: DomainSplit, cfg: ExperimentConf
     """Partition the source data over clients, then hold out ``partition.holdout`` of each."""
     p = cfg.partition
     rng = np.random.default_rng(derived_seed(cfg.seed, 17))
-    part = make_partition(p.kind, split.source_idx, dataset.domain_ids, dataset.labels, p.num_clients, rng, **p.params)
+    part = make_partition(p.kind, split.source_idx, dataset.domain_ids, dataset.labels, p.num_clients, rng,
+                          natural_groups=dataset.groups, **p.params)
+    if p.kind == "natural" and "num_clients" in p.model_fields_set and p.num_clients != part.num_clients:
+        raise ValueError(f"partition.kind=natural makes one client per natural group ({part.num_clients} in the "
+                         f"source domains here): drop partition.num_clients={p.num_clients}")
+    if p.kind == "natural" and cfg.split.few_shot_k:
+        raise ValueError("split.few_shot_k deals target samples to partition.num_clients clients; with natural groups "
+                         "the clients are the groups: use it with another partition")
     clients = []
+    keep_rng = np.random.default_rng(derived_seed(cfg.seed, 37))  # its own stream: holdouts stay as without it
     for idx, doms in zip(part.client_indices, part.client_domains, strict=True):
-        train, hold = holdout_split(idx, p.holdout, rng)
+        if dataset.cases is None:
+            train, hold = holdout_split(idx, p.holdout, rng)
+        else:
+            train, hold = holdout_split_by_case(idx, dataset.cases, p.holdout, rng)
+        if p.train_fraction < 1.0:
+            keep = max(1, int(round(p.train_fraction * len(train))), min(p.train_min, len(train)))
+            train = np.sort(keep_rng.choice(train, size=keep, replace=False))
         clients.append(ClientData(train_idx=train, holdout_idx=hold, domains=tuple(doms)))
+    if p.holdout > 0 and not any(len(c.holdout_idx) for c in clients):
+        raise ValueError(f"partition.holdout={p.holdout} leaves no client a holdout sample (clients of "
+                         f"{max(len(c.train_idx) for c in clients)} sample(s) at most): the id figures would be "
+                         "missing; use fewer clients or more data, or partition.holdout=0 to train without id "
+                         "evaluation")
     if cfg.split.few_shot_k:  # the k target samples join training only; the id holdout stays source data
         shots = few_shot_samples(dataset, split.test_domains, cfg)
         clients = [replace(c, train_idx=np.sort(np.concatenate([c.train_idx, s])))

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from feddg.messages import WEIGHT_PREFIX, Message
+from feddg.messages import WEIGHT_PREFIX, Message, Value
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -21,7 +21,7 @@ class RunStopped(RuntimeError):
     directory keeps its last checkpoint. The message is one line."""
 
 
-def shapes_of(weights: Mapping[str, object]) -> Shapes:
+def shapes_of(weights: Mapping[str, Value]) -> Shapes:
     """``w/`` key -> shape of the arrays in ``weights``."""
     return {k: tuple(np.shape(v)) for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
 

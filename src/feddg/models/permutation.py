@@ -27,6 +27,7 @@ from feddg.models.efficientnet import EfficientNetLite
 from feddg.models.hfedf_cnn import HFedFCNN, NaiveInception
 from feddg.models.lenet import LeNet
 from feddg.models.resnet import BasicBlock, Bottleneck, ResNet
+from feddg.models.unet import UNet
 from feddg.models.vgg import VGG
 
 Permutations = dict[str, np.ndarray]
@@ -297,6 +298,39 @@ def efficientnet_spec(model: EfficientNetLite) -> PermutationSpec:
     return b.spec()
 
 
+def unet_spec(model: UNet) -> PermutationSpec:
+    """Two groups per conv block (encoders, bottleneck, decoders): its first conv's output (BatchNorm ``.1``,
+    consumed by the second conv ``.3``) and the block's output (the second conv, BatchNorm ``.4``). An encoder
+    block's output feeds the next block (or the bottleneck) *and*, through the skip connection, the input slice
+    ``[c, 2c)`` of the first conv of the decoder at its resolution; each 2×2 transposed conv ``upconvs.j`` is a
+    group of its own (weight in conv layout ``[out, in, 2, 2]``, bias) that reads the previous block's output and
+    fills the slice ``[0, c)`` of that decoder conv. The last decoder block feeds the 1×1 ``classifier``, whose
+    outputs (the classes) are never permuted. Groups are listed in forward order, so the spec is acyclic."""
+    b = _Builder(model)
+
+    def block(prefix: str, inputs: list[tuple[str, int]]) -> str:
+        b.consume(inputs, f"{prefix}.0.weight")
+        hidden = b.new_group(f"{prefix}.0")
+        b.add_norm(hidden, f"{prefix}.1")
+        b.consume([(hidden, 0)], f"{prefix}.3.weight")
+        out = b.new_group(f"{prefix}.3")
+        b.add_norm(out, f"{prefix}.4")
+        return out
+
+    x: list[tuple[str, int]] = []  # the channels of the current feature map (the image's: never permuted)
+    skips = []
+    for k in range(len(model.encoders)):
+        skips.append(block(f"encoders.{k}", x))
+        x = [(skips[-1], 0)]
+    x = [(block("bottleneck", x), 0)]
+    for j, skip in enumerate(reversed(skips)):
+        b.consume(x, f"upconvs.{j}.weight")  # UpConv2x2 keeps its weight as [out, in, 2, 2]: inputs on dim 1
+        up = b.new_group(f"upconvs.{j}")
+        x = [(block(f"decoders.{j}", [(up, 0), (skip, b.groups[up]["size"])]), 0)]  # cat((up-sampled, skip))
+    b.consume(x, "classifier.weight")
+    return b.spec()
+
+
 SpecBuilder = Callable[[nn.Module], PermutationSpec]
 
 #: zoo class -> spec builder; :func:`register_spec` adds models defined elsewhere
@@ -308,6 +342,7 @@ SPEC_BUILDERS: dict[type[nn.Module], SpecBuilder] = {
     VGG: sequential_spec,
     ResNet: resnet_spec,  # type: ignore[dict-item]
     EfficientNetLite: efficientnet_spec,  # type: ignore[dict-item]
+    UNet: unet_spec,  # type: ignore[dict-item]
 }
 
 

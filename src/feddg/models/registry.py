@@ -17,6 +17,7 @@ from feddg.models.efficientnet import efficientnet_lite0
 from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
 from feddg.models.resnet import resnet18, resnet50
+from feddg.models.unet import UNet
 from feddg.models.vgg import vgg11, vgg11_bn
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ MODELS: dict[str, Callable[..., FedModel]] = {
     "lenet": LeNet,
     "resnet18": resnet18,
     "resnet50": resnet50,
+    "unet": UNet,  # dense [B, classes, H, W] outputs (segmentation); width 32, depth 4 is FedHarmo/FedFA's
     "vgg11": vgg11,
     "vgg11_bn": vgg11_bn,
 }
@@ -49,6 +51,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "lenet": _STAGES,
     "resnet18": _BN_STAGES,
     "resnet50": _BN_STAGES,
+    "unet": _BN_STAGES,
     "vgg11": _STAGES,
     "vgg11_bn": _BN_STAGES,
 }

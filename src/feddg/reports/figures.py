@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from feddg.evaluation.plots import integer_rounds
+from feddg.evaluation.plots import from_zero, integer_rounds
 from feddg.tasks import TaskInfo
 
 ENGINE_KEYS = {"round", "lr", "clients", "train_loss", "bytes_down", "bytes_up", "time_train_s", "time_aggregate_s",
@@ -46,8 +46,9 @@ def communication(metrics: list[dict[str, Any]]) -> plt.Figure:
     rounds = [m["round"] for m in metrics]
     for key, style in (("bytes_down", "-o"), ("bytes_up", "-s")):
         ax.plot(rounds, [m[key] / scale for m in metrics], style, markersize=3, label=key.removeprefix("bytes_"))
-    integer_rounds(ax)
-    ax.set(ylabel=unit, ylim=(0, None), title="bytes per round, all clients")
+    integer_rounds(ax, rounds)
+    from_zero(ax, [peak / scale])
+    ax.set(ylabel=unit, title="bytes per round, all clients")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
@@ -62,7 +63,7 @@ def timing(metrics: list[dict[str, Any]]) -> plt.Figure:
         vals = [float(m.get(key, 0.0)) for m in metrics]
         ax.bar(rounds, vals, bottom=bottom, label=label, width=0.7)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    integer_rounds(ax)
+    integer_rounds(ax, rounds)
     ax.set(ylabel="seconds", title="time per round")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
@@ -102,7 +103,8 @@ def diagnostics(panels: dict[str, Series]) -> plt.Figure:
     for ax, (name, lines) in zip(axes.flat, sorted(panels.items())):
         for line, pts in lines.items():
             ax.plot(*zip(*pts), "-o", markersize=2, label=line)
-        integer_rounds(ax)
+        integer_rounds(ax, [r for pts in lines.values() for r, _ in pts])
+        from_zero(ax, [v for pts in lines.values() for _, v in pts])
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
         if len(lines) <= 10 and set(lines) != {name}:
@@ -110,3 +112,35 @@ def diagnostics(panels: dict[str, Series]) -> plt.Figure:
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     return fig
+
+
+def per_class(view: dict[str, Any]) -> plt.Figure:
+    """Per class, each role's recall (bars) and the share of that role's predictions given to the class (dots):
+    a model that predicts one class shows one tall dot."""
+    classes = view["classes"]
+    roles = [r for r in view if r != "classes"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(classes) * max(1, len(roles)) + 2), 3.4))
+    width = 0.8 / max(1, len(roles))
+    for j, role in enumerate(roles):
+        x = [i - 0.4 + width * (j + 0.5) for i in range(len(classes))]
+        recall = [math.nan if r is None else r for r in view[role]["recall"]]
+        ax.bar(x, recall, width * 0.92, color=f"C{j}", alpha=0.7, label=f"{role}: recall")
+        ax.plot(x, view[role]["predicted"], "D", color=f"C{j}", markeredgecolor="black", markersize=4,
+                label=f"{role}: share of predictions")
+    ax.set_xticks(range(len(classes)), classes, rotation=45 if len(classes) > 12 else 0, fontsize=7)
+    ax.set(ylabel="%", ylim=(0, 105), title="per class: recall (bars) and share of the predictions (dots)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncols=2)
+    return fig
+
+
+def collapsed(view: dict[str, Any], role: str = "ood", share: float = 90.0) -> str | None:
+    """A warning when ``role``'s predictions go to one class (at least ``share`` % of them, with more classes)."""
+    if role not in view or len(view["classes"]) < 2:
+        return None
+    predicted = view[role]["predicted"]
+    top = max(range(len(predicted)), key=predicted.__getitem__)
+    if predicted[top] < share:
+        return None
+    return (f"the model gives {predicted[top]:.0f} % of its {role} predictions to class {view['classes'][top]!r} "
+            f"(of {len(predicted)} classes): it has collapsed onto one class")

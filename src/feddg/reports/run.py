@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from feddg.config import read_yaml
+from feddg.evaluation.overlays import EXAMPLES, example_path
 from feddg.evaluation.plots import plot_run, read_metrics, run_title
 from feddg.reports import figures
 from feddg.reports.counts import run_counts
@@ -68,6 +69,28 @@ def domain_rows(final: dict[str, float], counts: dict[str, int], task: TaskInfo)
     return sorted(rows, key=lambda r: rank.get(r["role"], len(rank)))
 
 
+def example_figures(run_dir: Path, rows: list[dict[str, Any]], task: TaskInfo) -> list[dict[str, str]]:
+    """The run's ``examples/*.png`` (a segmentation's overlays, one per site), captioned with the site: the sites of
+    the per-domain table in its order (:func:`domain_rows`), then any other PNG of the folder by name."""
+    pngs = {p.name: p for p in sorted((run_dir / EXAMPLES).glob("*.png"))}
+    out = []
+    for r in rows:
+        if (path := pngs.pop(example_path(run_dir, r["domain"]).name, None)) is not None:
+            out.append({"title": r["domain"], "uri": file_uri(path),
+                        "caption": f"{r['domain']} ({r['role']}, {task.label} {r['value']:.1f} {task.unit})"})
+    return out + [{"title": p.stem, "uri": file_uri(p), "caption": p.stem} for p in pngs.values()]
+
+
+def failure_notes(failures: dict[str, Any] | None) -> list[str]:
+    """One note when the run dropped clients: which rounds, how many client-rounds, and a first reason."""
+    if not failures or not failures.get("client_rounds_lost"):
+        return []
+    first_client, events = next(iter(failures["clients"].items()))
+    return [f"clients were dropped in rounds {', '.join(map(str, failures['rounds']))}: "
+            f"{failures['client_rounds_lost']} client-round(s) lost (e.g. client {first_client} in round "
+            f"{events[0]['round']}: {events[0]['reason']}); the figures are those of the degraded run"]
+
+
 def run_report(run_dir: Path) -> list[Path]:
     """Write curves.png, domains.png, the method's figures and report.html into ``run_dir``."""
     metrics = read_metrics(run_dir)
@@ -80,6 +103,11 @@ def run_report(run_dir: Path) -> list[Path]:
     last = next((m for m in reversed(metrics) if task.key("ood") in m), metrics[-1])
     final = results.get("final") or {k: v for k, v in last.items() if task.parse(k) is not None}
     pngs = plot_run(run_dir, task, counts)
+    rows = domain_rows(final, counts, task)
+    notes += failure_notes(results.get("failures"))
+    view = results.get("per_class")
+    if view and (warning := figures.collapsed(view)):
+        notes.append(warning)
     extra = method_figures(run_dir)
     config_path = run_dir / "config.yaml"
     config_text = config_path.read_text() if config_path.is_file() else ""
@@ -103,10 +131,11 @@ def run_report(run_dir: Path) -> list[Path]:
         subtitle=f"run directory {run_dir}", summary=summary, last_round=last["round"],
         method=summary[0][1],
         curves={"title": f"{task.label} and loss", "uri": file_uri(pngs[0]),
-                "caption": f"mean {task.label} over domains per evaluated round; dotted: chance level"},
+                "caption": f"mean {task.label} over domains per evaluated round"
+                           + ("; dotted: chance level" if task.chance is not None else "")},
         domains={"title": "per domain", "uri": file_uri(pngs[1]), "caption": "n = samples evaluated"}
         if len(pngs) > 1 else None,
-        domain_rows=domain_rows(final, counts, task), metric_label=task.axis_label,
+        domain_rows=rows, metric_label=task.axis_label, examples=example_figures(run_dir, rows, task),
         communication={"title": "bytes per round", "uri": figures.png_uri(figures.communication(metrics)),
                        "caption": "message bytes (arrays + scalars) over all sampled clients"},
         bytes_rows=[(k, float(np.mean([m[k] for m in metrics if k in m])) / 1024) for k in bytes_keys],
@@ -116,6 +145,9 @@ def run_report(run_dir: Path) -> list[Path]:
         diagnostics=[{"title": name, "uri": figures.png_uri(figures.diagnostics(panels)), "caption": ""}
                      for name, panels in sorted(figures.diagnostic_panels(metrics, task).items())],
         method_figures=[{"title": p.name, "uri": file_uri(p), "caption": ""} for p in extra],
+        per_class={"title": "per class (last evaluation)", "uri": figures.png_uri(figures.per_class(view)),
+                   "caption": "bars: recall of each class; dots: the share of the predictions given to it"}
+        if view else None,
         hierarchy=_flat(results["hierarchy"]) if "hierarchy" in results else [],
         method_params=_flat(results.get("method_params", {})),
         config_text=config_text, provenance_text=json.dumps(provenance, indent=2) if provenance else "",

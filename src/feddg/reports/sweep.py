@@ -19,7 +19,16 @@ import numpy as np
 
 from feddg.config import read_yaml
 from feddg.evaluation.plots import chance_line, draw_domains, integer_rounds, read_metrics
-from feddg.evaluation.tables import ci95, paired_deltas, pivot, sample_std, seed_averages
+from feddg.evaluation.tables import (
+    DEGRADED_NOTE,
+    ci95,
+    clipped_ci,
+    degraded,
+    paired_deltas,
+    pivot,
+    sample_std,
+    seed_averages,
+)
 from feddg.reports.counts import run_counts
 from feddg.reports.figures import png_uri
 from feddg.reports.page import REPORT, page_context, render
@@ -42,8 +51,9 @@ class Stat:
     values: tuple[float, ...]
 
 
-def stat(values: list[float]) -> Stat:
-    mean, std, ci = float(np.mean(values)), sample_std(values), ci95(values)
+def stat(values: list[float], bounds: tuple[float, float] | None = None) -> Stat:
+    """Mean, sample std and the 95 % interval clipped to the metric's ``bounds``."""
+    mean, std, ci = float(np.mean(values)), sample_std(values), clipped_ci(values, bounds)
     lo, hi = ci if ci is not None else (math.nan, math.nan)
     return Stat(mean, math.nan if std is None else std, lo, hi, len(values), tuple(values))
 
@@ -63,7 +73,8 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             r = json.loads(res.read_text())
             variant = res.parts[-4] + (" (reconstructed)" if "method_label" in r else "")
             rows.append({"variant": variant, "target": res.parts[-3], "seed": r["seed"],
-                         "run_dir": str(res.parent), **r["final"], "time_total_s": r["time_total_s"]})
+                         "run_dir": str(res.parent), **r["final"], "time_total_s": r["time_total_s"],
+                         "dropped": r["failures"]["client_rounds_lost"]})
     for r in rows:
         given = Path(r["run_dir"])
         local = sweep_dir.joinpath(*given.parts[-3:])
@@ -71,7 +82,8 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def cells(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str], dict[tuple[str, str], Stat]]:
+def cells(rows: list[dict[str, Any]], metric: str, bounds: tuple[float, float] | None = None
+          ) -> tuple[list[str], list[str], dict[tuple[str, str], Stat]]:
     """Variants, targets (+ ``avg``: per seed the mean over targets, seeds complete on all) and their stats."""
     variants, targets, vals = pivot(rows, metric)
     if len(targets) > 1:
@@ -79,7 +91,7 @@ def cells(rows: list[dict[str, Any]], metric: str) -> tuple[list[str], list[str]
             if avg := list(seed_averages(rows, v, targets, metric).values()):
                 vals[(v, AVG)] = avg
     columns = targets + ([AVG] if len(targets) > 1 else [])
-    return variants, columns, {k: stat(v) for k, v in vals.items()}
+    return variants, columns, {k: stat(v, bounds) for k, v in vals.items()}
 
 
 def bars(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
@@ -164,13 +176,16 @@ def domains(rows: list[dict[str, Any]], variant: str, counts: dict[str, dict[str
     return fig
 
 
-def table(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
-    """Header and rows of the HTML table; the best mean of each column is marked."""
-    variants, columns, st = cells(rows, metric)
-    best = {c: max((st[(v, c)].mean for v in variants if (v, c) in st), default=None) for c in columns}
+def table(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> dict[str, Any]:
+    """Header and rows of the HTML table: per cell its stats, whether it is the column's best (the task's
+    direction) and whether a run of it dropped clients; intervals clipped to the metric's bounds."""
+    variants, columns, st = cells(rows, metric, task.bounds)
+    pick = max if task.higher_is_better else min
+    best = {c: pick((st[(v, c)].mean for v in variants if (v, c) in st), default=None) for c in columns}
     return {"columns": columns, "rows": [
-        (v, [(st.get((v, c)), st.get((v, c)) is not None and st[(v, c)].mean == best[c]) for c in columns])
-        for v in variants]}
+        (v, [(st.get((v, c)), st.get((v, c)) is not None and st[(v, c)].mean == best[c],
+              degraded(rows, v, None if c == AVG else c)) for c in columns])
+        for v in variants], "degraded": any(r.get("dropped", 0) for r in rows)}
 
 
 def sweep_report(sweep_dir: Path) -> Path:
@@ -202,7 +217,7 @@ def sweep_report(sweep_dir: Path) -> Path:
     spec = json.loads((sweep_dir / SPEC).read_text()) if (sweep_dir / SPEC).is_file() else {}
     baseline = spec.get("baseline")
     figures = {m: paired(rows, m, baseline) if baseline else None for m in metrics}
-    sections = [{"metric": m, "table": table(rows, m),
+    sections = [{"metric": m, "table": table(rows, m, task),
                  "paired": None if (fig := figures[m]) is None else {
                      "title": f"{m}: paired difference from {baseline}", "uri": png_uri(fig),
                      "caption": f"per seed, the variant's average over targets minus {baseline}'s (same splits); "
@@ -222,6 +237,6 @@ def sweep_report(sweep_dir: Path) -> Path:
     return render("sweep.html.j2", sweep_dir / REPORT, **page_context(f"sweep: {name}", str(sweep_dir), notes),
                   subtitle=f"{len(variants)} variants × {len(counts)} targets × {len(seeds)} seeds",
                   summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows, unit=task.unit,
-                  metric_label=task.label,
+                  metric_label=task.label, variants=spec.get("expanded", {}), degraded_note=DEGRADED_NOTE,
                   base_config=cfg_text)
 

@@ -15,10 +15,19 @@ load. Metric keys are ``<role>_<metric>[/<domain>]`` (``ood_acc/uci``, ``id_dice
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from feddg.data.base import DomainDataset
+
+#: a run's final model on dataset indices: its outputs (on the CPU) with the weights the final evaluation scored
+Predictor = Callable[[np.ndarray], Tensor]
 
 # what a dataset's batches provide (the inputs' kind, the targets' kind) ...
 IMAGES = "images"  # inputs are image tensors [B, C, H, W]
@@ -88,6 +97,18 @@ class Task(ABC):
     def chance(self) -> float | None:
         """The metric of an uninformed predictor (plots draw it), ``None`` where it has none."""
         return None
+
+    def class_view(self, tally: np.ndarray) -> dict[str, list[float | None]] | None:
+        """Per-class figures of a tally row, for the report (``None`` where the task has none): e.g. each class's
+        recall and its share of the predictions, which show a model that predicts one class."""
+        return None
+
+    def examples(self, dataset: DomainDataset, indices_by_domain: Mapping[str, np.ndarray],
+                 predict: Predictor) -> dict[str, Figure]:
+        """A figure per domain of a few of its evaluation samples and the final model's predictions of them, for
+        the run directory's ``examples/<domain>.png`` (``indices_by_domain``: each domain's evaluation samples;
+        ``predict``: the model's outputs on indices of ``dataset``). The default draws none (classification)."""
+        return {}
 
     def model_head(self) -> dict[str, Any]:
         """What ``create_model`` needs of the task (the output head)."""

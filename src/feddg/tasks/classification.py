@@ -13,7 +13,8 @@ from feddg.tasks.base import CLASS_LABELS, Task
 
 class Classification(Task):
     """One class per sample: ``F.cross_entropy`` (hard labels, or class probabilities after label mixing);
-    accuracy = 100 · correct / total, chance 100 / classes."""
+    accuracy = 100 · correct / total, chance 100 / classes. The tally also counts, per class, the correct
+    predictions, the samples and the predictions, for the per-class view."""
 
     name = "classification"
     metric = "acc"
@@ -24,14 +25,20 @@ class Classification(Task):
         return F.cross_entropy(output, target)
 
     def tally_zeros(self, num_domains: int) -> np.ndarray:
-        return np.zeros((num_domains, 2), dtype=np.int64)
+        return np.zeros((num_domains, 2 + 3 * self.num_classes), dtype=np.int64)
 
     def tally(self, output: Tensor, target: Tensor, domains: np.ndarray, num_domains: int) -> np.ndarray:
-        """``[num_domains, 2]``: correct predictions (argmax) and samples, per domain."""
-        hit = (output.argmax(1).cpu() == target.cpu()).numpy()
+        """``[num_domains, 2 + 3C]``: correct predictions (argmax) and samples, then per class the correct
+        predictions, the samples and the predictions, per domain."""
+        pred, y = output.argmax(1).cpu().numpy(), target.cpu().numpy()
+        hit = pred == y
+        c = self.num_classes
         out = self.tally_zeros(num_domains)
         np.add.at(out[:, 0], domains, hit)
         np.add.at(out[:, 1], domains, 1)
+        np.add.at(out, (domains, 2 + y), hit)
+        np.add.at(out, (domains, 2 + c + y), 1)
+        np.add.at(out, (domains, 2 + 2 * c + pred), 1)
         return out
 
     def score(self, tally: np.ndarray) -> float:
@@ -42,3 +49,10 @@ class Classification(Task):
 
     def chance(self) -> float:
         return 100.0 / self.num_classes
+
+    def class_view(self, tally: np.ndarray) -> dict[str, list[float | None]]:
+        """Each class's recall (``None`` without samples) and its share of the predictions, in %."""
+        c, n = self.num_classes, max(int(tally[1]), 1)
+        correct, true, predicted = tally[2 : 2 + c], tally[2 + c : 2 + 2 * c], tally[2 + 2 * c :]
+        return {"recall": [100.0 * int(k) / int(t) if t else None for k, t in zip(correct, true, strict=True)],
+                "predicted": [100.0 * int(p) / n for p in predicted]}

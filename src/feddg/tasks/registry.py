@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from feddg.tasks.base import IMAGES, Task
 from feddg.tasks.classification import Classification
+from feddg.tasks.segmentation import Segmentation
 
 TASKS: dict[str, type[Task]] = {
     "classification": Classification,
+    "segmentation": Segmentation,
 }
 
 

@@ -30,6 +30,7 @@ from one seed drawn from the client's generator, so runs stay reproducible.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Annotated, ClassVar, Literal, Self
 
@@ -89,6 +90,8 @@ class MoEx(_Spec):
                        "in the paper)")
 
 
+#: every augmentation of ``optim.augment`` (``feddg methods`` lists them)
+AUGMENTATIONS: tuple[type[_Spec], ...] = (Mixup, ManifoldMixup, MixStyle, MoEx)
 AugmentSpec = Annotated[Mixup | ManifoldMixup | MixStyle | MoEx, Field(discriminator="name")]
 LABEL_MIXING = ("mixup", "manifold_mixup", "moex")
 _ADAPTER = TypeAdapter(list[AugmentSpec])
@@ -117,6 +120,11 @@ def label_mixing(specs: list[AugmentSpec]) -> list[str]:
 def mix(a: Tensor, b: Tensor, lam: Tensor | float) -> Tensor:
     """``λ a + (1−λ) b`` (Mixup on inputs, hidden features or one-hot labels)."""
     return lam * a + (1.0 - lam) * b
+
+
+def mix_permuted(x: Tensor, perm: Tensor, lam: float) -> Tensor:
+    """``λ x + (1−λ) x[perm]``: :func:`mix` of a batch with its own permutation."""
+    return mix(x, x[perm], lam)
 
 
 def soft_targets(y: Tensor, perm: Tensor, lam: float, num_classes: int) -> Tensor:
@@ -191,15 +199,15 @@ class Augmenter:
             if s.name == "mixstyle":
                 for k in stages:
                     if self.rng.random() < s.p:
-                        lam = torch.as_tensor(self.rng.beta(s.alpha, s.alpha, self.batch_size), device=x.device)
+                        lams = torch.as_tensor(self.rng.beta(s.alpha, s.alpha, self.batch_size), device=x.device)
                         perm = self._perm(x.device)
-                        self.plan.setdefault(k, []).append(lambda f, perm=perm, lam=lam: mixstyle(f, perm, lam))
+                        self.plan.setdefault(k, []).append(functools.partial(mixstyle, perm=perm, lam=lams))
                 continue
             if s.name == "moex":
                 if self.rng.random() >= s.p:
                     continue
                 perm, lam, k = self._perm(x.device), s.lam, s.stage
-                self.plan.setdefault(k, []).append(lambda f, perm=perm: moex(f, perm))
+                self.plan.setdefault(k, []).append(functools.partial(moex, perm=perm))
             else:
                 lam = float(self.rng.beta(s.alpha, s.alpha))
                 k = 0 if s.name == "mixup" else int(self.rng.choice(stages))
@@ -207,7 +215,7 @@ class Augmenter:
                 if k == 0:
                     x = mix(x, x[perm], lam)
                 else:
-                    self.plan.setdefault(k, []).append(lambda f, perm=perm, lam=lam: mix(f, f[perm], lam))
+                    self.plan.setdefault(k, []).append(functools.partial(mix_permuted, perm=perm, lam=lam))
             target = soft_targets(y, perm, lam, self.num_classes)
         return x, target
 

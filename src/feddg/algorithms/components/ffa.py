@@ -125,6 +125,8 @@ class FFALayer(nn.Module):
         """``Σ̂_μ, Σ̂_σ`` of the variant: eq. 4 + eq. 8 (full, direct, client) or a constant (random)."""
         if self.variant == "random":
             return self.random_std, self.random_std
+        mod_mu: Tensor | float
+        mod_sigma: Tensor | float
         if self.variant == "client":
             mod_mu = mod_sigma = 0.0
         else:
@@ -148,9 +150,12 @@ class FFALayer(nn.Module):
         std_mu, std_sigma = self.perturbation_std(mu, sigma)
         out = ffa_transform(x, mu, sigma, std_mu, std_sigma, torch.randn_like(mu), torch.randn_like(sigma))
         if self.tracks_stats:  # Algorithm 2, lines 11-12 (only when the layer is active)
+            mu_bar, sigma_bar = self.mu_bar, self.sigma_bar
+            if mu_bar is None or sigma_bar is None:
+                raise RuntimeError("FFA: mu_bar and sigma_bar are set together; only one of them is")
             with torch.no_grad():
-                self.mu_bar = momentum_update(self.mu_bar, mu.detach(), self.momentum)
-                self.sigma_bar = momentum_update(self.sigma_bar, sigma.detach(), self.momentum)
+                self.mu_bar = momentum_update(mu_bar, mu.detach(), self.momentum)
+                self.sigma_bar = momentum_update(sigma_bar, sigma.detach(), self.momentum)
         return out
 
     def hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:

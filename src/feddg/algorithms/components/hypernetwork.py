@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -71,7 +72,7 @@ class HyperNetwork(nn.Module):
             self._init_from_model(init_params)
         elif init == "default":
             for head in self.heads:
-                head.reset_parameters()
+                cast(nn.Linear, head).reset_parameters()  # every head is an nn.Linear
         else:
             raise ValueError(f"unknown hypernetwork init {init!r}; expected 'model' or 'default'")
 
@@ -79,7 +80,8 @@ class HyperNetwork(nn.Module):
     def _init_from_model(self, params: Mapping[str, Tensor]) -> None:
         """bias_k = φ_k^init; weight_k ~ U(±√3 σ_k/√50) with σ_k the std of φ_k^init, so that
         ``W_k z`` has standard deviation ``σ_k · rms(z)``: a fan-in-aware scale for every layer."""
-        for name, head in zip(self.names, self.heads, strict=True):
+        for name, module in zip(self.names, self.heads, strict=True):
+            head = cast(nn.Linear, module)  # every head is an nn.Linear
             p = params[name].detach().float().flatten()
             sigma = float(p.std(unbiased=False))
             head.bias.copy_(p)

@@ -25,12 +25,16 @@ def task_loss(ctx: ClientContext) -> LossFn:
 
 
 def make_optimizer(params: Iterable[Tensor], optim: OptimSettings, lr: float) -> torch.optim.Optimizer:
-    """SGD (with momentum) or Adam with the configured weight decay."""
+    """SGD (with momentum), Adam (L2 weight decay) or AdamW (decoupled weight decay); Adam's β1 is
+    ``optim.momentum``."""
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    betas = (optim.momentum, 0.999)
     if optim.name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=optim.weight_decay)
-    raise ValueError(f"unknown optimiser {optim.name!r}; expected 'sgd' or 'adam'")
+        return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=optim.weight_decay)
+    if optim.name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=optim.weight_decay)
+    raise ValueError(f"unknown optimiser {optim.name!r}; expected sgd, adam or adamw")
 
 
 def grad_scaler(ctx: ClientContext) -> torch.amp.GradScaler:
@@ -43,14 +47,18 @@ GradEdit = Callable[[], None]
 
 
 def scaled_step(loss: Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                edit_grads: GradEdit | None = None) -> None:
+                edit_grads: GradEdit | None = None, clip: float | None = None) -> None:
     """Backward and step through ``scaler`` (plain ``loss.backward(); opt.step()`` when it is disabled).
     ``edit_grads`` sees the true, unscaled gradients (fp16's loss scale already divided out): a term it adds
-    moves the weights by ``lr × term`` under every ``optim.amp``."""
+    moves the weights by ``lr × term`` under every ``optim.amp``; ``clip`` then bounds their global L2 norm."""
     scaler.scale(loss).backward()
-    if edit_grads is not None:
+    if edit_grads is not None or clip is not None:
         scaler.unscale_(opt)  # a no-op when the scaler is disabled
+    if edit_grads is not None:
         edit_grads()
+    if clip is not None:
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, clip)
     scaler.step(opt)
     scaler.update()
 
@@ -83,7 +91,7 @@ def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn
         opt.zero_grad(set_to_none=True)
         with ctx.autocast():
             loss = loss_fn(model, x, y)
-        scaled_step(loss, opt, scaler, edit_grads)
+        scaled_step(loss, opt, scaler, edit_grads, ctx.optim.grad_clip)
         total += float(loss.detach())
         steps += 1
     return total / max(steps, 1)

@@ -28,7 +28,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from torch import Tensor, nn
 from feddg.algorithms.base import ClientContext, Params
 from feddg.devices import images
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights, subset
+
+if TYPE_CHECKING:
+    from feddg.models.base import FedModel
 
 logger = logging.getLogger(__name__)
 EPS = 1e-5
@@ -158,7 +161,7 @@ class StyleCodec(ABC):
     def decode(self, t: Tensor, like: Tensor) -> Tensor:
         """``D(t)``: what the model consumes in place of ``like`` (an image, or a feature map)."""
 
-    def features(self, model: nn.Module, x: Tensor, x_tilde: Tensor) -> Tensor:
+    def features(self, model: FedModel, x: Tensor, x_tilde: Tensor) -> Tensor:
         """``g(x̃)``: the model's representation of the stylised batch (``x`` is the original)."""
         return model.features(x_tilde)
 
@@ -271,7 +274,7 @@ class FeatureStyle(StyleCodec):
     def decode(self, t: Tensor, like: Tensor) -> Tensor:
         return t
 
-    def features(self, model: nn.Module, x: Tensor, x_tilde: Tensor) -> Tensor:
+    def features(self, model: FedModel, x: Tensor, x_tilde: Tensor) -> Tensor:
         handle = model.get_submodule(self.layer).register_forward_hook(lambda mod, inp, out: x_tilde)
         try:
             return model.features(x)
@@ -287,7 +290,7 @@ _VGG_RELU4_1 = 31  # modules [0, 31) of the published vgg_normalised end at relu
 def adain_vgg_encoder() -> nn.Sequential:
     """The full normalised VGG-19 of the AdaIN release (its state_dict keys are ``0.weight`` ...)."""
     layers: list[nn.Module] = [nn.Conv2d(3, 3, 1)]
-    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512]
+    cfg: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512]
     channels = 3
     for item in cfg:
         if item == "M":
@@ -300,7 +303,7 @@ def adain_vgg_encoder() -> nn.Sequential:
 
 def adain_vgg_decoder() -> nn.Sequential:
     """The AdaIN decoder: relu4_1 (512 channels) back to RGB, mirrored VGG with nearest upsampling."""
-    cfg = [256, "U", 256, 256, 256, 128, "U", 128, 64, "U", 64]
+    cfg: list[int | str] = [256, "U", 256, 256, 256, 128, "U", 128, 64, "U", 64]
     layers: list[nn.Module] = []
     channels = 512
     for item in cfg:

@@ -50,6 +50,7 @@ def main(grid: Grid, context: Context) -> None:
     # the server half, imported here: a ClientApp process imports this module too
     from feddg.engines.flower.server import PollingGrid, run_on_grid
     from feddg.evaluation.plots import plot_run  # matplotlib: only where the run directory is written
+    from feddg.federation.examples import write_examples
     from feddg.federation.server import Server, default_run_dir
     from feddg.federation.setup import build_federation
 
@@ -59,6 +60,7 @@ def main(grid: Grid, context: Context) -> None:
     server = Server(build_federation(cfg), run_dir, resume=bool(rc.get("resume", False)))
     results = run_on_grid(server, PollingGrid(grid), on_round=_round_logger(server.fed.task.metric))
     plot_run(run_dir)
+    write_examples(server)
     log(INFO, "feddg results (%s): %s", run_dir, json.dumps(results["final"]))
 
 

@@ -31,9 +31,10 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
+from flwr.supercore.logger import update_console_handler
 
 from feddg.config import ExperimentConfig, build_config, dump_config
-from feddg.engines.flower.records import get_message, put_message
+from feddg.engines.flower.records import get_message, put_message, record_int
 from feddg.federation.client import describe, run_client, run_client_setup
 from feddg.federation.setup import Federation, build_federation
 from feddg.messages import Message as FeddgMessage
@@ -83,6 +84,8 @@ def node_federation(text: str, factory: FederationFactory) -> Federation:
     key = (f"{factory.__module__}.{name}", hashlib.sha256(text.encode()).hexdigest())
     fed = _FEDERATIONS.get(key)
     if fed is None:
+        if os.environ.get("FEDDG_PLAIN_LOGS") == "1":  # the driver's stderr is not a terminal: no colour codes
+            update_console_handler(colored=False)
         t0 = time.perf_counter()
         fed = factory(config_from_text(text))
         log(INFO, "feddg: built the federation of config %s in %.2f s (process %d)", key[1][:12],
@@ -115,7 +118,7 @@ def committed_state(state: RecordDict, client_id: int, commit: int) -> FeddgMess
     once the server has folded that update's reply in (round ``commit``); if the server dropped the reply
     (late, failed a check) that state is discarded and the one before stays."""
     marker = state.metric_records.get(pending_prefix(client_id) + "round")
-    if marker is not None and int(marker["round"]) == commit:
+    if marker is not None and record_int(marker["round"]) == commit:
         put_message(state, get_message(state, pending_prefix(client_id)), state_prefix(client_id))
     return get_message(state, state_prefix(client_id))
 
@@ -131,7 +134,7 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         return node_federation(text, factory)
 
     def client_id(msg: Message, context: Context) -> int:
-        cid, partition = int(msg.content.config_records[ROUTE]["client-id"]), node_partition(context)[0]
+        cid, partition = record_int(msg.content.config_records[ROUTE]["client-id"]), node_partition(context)[0]
         if cid != partition:
             raise ValueError(f"a message for client {cid} reached the SuperNode of partition {partition}")
         return cid
@@ -158,7 +161,7 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         fed, cid = federation(context), client_id(msg, context)
         payload = get_message(msg.content)
         round = int(payload["round"])
-        state = committed_state(context.state, cid, int(msg.content.config_records[ROUTE][COMMIT]))
+        state = committed_state(context.state, cid, record_int(msg.content.config_records[ROUTE][COMMIT]))
         try:
             answer, state = run_client(fed, cid, round, payload, state)
         except Exception as err:

@@ -19,6 +19,8 @@ value; everything else round-trips exactly.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
@@ -60,11 +62,20 @@ def get_message(records: RecordDict, prefix: str = "") -> Message:
     numbers = records.metric_records[prefix + NUMBERS]
     text = records.config_records[prefix + TEXT]
     out: Message = {}
-    for key in records.config_records[prefix + LAYOUT]["order"]:
+    # put_message wrote these records: the order is the Message's keys, numbers are ints or floats, text is strings
+    for key in cast(list[str], records.config_records[prefix + LAYOUT]["order"]):
         if key in arrays:
             out[key] = arrays[key].numpy()
         elif key in numbers:
-            out[key] = numbers[key]
+            out[key] = cast(int | float, numbers[key])
         else:
-            out[key] = text[key]
+            out[key] = cast(str, text[key])
     return out
+
+
+def record_int(value: object) -> int:
+    """``int(value)`` of a scalar read from a record (Flower types record values as a union that includes lists);
+    ``TypeError`` for anything else, as ``int()`` raises."""
+    if isinstance(value, (int, float, str, bytes)):
+        return int(value)
+    raise TypeError(f"expected a number in the record, got {type(value).__name__}")

@@ -38,7 +38,7 @@ from flwr.supercore.run import Run
 from feddg.algorithms.base import Reply
 from feddg.config import one_line
 from feddg.engines.flower.client import COMMIT, IDENTIFY, ROUTE, SETUP, TRAIN, fingerprint
-from feddg.engines.flower.records import get_message, put_message
+from feddg.engines.flower.records import get_message, put_message, record_int
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
 from feddg.messages import Message as FeddgMessage
@@ -139,7 +139,7 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
             if r.has_error():
                 raise RuntimeError(f"node {node} failed to identify: {r.error.reason}")
             info = r.content.config_records[ROUTE]
-            p, n = int(info["partition-id"]), int(info["num-partitions"])
+            p, n = record_int(info["partition-id"]), record_int(info["num-partitions"])
             if n != k or not 0 <= p < k or p in nodes:
                 raise RuntimeError(f"node {node} is partition {p} of {n}; "
                                    f"want one node per client, partitions 0..{k - 1}")

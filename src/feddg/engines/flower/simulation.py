@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
+from flwr.supercore.logger import update_console_handler
 
 from feddg.config import dump_config
 from feddg.engines.flower.client import FederationFactory, client_federation, make_client_app
@@ -27,10 +29,29 @@ from feddg.federation.validation import RunStopped
 
 LOOPBACK = "127.0.0.1"
 VERBOSE = "FEDDG_VERBOSE"  # "1": Flower's and Ray's own INFO logs (``feddg --verbose``); else warnings only
+PLAIN = "FEDDG_PLAIN_LOGS"  # "1": Flower's log lines without colour codes (set when stderr is not a terminal)
 
 
 def verbose() -> bool:
     return os.environ.get(VERBOSE) == "1"
+
+
+class _NotRunSimulationDeprecation(logging.Filter):
+    """feddg drives the Simulation Runtime through ``run_simulation`` on purpose: its deprecation notice, printed on
+    every run, is not the user's to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "run_simulation" not in record.getMessage()
+
+
+def plain_logs() -> None:
+    """Flower's and Ray's log lines without colour codes where stderr is redirected (a file, CI), here and in the
+    ClientApp actors (which read ``FEDDG_PLAIN_LOGS``)."""
+    if sys.stderr.isatty():
+        return
+    os.environ[PLAIN] = "1"
+    os.environ["RAY_COLOR_PREFIX"] = "0"
+    update_console_handler(colored=False)
 
 
 def backend_config(server: Server) -> dict[str, Any]:
@@ -66,8 +87,13 @@ def run_flower(
             stopped.append(err)
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's future default; silences its notice
     cfg = server.fed.cfg
-    logging.getLogger("flwr").setLevel(logging.INFO if verbose() else logging.WARNING)  # keeps the progress bar readable
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.setLevel(logging.INFO if verbose() else logging.WARNING)  # keeps the progress bar readable
+    if not any(isinstance(f, _NotRunSimulationDeprecation) for f in flwr_log.filters):
+        flwr_log.addFilter(_NotRunSimulationDeprecation())
+    plain_logs()
     run_simulation(
         server_app=server_app,
         client_app=make_client_app(dump_config(cfg), factory),

@@ -1,0 +1,215 @@
+"""Tests of the prostate MRI data: 2.5-D slices, the SAML-layout NIfTI loader and its cache, the synthetic sites."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nibabel
+import numpy as np
+import pytest
+import torch
+
+from feddg.data import prostate
+from feddg.data.prostate import check_prostate, load_prostate, read_sites
+from feddg.data.slices import SliceDataset, scale_intensities, slices_from_volumes
+from feddg.data.synthetic_mri import export_nifti, load_synthetic_mri, synthetic_volumes
+
+SITES = ["BIDMC", "ISBI_1.5"]
+DEPTH, SIZE = 5, 16
+FOREGROUND = {0: [1, 2, 3], 1: [0, 1], 2: [4]}  # case -> slices with foreground (the ends included)
+
+
+def _volume(site: int, case: int) -> tuple[np.ndarray, np.ndarray]:
+    """Intensities and labels ``[depth, H, W]``; labels 1 and 2 (the second must read as 1)."""
+    rng = np.random.default_rng([site, case])
+    volume = rng.uniform(0.0, 1000.0, (DEPTH, SIZE, SIZE)).astype(np.float32)
+    labels = np.zeros((DEPTH, SIZE, SIZE), dtype=np.uint8)
+    for z in FOREGROUND[case]:
+        labels[z, 4:10, 5:12] = 1
+        labels[z, 6:8, 6:9] = 2
+    return volume, labels
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    """Write a ``[depth, H, W]`` array as NIfTI (``[H, W, depth]``)."""
+    nibabel.save(nibabel.Nifti1Image(np.moveaxis(array, 0, 2), np.eye(4)), path)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Two sites of 3 cases, 5 slices of 16×16; ISBI_1.5 with the ``_Segmentation`` spelling."""
+    for s, site in enumerate(SITES):
+        folder = tmp_path / "data" / site
+        folder.mkdir(parents=True)
+        for case in FOREGROUND:
+            volume, labels = _volume(s, case)
+            _save(folder / f"Case{case:02d}.nii.gz", volume)
+            _save(folder / f"Case{case:02d}{prostate.MASK_SUFFIX[site]}.nii.gz", labels)
+    return tmp_path / "data"
+
+
+def _load(root: Path, drop_empty: bool = True) -> SliceDataset:
+    return load_prostate(root, image_size=SIZE, drop_empty=drop_empty, sites=SITES, cache_dir=root.parent / "cache")
+
+
+def test_two_sites_load_with_shapes_ids_and_labels(root: Path) -> None:
+    ds = _load(root)
+    per_case = [len(FOREGROUND[c]) for c in FOREGROUND]
+    n = 2 * sum(per_case)
+    assert ds.domains == SITES and ds.classes == ["background", "prostate"] and ds.task == "segmentation"
+    assert ds.image_shape == (3, SIZE, SIZE)
+    assert ds.images.shape == (n, 3, SIZE, SIZE) and ds.images.dtype == np.uint8
+    assert ds.masks.shape == (n, SIZE, SIZE) and ds.masks.dtype == np.uint8
+    assert ds.domain_ids.tolist() == [0] * (n // 2) + [1] * (n // 2)
+    assert ds.cases.tolist() == [c for c, k in enumerate(per_case * 2) for _ in range(k)]
+    assert ds.labels.tolist() == [1] * n
+    assert set(np.unique(ds.masks).tolist()) == {0, 1}  # labels 2 read as 1
+    volume, labels = _volume(1, 1)
+    assert np.array_equal(ds.masks[ds.cases == 4], (labels[[0, 1]] > 0).astype(np.uint8))
+    small = load_prostate(root, image_size=8, sites=SITES, cache_dir=root.parent / "cache")
+    assert small.images.shape == (n, 3, 8, 8) and small.masks.shape == (n, 8, 8)
+
+
+def test_stacking_repeats_the_edge_slices(root: Path) -> None:
+    ds = _load(root, drop_empty=False)
+    scaled = scale_intensities(_volume(0, 0)[0])
+    first, last = np.flatnonzero(ds.cases == 0)[[0, -1]]
+    assert np.array_equal(ds.images[first, 0], ds.images[first, 1])
+    assert np.array_equal(ds.images[last, 2], ds.images[last, 1])
+    assert np.array_equal(ds.images[first + 2], scaled[[1, 2, 3]])
+    assert np.array_equal(ds.images[first], scaled[[0, 0, 1]])
+
+
+def test_drop_empty_drops_exactly_the_slices_without_foreground(root: Path) -> None:
+    full, kept = _load(root, drop_empty=False), _load(root)
+    assert len(full) == 2 * len(FOREGROUND) * DEPTH
+    has_foreground = full.masks.any(axis=(1, 2))
+    assert full.labels.tolist() == has_foreground.astype(int).tolist()
+    assert np.array_equal(kept.images, full.images[has_foreground])
+    assert np.array_equal(kept.masks, full.masks[has_foreground])
+    assert np.array_equal(kept.cases, full.cases[has_foreground])
+
+
+def test_intensities_are_clipped_at_the_99th_percentile() -> None:
+    volume = np.random.default_rng(0).uniform(5.0, 10.0, (10, 10, 10)).astype(np.float32)
+    volume[0, 0, 0] = 1e6
+    scaled = scale_intensities(volume)
+    lo, hi = volume.min(), np.percentile(volume, 99)
+    assert scaled.dtype == np.uint8 and scaled.min() == 0 and scaled[0, 0, 0] == 255
+    assert 10 <= (scaled == 255).sum() <= 12  # the outlier and the top 1 % land on p99
+    assert np.array_equal(scaled, np.rint((np.clip(volume, lo, hi) - lo) / (hi - lo) * 255).astype(np.uint8))
+
+
+def test_batches_normalise_and_flip_image_and_mask_together(root: Path) -> None:
+    ds = _load(root, drop_empty=False)
+    idx = np.arange(len(ds))
+    x, y = ds.get_batch(idx, train=False)
+    assert x.dtype == torch.float32 and y.dtype == torch.int64 and tuple(y.shape) == (len(ds), SIZE, SIZE)
+    mean, std = torch.tensor(ds.mean).view(1, 3, 1, 1), torch.tensor(ds.std).view(1, 3, 1, 1)
+    assert torch.allclose((x * std + mean) * 255, torch.from_numpy(ds.images).float(), atol=1e-3)
+    assert ds.mean == ds.std == (0.5, 0.5, 0.5)  # fixed: no site's statistics (the held-out one's) in training
+    xt, yt = ds.get_batch(idx, train=True, generator=torch.Generator().manual_seed(3))
+    again = ds.get_batch(idx, train=True, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(xt, again[0]) and torch.equal(yt, again[1])
+    flipped = (xt != x).flatten(1).any(1)
+    assert 0 < int(flipped.sum()) < len(ds)
+    assert torch.equal(xt[flipped], x[flipped].flip(-1)) and torch.equal(yt[flipped], y[flipped].flip(-1))
+    assert torch.equal(yt[~flipped], y[~flipped])
+
+
+def test_problems_fail_in_one_line_and_are_all_listed(root: Path) -> None:
+    (root / "BIDMC" / "Case01_segmentation.nii.gz").unlink()
+    with pytest.raises(ValueError) as err:
+        _load(root)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{root / 'BIDMC' / 'Case01.nii.gz'} has no mask (Case01_segmentation.nii.gz)")
+    _save(root / "ISBI_1.5" / "Case00_Segmentation.nii.gz", np.zeros((DEPTH, SIZE, SIZE - 1), dtype=np.uint8))
+    _save(root / "ISBI_1.5" / "Case01_Segmentation.nii.gz", np.zeros((DEPTH, SIZE, SIZE), dtype=np.uint8))
+    (root / "ISBI_1.5" / "Case02.nii.gz").write_bytes(b"not a nifti")
+    problems = check_prostate(root)
+    isbi = root / "ISBI_1.5"
+    assert problems[0] == message
+    assert problems[1:5] == [f"{root / s}: missing site folder" for s in ("HK", "I2CVB", "ISBI", "UCL")]
+    assert problems[5] == f"{isbi / 'Case00_Segmentation.nii.gz'} has shape 16×15×5 but Case00.nii.gz has 16×16×5"
+    assert problems[6] == f"{isbi / 'Case01_Segmentation.nii.gz'} is empty (no foreground voxel)"
+    assert problems[7].startswith(f"{isbi / 'Case02.nii.gz'} cannot be read: ")
+    assert len(problems) == 8
+    with pytest.raises(ValueError, match=r"Case01.nii.gz has no mask .* \(and 4 more; check_prostate lists them\)"):
+        read_sites(root)
+
+
+def test_cache_reads_no_nifti_and_a_touched_file_rebuilds(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _load(root)
+    reads = []
+
+    def refuse(path: object, *args: object, **kwargs: object) -> object:
+        reads.append(path)
+        raise AssertionError("a cached load read a NIfTI file")
+
+    with monkeypatch.context() as m:
+        m.setattr(nibabel, "load", refuse)
+        second = _load(root)
+    assert not reads
+    assert np.array_equal(first.images, second.images) and np.array_equal(first.masks, second.masks)
+    assert np.array_equal(first.cases, second.cases) and first.mean == second.mean
+    assert isinstance(second.images, np.memmap)  # the cache is memory-mapped
+    cache = root.parent / "cache" / "folders"
+    before = sorted(p.name for p in cache.iterdir())
+    image = root / "BIDMC" / "Case00.nii.gz"
+    stat = image.stat()
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    counting = nibabel.load
+    monkeypatch.setattr(nibabel, "load", lambda path, *a, **k: reads.append(path) or counting(path, *a, **k))
+    third = _load(root)
+    assert len(reads) == 2 * len(FOREGROUND) * len(SITES)
+    assert np.array_equal(first.images, third.images)
+    after = sorted(p.name for p in cache.iterdir())
+    assert len(before) == len(after) == 2 and not set(before) & set(after)  # the stale .npy/.npz went
+
+
+@pytest.fixture(scope="module")
+def volumes() -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    return synthetic_volumes(seed=0)
+
+
+def test_synthetic_exported_as_nifti_reads_back_as_the_same_slices(
+    tmp_path: Path, volumes: dict[str, list[tuple[np.ndarray, np.ndarray]]]
+) -> None:
+    out = export_nifti(tmp_path / "synthetic", seed=0)
+    assert (out / "ISBI_1.5" / "Case07_Segmentation.nii.gz").is_file()
+    assert (out / "UCL" / "Case07_segmentation.nii.gz").is_file()
+    assert check_prostate(out) == []
+    real = load_prostate(out, image_size=64, cache_dir=tmp_path / "cache")
+    built = load_synthetic_mri(seed=0, image_size=64, cache_dir=tmp_path / "cache")
+    assert real.domains == built.domains == prostate.SITES
+    for key in ("images", "masks", "domain_ids", "cases"):
+        assert np.array_equal(getattr(real, key), getattr(built, key)), key
+    assert real.mean == built.mean and real.std == built.std
+    assert np.array_equal(built.images, slices_from_volumes(volumes, 64, True)["images"])
+
+
+def test_synthetic_volumes_are_deterministic_and_differ_between_sites(
+    volumes: dict[str, list[tuple[np.ndarray, np.ndarray]]]
+) -> None:
+    small = synthetic_volumes(seed=0, cases=2, depth=8, size=32)
+    again = synthetic_volumes(seed=0, cases=2, depth=8, size=32)
+    other = synthetic_volumes(seed=1, cases=2, depth=8, size=32)
+    for site in prostate.SITES:
+        for (v, m), (v2, m2), (v3, _) in zip(small[site], again[site], other[site], strict=True):
+            assert v.dtype == np.float32 and m.dtype == np.uint8 and v.shape == m.shape == (8, 32, 32)
+            assert np.array_equal(v, v2) and np.array_equal(m, m2) and not np.array_equal(v, v3)
+    assert list(volumes) == prostate.SITES and all(len(cases) == 8 for cases in volumes.values())
+    stats = {}
+    for site, cases in volumes.items():
+        scaled = np.stack([scale_intensities(v) for v, _ in cases]).astype(np.float64)
+        noise = np.median(np.abs(np.diff(scaled, axis=-1)))  # pixel-to-pixel jumps: noise and resolution
+        stats[site] = np.array([scaled.mean(), noise])
+        masks = np.stack([m for _, m in cases])
+        assert masks.any(axis=(2, 3)).all(axis=0).sum() < masks.shape[1]  # some slices without gland
+        assert 0.005 < masks.mean() < 0.1
+    for a in prostate.SITES:
+        for b in prostate.SITES:
+            if a < b:
+                assert np.abs(stats[a] - stats[b]).max() > 2.0, (a, b, stats[a], stats[b])

@@ -1,0 +1,273 @@
+"""Nothing changes without a record (issue 23): dropped clients in results, tables and reports; overrides that merge
+and say which value won; sweeps that refuse colliding folders; --overwrite that keeps what feddg did not write;
+resumes that refuse or say there is nothing to do; interrupts and full disks that say where the run is; runs that
+would have no id figures; reports that cannot mislead in small cases."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import yaml
+from toy import toy_federation
+
+from feddg.config import ConfigError, build_config, load_config
+from feddg.engines.inprocess import run_inprocess
+from feddg.evaluation.plots import draw_metric
+from feddg.evaluation.tables import DEGRADED, csv_table, markdown_table
+from feddg.experiment import RunDirError, clear_run_dir, resume_experiment, run_experiment
+from feddg.federation import checkpoint
+from feddg.federation.server import Server
+from feddg.reports import figures
+from feddg.reports.run import report
+from feddg.sweep import run_sweep
+from feddg.tasks import TaskInfo
+from feddg.tasks.classification import Classification
+
+ACC = TaskInfo.of(Classification(10).info())
+TINY = {"data": {"dataset": "digits-dg", "max_per_domain": 40}, "partition": {"kind": "by_domain", "num_clients": 3},
+        "model": {"name": "lenet"}, "federation": {"rounds": 2, "batch_size": 32}, "split": {"target": "uci"},
+        "device": "cpu"}
+
+
+@pytest.fixture
+def cache(cache_dir, monkeypatch):
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    return cache_dir
+
+
+# 1 -------------------------------------------------------------------------------------------------------------
+def test_a_dropped_client_is_recorded_in_results_tables_and_the_report(tmp_path):
+    from support.faults import registered
+
+    with registered():
+        server = Server(toy_federation("method.name=faulty", "method.params.faults={'2:1': raise}"), tmp_path / "r")
+        results = run_inprocess(server)
+    failures = results["failures"]
+    assert failures["rounds"] == [2] and failures["client_rounds_lost"] == 1
+    assert list(failures["clients"]) == ["1"] and "injected failure" in failures["clients"]["1"][0]["reason"]
+    rows = [{"variant": "A", "target": "c", "seed": s, "ood_acc": 50.0 + s, "dropped": int(s == 1)} for s in (0, 1)]
+    rows += [{"variant": "B", "target": "c", "seed": s, "ood_acc": 40.0, "dropped": 0} for s in (0, 1)]
+    md = markdown_table(rows)
+    assert f"50.5 ± 0.7 {DEGRADED}" in md and "40.0 ± 0.0 |" in md and "dropped clients" in md
+    assert [line.split(",")[-1] for line in csv_table(rows).splitlines()[1:]] == ["1", "1", "0", "0"]
+    (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump({"data": {"dataset": "digits-dg"}}))
+    assert "clients were dropped in rounds 2" in report(tmp_path / "r")[0].read_text()
+
+
+def test_a_complete_run_records_no_failures(tmp_path):
+    results = run_inprocess(Server(toy_federation("federation.rounds=1"), tmp_path / "r"))
+    assert results["failures"] == {"rounds": [], "clients": {}, "client_rounds_lost": 0}
+
+
+# 2 -------------------------------------------------------------------------------------------------------------
+def test_a_mapping_override_merges_key_by_key_and_a_twice_given_key_says_which_won():
+    cfg = build_config({"federation": {"batch_size": 16}}, ["federation.rounds=1", "federation={local_epochs: 2}"])
+    assert (cfg.federation.rounds, cfg.federation.local_epochs, cfg.federation.batch_size) == (1, 2, 16)
+    with pytest.warns(UserWarning, match=r"federation.rounds is overridden twice: the last value wins \(3 is replaced\)"):
+        assert build_config({}, ["federation.rounds=3", "federation.rounds=1"]).federation.rounds == 1
+    with pytest.warns(UserWarning, match="method.params is replaced whole: mu go back"):
+        build_config({"method": {"name": "fedprox", "params": {"mu": 0.5}}}, ["method.params={}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a variant that switches methods gives the new method's parameters, silently
+        cfg = build_config({"method": {"name": "fedfa", "params": {"variant": "full"}}},
+                           ["method.name=fedprox", "method.params={mu: 0.1}"])
+    assert cfg.method.params == {"mu": 0.1}
+
+
+# 3 -------------------------------------------------------------------------------------------------------------
+def test_sweep_variants_that_share_a_folder_are_refused_before_any_run(tmp_path, cache):
+    spec = {**TINY, "sweep": {"targets": ["uci"], "variants": {"a b": {}, "a_b": {"method.name": "fedprox"}}}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match="'a b' and 'a_b' would share the folder 'a_b'"):
+        run_sweep(tmp_path / "s.yaml", out_dir=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "a_b").exists()
+
+
+# 4 -------------------------------------------------------------------------------------------------------------
+def test_overwrite_removes_only_what_feddg_wrote(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "events.out.tfevents.1.host", "NOTES.txt"):
+        (run / name).write_text("x")
+    (run / "client_store").mkdir()
+    (run / "analysis").mkdir()
+    (run / "analysis" / "fig.png").write_text("x")
+    assert clear_run_dir(run) == ["NOTES.txt", "analysis"]
+    assert sorted(p.name for p in run.iterdir()) == ["NOTES.txt", "analysis"]
+    assert (run / "analysis" / "fig.png").is_file()
+
+
+# 5 -------------------------------------------------------------------------------------------------------------
+def test_a_resume_without_a_checkpoint_is_refused_and_a_finished_run_is_left_alone(tmp_path, cache):
+    run = tmp_path / "run"
+    run_experiment(build_config(TINY), run, progress=False)
+    provenance = (run / "provenance.json").read_text()
+    again = resume_experiment(run, progress=False)
+    assert again["resumed"] is False and again["final"] == json.loads((run / "results.json").read_text())["final"]
+    assert (run / "provenance.json").read_text() == provenance  # nothing recorded
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        (run / name).unlink(missing_ok=True)
+    (run / "results.json").unlink()
+    with pytest.raises(RunDirError, match="nothing to resume .* has no checkpoint"):
+        resume_experiment(run, progress=False)
+    assert (run / "provenance.json").read_text() == provenance
+
+
+# 6 -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_an_interrupted_run_says_where_it_stopped_and_how_to_resume(tmp_path, cache, sig, code):
+    args = ["run", "configs/demo.yaml", "-o", "data.max_per_domain=150", "-o", "partition.num_clients=3",
+            "-o", "federation.rounds=40", "-o", "model.name=lenet", "-o", "split.target=uci", "--quiet",
+            "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen([sys.executable, "-m", "feddg", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "checkpoint.pt").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-2000:]
+    line = (out + err).strip().splitlines()[-1]
+    assert line.startswith(f"error: {signal.Signals(sig).name}: the run stopped during round"), line
+    assert f"feddg run --resume {tmp_path / 'run'} continues it" in line
+
+
+def test_a_full_disk_names_the_checkpoint_and_leaves_no_half_written_file(tmp_path, monkeypatch):
+    def no_space(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", no_space)
+    with pytest.raises(OSError, match=rf"No space left on device while writing the checkpoint {tmp_path}.*intact"):
+        checkpoint.save_checkpoint(tmp_path, {"round": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+# 7 -------------------------------------------------------------------------------------------------------------
+def test_clients_without_any_holdout_and_an_empty_config_are_refused_in_one_line(tmp_path, cache):
+    cfg = build_config(TINY, ["data.max_per_domain=10", "partition.kind=iid", "partition.num_clients=30"])
+    with pytest.raises(ValueError, match=r"leaves no client a holdout sample \(clients of 1 sample\(s\) at most\)"):
+        run_experiment(cfg, tmp_path / "run", progress=False)
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match="empty.yaml is empty: an experiment config names"):
+        load_config(tmp_path / "empty.yaml")
+
+
+# 8 -------------------------------------------------------------------------------------------------------------
+def test_one_evaluation_gets_an_integer_axis_with_room_and_constant_panels_start_at_zero():
+    fig, ax = plt.subplots()
+    draw_metric(ax, [{"round": 2, "id_acc": 80.0, "ood_acc": 80.0}], ACC)
+    lo, hi = ax.get_xlim()
+    assert (lo, hi) == (1.5, 2.5)
+    sizes = {ln.get_label(): ln.get_markersize() for ln in ax.get_lines() if not ln.get_label().startswith("chance")}
+    assert sizes["id"] > sizes["ood"]  # equal figures stay visible: a hollow ring around the smaller marker
+    plt.close(fig)
+    rows = [{"round": r, "bytes_down": 1000, "bytes_up": 1000, "clients": 6, "lr": 0.1} for r in (1, 2, 3)]
+    fig = figures.communication(rows)
+    assert fig.axes[0].get_ylim()[0] == 0 and fig.axes[0].get_ylim()[1] > 1000 / 1024
+    plt.close(fig)
+    fig = figures.schedule(rows)
+    clients = next(a for a in fig.axes if a.get_title() == "clients")
+    assert clients.get_ylim() == (0.0, pytest.approx(6.9))
+    plt.close(fig)
+
+
+def test_a_collapsed_model_is_flagged_and_the_per_class_view_drawn(tmp_path):
+    view = {"classes": ["a", "b", "c"], "ood": {"recall": [100.0, 0.0, 0.0], "predicted": [96.0, 2.0, 2.0]}}
+    assert "gives 96 % of its ood predictions to class 'a'" in figures.collapsed(view)
+    assert figures.collapsed({**view, "ood": {"recall": [50.0] * 3, "predicted": [40.0, 30.0, 30.0]}}) is None
+    fig = figures.per_class(view)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["a", "b", "c"]
+    plt.close(fig)
+    task = Classification(3)
+    import torch
+
+    tally = task.tally(torch.tensor([[5.0, 0, 0]] * 4), torch.tensor([0, 1, 2, 2]), np.zeros(4, dtype=np.int64), 1)
+    assert task.class_view(tally[0]) == {"recall": [100.0, 0.0, 0.0], "predicted": [100.0, 0.0, 0.0]}
+
+
+def test_a_two_seed_interval_is_clipped_to_the_metric_and_shows_its_n():
+    rows = [{"variant": "A", "target": t, "seed": s, "ood_acc": v}
+            for t, vals in (("x", (2.0, 30.0)), ("y", (1.0, 33.0))) for s, v in enumerate(vals)]
+    md = markdown_table(rows, bounds=(0.0, 100.0))
+    assert "[0.0, " in md and "n=2" in md  # the raw Student-t interval goes below 0 %
+    assert "[-" not in md.split("|")[-2]
+
+
+def test_a_sweep_report_shows_what_each_variant_and_each_draw_changes(tmp_path, cache):
+    spec = {**TINY, "federation": {"rounds": 1, "batch_size": 32},
+            "sweep": {"targets": ["uci"], "search": {"n": 2}, "variants": {"FedProx": {"method.name": "fedprox"}}}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    run_sweep(tmp_path / "s.yaml", out_dir=tmp_path / "out", progress=False)
+    table = (tmp_path / "out" / "table.md").read_text()
+    drawn = json.loads((tmp_path / "out" / "sweep.json").read_text())["expanded"]["FedProx #1"]
+    assert drawn["method.params.mu"] in (0.001, 0.01, 0.1, 1.0)
+    assert f"| FedProx #1 | `method.name=\"fedprox\"`, `method.params.mu={drawn['method.params.mu']}` |" in table
+    page = report(tmp_path / "out")[0].read_text()
+    assert "What each variant changes" in page and "method.params.mu=" in page
+
+
+# 9, 10 ---------------------------------------------------------------------------------------------------------
+def test_feddg_methods_lists_the_augmentations_with_their_parameters():
+    from feddg.catalog import build_catalog
+
+    listing = dict(build_catalog()["augmentations"])
+    assert set(listing) == {"mixup", "manifold_mixup", "mixstyle", "moex"}
+    assert "alpha=0.1" in listing["mixstyle"] and "lam=0.9" in listing["moex"]
+
+
+def test_mlflow_artifacts_leave_tensorboard_event_files_out(tmp_path, cache):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    cfg = build_config({**TINY, "federation": {"rounds": 1, "batch_size": 32},
+                        "logging": {"tensorboard": True, "mlflow": str(tmp_path / "mlruns")}})
+    run_experiment(cfg, tmp_path / "run", progress=False)
+    assert list((tmp_path / "run").glob("events.out.tfevents*"))
+    stored = [p.name for p in (tmp_path / "mlruns").rglob("*") if p.is_file()]
+    assert "metrics.jsonl" in stored and not any(n.startswith("events.out.tfevents") for n in stored)
+
+
+def test_plain_logs_switch_off_colour_codes_where_stderr_is_redirected(monkeypatch):
+    pytest.importorskip("flwr")
+    from feddg.engines.flower import simulation
+
+    monkeypatch.delenv("FEDDG_PLAIN_LOGS", raising=False)
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    simulation.plain_logs()
+    assert os.environ["FEDDG_PLAIN_LOGS"] == "1" and os.environ["RAY_COLOR_PREFIX"] == "0"
+
+
+def test_the_run_simulation_deprecation_notice_is_filtered():
+    pytest.importorskip("flwr")
+    import logging
+
+    from feddg.engines.flower.simulation import _NotRunSimulationDeprecation
+
+    keep = _NotRunSimulationDeprecation()
+    record = logging.LogRecord("flwr", logging.WARNING, "", 0, "DEPRECATED FEATURE: %s", ("The `run_simulation` fn",),
+                               None)
+    assert not keep.filter(record)
+    other = logging.LogRecord("flwr", logging.WARNING, "", 0, "something else %s", ("x",), None)
+    assert keep.filter(other)
+
+
+def test_the_cli_refuses_contradicting_flags_and_overrides_and_says_kib(tmp_path, cache):
+    from typer.testing import CliRunner
+
+    from feddg.cli import app, communication_table
+
+    res = CliRunner().invoke(app, ["run", "configs/demo.yaml", "--engine", "inprocess", "-o",
+                                   "federation.engine=flower"], terminal_width=300)
+    assert res.exit_code == 2 and "--engine inprocess and -o federation.engine=flower contradict" in res.output
+    assert communication_table({"bytes_per_round": {"bytes_up": 2048.0}}).columns[1].header == "KiB"
+    listing = CliRunner().invoke(app, ["methods"], terminal_width=300).output
+    assert "local augmentations" in listing and "manifold_mixup" in listing and "lam=0.9" in listing

@@ -1,0 +1,71 @@
+"""The segmentation task: Dice + cross-entropy against the closed form, and the Dice tally against hand-computed
+masks and MONAI's ``compute_dice`` (empty prediction, empty truth, both empty, partial overlap)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from monai.metrics import compute_dice
+
+from feddg.evaluation.tally import domain_metrics
+from feddg.tasks.segmentation import Segmentation
+
+
+def logits(mask: torch.Tensor, classes: int = 2) -> torch.Tensor:
+    """Outputs whose argmax is ``mask``."""
+    return 10.0 * F.one_hot(mask, classes).permute(0, 3, 1, 2).float()
+
+
+def masks(*rows: str) -> torch.Tensor:
+    """A 1×H×W mask from strings of 0/1/2."""
+    return torch.tensor([[[int(c) for c in r] for r in rows]])
+
+
+def test_dice_tally_on_hand_made_masks():
+    task = Segmentation(2)
+    truth = masks("0110", "0110", "0000")                      # T = 4
+    pred = masks("0111", "0000", "0000")                       # P = 3, TP = 2
+    tally = task.tally(logits(pred), truth, np.array([0]), 1)
+    np.testing.assert_array_equal(tally, [[1, 4, 7]])            # 1 slice, 2TP = 4, P + T = 7
+    assert task.score(tally[0]) == pytest.approx(100 * 4 / 7)
+    empty, full = masks("0000"), masks("0110")
+    assert task.score(task.tally(logits(empty), full, np.array([0]), 1)[0]) == 0.0   # nothing predicted
+    assert task.score(task.tally(logits(full), empty, np.array([0]), 1)[0]) == 0.0   # nothing there
+    assert task.score(task.tally(logits(empty), empty, np.array([0]), 1)[0]) == 100.0  # both empty: nothing to miss
+
+
+def test_the_pooled_tally_equals_monai_on_the_pooled_masks_and_per_image_on_each():
+    rng = np.random.default_rng(0)
+    task = Segmentation(3)
+    truth = torch.as_tensor(rng.integers(0, 3, size=(4, 8, 8)))
+    pred = torch.where(torch.as_tensor(rng.random((4, 8, 8))) < 0.7, truth, torch.as_tensor(rng.integers(0, 3, (4, 8, 8))))
+    domains = np.array([0, 0, 1, 1])
+    tally = task.tally(logits(pred, 3), truth, domains, 2)
+    onehot = lambda m: F.one_hot(m, 3).permute(0, 3, 1, 2)  # noqa: E731
+    for d in (0, 1):  # a domain's pooled Dice = MONAI's Dice of its slices laid side by side as one image
+        side = lambda m: torch.cat(list(m[domains == d]), dim=1)[None]  # noqa: E731
+        want = compute_dice(onehot(side(pred)), onehot(side(truth)), include_background=False).mean()
+        assert task.score(tally[d]) == pytest.approx(100 * float(want), rel=1e-6)
+    for i in range(4):
+        one = task.tally(logits(pred[i : i + 1], 3), truth[i : i + 1], np.array([0]), 1)[0]
+        want = compute_dice(onehot(pred[i : i + 1]), onehot(truth[i : i + 1]), include_background=False).mean()
+        assert task.score(one) == pytest.approx(100 * float(want), rel=1e-6)
+    figures = domain_metrics(task, tally, ["a", "b"], "ood")
+    assert figures["ood_dice"] == pytest.approx((figures["ood_dice/a"] + figures["ood_dice/b"]) / 2)
+
+
+def test_loss_is_cross_entropy_plus_the_soft_dice_of_the_foreground():
+    torch.manual_seed(0)
+    out, y = torch.randn(2, 2, 5, 5), torch.randint(0, 2, (2, 5, 5))
+    p = out.softmax(1)[:, 1]
+    t = (y == 1).float()
+    eps = 1e-5
+    want = F.cross_entropy(out, y) + 1 - (2 * (p * t).sum() + eps) / (p.sum() + t.sum() + eps)
+    assert float(Segmentation(2).loss(out, y)) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_a_segmentation_needs_a_foreground_class():
+    with pytest.raises(ValueError, match="background and at least one class"):
+        Segmentation(1)
