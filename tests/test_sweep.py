@@ -145,13 +145,16 @@ def test_search_draws_seeded_configurations_from_the_methods_search_space():
     assert search_variants(SweepSpec.model_validate({"variants": {"a": {}}}), {}) == {"a": {}}  # no search: unchanged
 
 
-def test_search_refuses_a_method_without_a_search_space():
-    from feddg.config import ConfigError
-    from feddg.sweep import SweepSpec, search_variants
+def test_search_draws_the_learning_rate_of_a_method_without_a_search_space():
+    from feddg.sweep import LR_FACTORS, SweepSpec, search_variants
 
-    spec = SweepSpec.model_validate({"variants": {"avg": {"method.name": "fedavg"}}, "search": {"n": 2}})
-    with pytest.raises(ConfigError, match="declares no search_space"):
-        search_variants(spec, {})
+    spec = SweepSpec.model_validate({"variants": {"avg": {"method.name": "fedavg", "optim.lr": 0.05}},
+                                     "search": {"n": 12}})
+    drawn = search_variants(spec, {})
+    assert drawn["avg #0"] == {"method.name": "fedavg", "optim.lr": 0.05}
+    lrs = {drawn[f"avg #{k}"]["optim.lr"] for k in range(1, 12)}
+    assert lrs <= {0.005, 0.015, 0.05, 0.15} and len(lrs) > 2 and len(LR_FACTORS) == 4
+    assert not any(k.startswith("method.params") for v in drawn.values() for k in v)
 
 
 def test_sweep_overrides_reach_the_sweep_section(tmp_path):

@@ -73,21 +73,24 @@ class SweepSpec(Strict):
     baseline: str | None = Field(None, description="a variant; tables add each row's paired difference from it")
 
 
+LR_FACTORS = (0.1, 0.3, 1.0, 3.0)  # the learning rates searched for a method without a search_space, × optim.lr
+
+
 def search_variants(spec: SweepSpec, raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The sweep's variants, each expanded into ``search.n`` draws from its method's ``search_space``:
-    ``"<variant> #k"`` with ``method.params.<name>`` overrides (none for ``#0``)."""
+    ``"<variant> #k"`` with ``method.params.<name>`` overrides (none for ``#0``); a method without a search space
+    (FedAvg, FedBN) searches ``optim.lr`` over :data:`LR_FACTORS` × its configured rate."""
     if spec.search is None:
         return spec.variants
     out: dict[str, dict[str, Any]] = {}
     for v, (variant, extra) in enumerate(spec.variants.items()):
-        method = build_config(raw, [_override(k, x) for k, x in extra.items()]).method.name
-        space = method_class(method).search_space
-        if not space:
-            raise ConfigError(f"sweep.search: method {method!r} (variant {variant!r}) declares no search_space")
+        cfg = build_config(raw, [_override(k, x) for k, x in extra.items()])
+        space = {f"method.params.{name}": values for name, values in method_class(cfg.method.name).search_space.items()}
+        if not space:  # a method without hyper-parameters of its own (FedAvg, FedBN): its learning rate
+            space = {"optim.lr": [float(f"{cfg.optim.lr * f:.3g}") for f in LR_FACTORS]}
         for k in range(spec.search.n):
             rng = np.random.default_rng(derived_seed(spec.search.seed, v, k))
-            draw = {} if k == 0 else {f"method.params.{name}": values[int(rng.integers(len(values)))]
-                                      for name, values in sorted(space.items())}
+            draw = {} if k == 0 else {key: values[int(rng.integers(len(values)))] for key, values in sorted(space.items())}
             out[f"{variant} #{k}"] = {**extra, **draw}
     return out
 
