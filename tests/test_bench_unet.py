@@ -1,14 +1,16 @@
-"""`feddg bench models --feddg`: the U-Net's segmentation training through feddg's client loop next to a plain
-PyTorch loop (tiny settings; no timing threshold: timing targets live in docs/benchmarks.md)."""
+"""`feddg bench models --feddg`: the U-Net's segmentation training (and a tiny transformer's text classification)
+through feddg's client loop next to a plain PyTorch loop (tiny settings; no timing threshold: timing targets live
+in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from feddg.bench.throughput import parse_model_spec
+from feddg.bench.throughput import loop_bench, parse_model_spec
 from feddg.cli import app
 
 
@@ -27,7 +29,7 @@ def test_bench_models_feddg_times_both_loops_of_the_unet_and_their_ratio(cache_d
     assert set(rows) == {"feddg train_local", "plain PyTorch"}
     for cells in rows.values():
         assert cells[:4] == ["unet width=4", "32", "segmentation", "2"]
-        assert all(float(v.replace(",", "")) > 0 for v in cells[5:7])
+        assert all(v.endswith(" img") and float(v[:-4].replace(",", "")) > 0 for v in cells[5:7])  # images/s
     ratios = [float(v) for v in rows["feddg train_local"][7].split(",")]
     assert len(ratios) == 2 and all(math.isfinite(r) and r > 0 for r in ratios)
 
@@ -37,3 +39,12 @@ def test_model_specs_carry_size_and_options():
     assert parse_model_spec("cnn") == ("cnn", 28, {})
     with pytest.raises(ValueError, match="key=value"):
         parse_model_spec("unet@64:width")
+
+
+def test_a_text_model_times_against_transformers_forward_and_counts_non_padding_tokens(cache_dir, monkeypatch):
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    bench = loop_bench("tiny-roberta", 24, batch=4, steps=2)
+    unit, amount = bench.units
+    used = bench.train_idx % len(bench.y)
+    assert unit == "tokens" and amount == float(np.minimum(bench.dataset.lengths[used], 24).sum())
+    assert bench.plain(0) > 0 and bench.feddg(0) > 0

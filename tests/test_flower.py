@@ -358,7 +358,7 @@ def test_missing_partitions_time_out(tmp_path, task_identity):
     server = Server(toy_federation_of(toy_config("flower.node_wait_s=1")), tmp_path / "x")
     grid = LoopbackGrid(make_client_app(server_config_text(server), factory=toy_federation_of), 4)
     del grid.contexts[1001]  # partition 1 of 4 never connects
-    with pytest.raises(TimeoutError, match=r"partitions \[1\]"):
+    with pytest.raises(TimeoutError, match=r"clients \[1\] did not connect"):
         run_on_grid(server, grid)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from support.natural_fixtures import cifar_batches, leaf_blob, tiny_imagenet_tree, write_json
 
 from feddg.config import build_config, read_yaml
 from feddg.data import load_dataset
@@ -26,7 +27,9 @@ def test_every_paper_table_has_a_config():
             "hfedf/paper-table3", "hfedf/paper-table4", "hfedf/paper-table5", "fedfa/paper-table3",
             "fedfa/paper-table6", "fedfa/paper-table10", "pardon/paper-table1", "pardon/paper-table2",
             "pardon/paper-table5", "hfedatm/paper-fig2", "fedfa/paper-table4", "fedfa/paper-fig3",
-            "fedfa/paper-table6-prostate"} <= names
+            "fedfa/paper-table6-prostate", "hfedatm/paper-amazon", "hfedatm/paper-amazon-privacy",
+            "fedfa/paper-table5-cifar10-dir0.6", "fedfa/paper-table5-cifar10-dir0.3", "fedfa/paper-table5-tinyimagenet-dir0.6",
+            "fedfa/paper-table5-tinyimagenet-dir0.3", "fedfa/paper-table5-femnist"} <= names
     for path in CONFIGS:
         assert path.read_text().startswith("# ") and "Table" in path.read_text().splitlines()[0], path
 
@@ -58,19 +61,43 @@ def folders(tmp_path_factory) -> dict[str, Path]:
                     Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / f"{i}.png")
         roots[name] = base / name
     roots["prostate"] = export_nifti(base / "prostate", cases=2, depth=4, size=32)  # the SAML layout, 2 cases a site
+    roots["amazon-reviews"] = _amazon_raw(base / "amazon")
+    cifar_batches(base / "cifar" / "cifar-10-batches-py")
+    roots["cifar10"] = base / "cifar"
+    tiny_imagenet_tree(roots.setdefault("tiny-imagenet", base / "tiny-imagenet"))
+    for split, users in (("train", ("w1", "w2", "w3")), ("test", ("w1", "w2"))):  # LEAF's split files, 3 writers
+        write_json(base / "femnist" / split / "all.json", leaf_blob({u: ([0.2, 0.7, 0.4], [1, 2, 3]) for u in users}))
+    roots["femnist"] = base / "femnist"
     return roots
+
+
+def _amazon_raw(root: Path) -> Path:
+    """Blitzer et al.'s raw layout, root/<domain>/{positive,negative}.review, PER_CLASS × 3 reviews a file."""
+    for d in dataset_info("amazon-reviews")["domains"]:
+        for label in ("positive", "negative"):
+            reviews = "".join(f"<review>\n<review_text>\n{d} {label} review {i} of a product\n</review_text>\n"
+                              "</review>\n" for i in range(3 * PER_CLASS))
+            (root / d).mkdir(parents=True, exist_ok=True)
+            (root / d / f"{label}.review").write_text(reviews)
+    return root
 
 
 def _tiny(cfg_raw: dict, root: Path, cache: Path) -> list[str]:
     """Overrides that shrink a paper config to one round of LeNet on 28 px images."""
     over = [f"data.root={root}", f"data.cache_dir={cache}", "federation.rounds=1", "federation.local_epochs=1",
             "federation.batch_size=8", "eval.every=1", "device=cpu"]
-    if cfg_raw["data"]["dataset"] == "prostate":  # a U-Net at 32 px on 2 cases a site, its fixed transforms
+    if dataset_info(cfg_raw["data"]["dataset"])["inputs"] == "tokens":  # the tiny RoBERTa, a BPE trained on the fixture
+        over += ["model.name=tiny-roberta", "model.path=null", "data.max_length=16", "data.vocab_size=300"]
+    elif cfg_raw["data"]["dataset"] == "prostate":  # a U-Net at 32 px on 2 cases a site, its fixed transforms
         over += ["data.image_size=32", "model.params={width: 4}", "partition.holdout=0.5", "partition.train_min=0"]
     else:
         over += ["data.image_size=28", "data.transforms=none", "model.name=lenet", "model.params={}"]
     if cfg_raw["partition"]["kind"] == "lambda":
         over += ["partition.num_clients=4", "federation.client_fraction=1.0"]
+    if cfg_raw["partition"]["kind"] == "dirichlet_labels":  # a handful of fixture samples
+        over += ["partition.num_clients=2", "federation.client_fraction=1.0"]
+    if cfg_raw["partition"]["kind"] == "natural":  # the fixture's 3 writers
+        over += ["federation.client_fraction=1.0"]
     if cfg_raw.get("hierarchy"):
         over += ["hierarchy.stations=2", "hierarchy.station_rounds=1"]
     if cfg_raw.get("split", {}).get("protocol") == "ltdo":
@@ -93,9 +120,8 @@ def test_last_variant_runs_one_tiny_round(path, folders, tmp_path):
     variant, over = list(sweep["variants"].items())[-1]
     over = [f"{k}={json.dumps(v)}" for k, v in over.items()]
     cfg = build_config(raw, over + _tiny(raw, folders[raw["data"]["dataset"]], tmp_path / "cache"))
-    task = dataset_info(cfg.data.dataset)["task"]
-    key = f"{cfg.method.name} {cfg.hierarchy is not None} {cfg.split.protocol} {task}"  # one run per code path
-    if key in _ran:
+    key = f"{cfg.method.name} {cfg.hierarchy is not None} {cfg.split.protocol} {cfg.data.dataset}"
+    if key in _ran:  # one run per code path
         pytest.skip(f"{variant}: the same run as {_ran[key]}")
     _ran[key] = path.name
     results = run_experiment(cfg, tmp_path / "run", progress=False)

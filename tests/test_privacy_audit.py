@@ -35,7 +35,7 @@ OVERRIDES = {
 }
 #: what a setup exchange releases, per method (one statistic per client, never per sample)
 SETUP_KEYS = {"fedrc": {"fedrc/n", "fedrc/n_eff", "fedrc/mean", "fedrc/var"}, "harmofl": {"amp/mean"},
-              "elcfs": {"amp/bank"}}
+              "elcfs": {"amp/bank"}, "fedmix": {"mix/x", "mix/y"}}
 
 
 def _declared(method: str, model: nn.Module) -> set[str]:
@@ -56,6 +56,8 @@ def _declared(method: str, model: nn.Module) -> set[str]:
         "fpl": plain | {"proto/mean", "proto/present"},
         "fedfa": plain | {f"stat/{k}/{s}" for k in (1, 2) for s in ("mu_bar", "sigma_bar")} | {"hist/pi"},
         "harmofl": plain, "elcfs": plain,  # their spectra leave once, in the setup exchange
+        "fedavgm": plain, "fedsam": plain, "fedrobust": plain,  # FedRobust's (Λ, δ) stay in the client's state
+        "fedmix": plain,  # its group means leave once, in the setup exchange
         "fedbn": (plain - bn) | {f"bn/{k}" for k in bn},
         "hfedf": (plain - {f"w/{n}" for n in params}) | {f"delta/{n}" for n in params},
         "pfedhn": (plain - {f"w/{n}" for n in params}) | {f"delta/{n}" for n in params},

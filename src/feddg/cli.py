@@ -277,6 +277,33 @@ def eval_run(
     out.print(t)
 
 
+
+MAX_DOMAIN_COLUMNS = 12  # past this many domains (FEMNIST writers, camera traps) a summary replaces a column each
+
+
+def _counts_table(counts: dict[str, dict[str, int]], domains: list[str], unit: str) -> Table:
+    """Rows (classes, or cases and slices) × a column per domain with totals; with many domains, per row the total
+    and its min / median / max over the domains."""
+    import numpy as np
+
+    rows = list(counts[domains[0]])
+    t = Table()
+    t.add_column("" if unit == "slices" else "class")
+    if len(domains) > MAX_DOMAIN_COLUMNS:
+        for col in (f"total ({len(domains)} domains)", "min", "median", "max"):
+            t.add_column(col, justify="right")
+        for row in [*rows, "total"]:
+            per = np.array([sum(counts[d].values()) if row == "total" else counts[d][row] for d in domains])
+            t.add_row(row, str(int(per.sum())), str(int(per.min())), f"{float(np.median(per)):g}", str(int(per.max())))
+        return t
+    for d in domains:
+        t.add_column(d, justify="right")
+    for row in rows:
+        t.add_row(row, *(str(counts[d][row]) for d in domains))
+    if unit != "slices":
+        t.add_row("[bold]total[/bold]", *(f"[bold]{sum(counts[d].values())}[/bold]" for d in domains))
+    return t
+
 @app.command()
 def datasets(
     name: Annotated[str | None, typer.Argument(
@@ -289,6 +316,7 @@ def datasets(
     """List datasets; with NAME, its domains, classes and sample counts (a folder is scanned, not decoded)."""
     from feddg.data import dataset_info, list_datasets
     from feddg.data.inspect import check_dataset, describe_dataset
+    from feddg.data.registry import NATURAL_SOURCES
 
     if name is None:
         t = Table(title="datasets")
@@ -310,23 +338,20 @@ def datasets(
                 out.print(f"[red]{len(problems)} problem(s)[/red] in {name} at {root}")
                 raise typer.Exit(1)
             what = ("every case reads and matches its mask" if name == "prostate"
+                    else "every file and line reads" if dataset_info(name)["inputs"] != "images"
+                    or name in NATURAL_SOURCES
                     else "every image decodes, every domain has every class")
             out.print(f"[green]no problems[/green] in {name}: {what}")
         s = describe_dataset(name, root=folder, cache_dir=str(cache_dir) if cache_dir else None, image_size=image_size)
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
-    t = Table()
-    t.add_column("class" if s.unit == "images" else "")
-    for d in s.domains:
-        t.add_column(d, justify="right")
-    for row in s.counts[s.domains[0]]:
-        t.add_row(row, *(str(s.counts[d][row]) for d in s.domains))
-    if s.unit == "images":
-        t.add_row("[bold]total[/bold]", *(f"[bold]{sum(s.counts[d].values())}[/bold]" for d in s.domains))
+    t = _counts_table(s.counts, s.domains, s.unit)
     out.print(f"{name}: {s.total} {s.unit}, {len(s.classes)} classes ({', '.join(s.classes)}), shape {s.image_shape}",
               soft_wrap=True)
     out.print(t)
-    if s.transforms is None:
+    if s.unit == "texts":
+        out.print("no training augmentation (texts are tokenised once into the cache)")
+    elif s.transforms is None:
         out.print("transforms: fixed (each volume scaled to 0..255 at its 99th percentile, normalised with 0.5; "
                   "training flips left-right)", soft_wrap=True)
     else:
@@ -551,3 +576,55 @@ def bench_portable(
     except RuntimeError as err:  # a run failed: its last line of stderr
         _fail(str(err))
     out.print(table)
+
+
+flower_app = typer.Typer(no_args_is_help=True, help="A secure Flower deployment: certificates, node keys, runs "
+                         "(docs/flower.md, 'Secure deployment').")
+app.add_typer(flower_app, name="flower")
+
+
+@flower_app.command("certs")
+def flower_certs(
+    out_dir: Annotated[Path, typer.Argument(help="where ca.pem, ca.key, server.pem and server.key go")],
+    host: Annotated[list[str], typer.Option(help="a name or IP the SuperLink is reached at (repeat)")],
+    days: Annotated[int, typer.Option(help="validity in days")] = 365,
+) -> None:
+    """A test CA and a SuperLink certificate for the given hosts (a real deployment uses its own PKI)."""
+    from feddg.engines.flower.security import make_certificates
+
+    with _user_errors():
+        paths = make_certificates(out_dir, host, days)
+    out.print(f"CA {paths['ca']}, server certificate {paths['server']} (SANs: {', '.join(host)})", highlight=False)
+
+
+@flower_app.command("keys")
+def flower_keys(
+    out_dir: Annotated[Path, typer.Argument(help="where NAME (private) and NAME.pub go")],
+    node: Annotated[list[str], typer.Option(help="a node's name (repeat)")],
+) -> None:
+    """ECDSA P-384 key pairs (OpenSSH) for Flower's SuperNode authentication and feddg's roster."""
+    from feddg.engines.flower.security import key_fingerprint, load_public_key, make_node_keys
+
+    with _user_errors():
+        pairs = make_node_keys(out_dir, node)
+    for private, public in pairs:
+        out.print(f"{private} {public} {key_fingerprint(load_public_key(public.read_text()))}", highlight=False)
+
+
+@flower_app.command("run")
+def flower_run(
+    config: Annotated[Path, typer.Argument(help="experiment YAML")],
+    run_dir: Annotated[Path, typer.Option(help="run directory the ServerApp writes (readable from here)")],
+    connection: Annotated[str, typer.Option(help="the SuperLink connection in $FLWR_HOME/config.toml")],
+    app_dir: Annotated[Path, typer.Option(help="the Flower App directory")] = Path("flower"),
+    overrides: Overrides = None,
+) -> None:
+    """Submit an experiment with `flwr run --stream`; exit 1 unless the run completed (status.json, results.json)."""
+    from feddg.engines.flower.launch import submit
+
+    with _user_errors():
+        failure = submit(load_config(config, list(overrides or [])), run_dir, connection, app_dir)
+    if failure is not None:
+        out.print(f"[red]error:[/red] {escape(one_line(failure))}", soft_wrap=True, highlight=False)
+        raise typer.Exit(1)
+    out.print(f"run directory: {run_dir}", highlight=False)

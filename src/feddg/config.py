@@ -41,6 +41,12 @@ class DataConfig(Strict):
         0, ge=0, description="DataLoader processes building training batches (0 = in the client's process); "
         "memory is pinned when CUDA is available; batches are the same for any value"
     )
+    tokenizer: str | None = Field(
+        None, description="text datasets: a local Hugging Face tokenizer directory (default: model.path's tokenizer, "
+        "else a byte-level BPE of data.vocab_size trained on every domain's texts)")
+    max_length: int = Field(128, ge=8, description="text datasets: tokens per text (longer ones are truncated)")
+    vocab_size: int = Field(4000, ge=261, description="text datasets: the size of the BPE trained when no tokenizer "
+                            "is given")
 
     @model_validator(mode="after")
     def _transforms_valid(self) -> DataConfig:
@@ -83,6 +89,8 @@ class PartitionConfig(Strict):
 class ModelConfig(Strict):
     name: str = "cnn"
     weights: str | None = Field(None, description="local .pth state_dict to start from")
+    path: str | None = Field(None, description="a local Hugging Face model directory (config.json, model.safetensors, "
+                             "tokenizer files) for model transformer; never downloaded")
     params: dict[str, Any] = Field(default_factory=dict)
     channels_last: bool = Field(
         False, description="torch.channels_last memory format for the model's 4-d weights and the image batches "
@@ -154,6 +162,19 @@ class FederationConfig(Strict):
         None, gt=1, description="drop a reply whose update norm |w_k - w_sent| exceeds this factor x the round's "
         "median; holds the round's replies until it ends (O(clients x model) memory)"
     )
+    update_norm_factor: float | None = Field(
+        10.0, gt=1, description="drop a reply whose update norm |w_k - w_sent| exceeds this factor x the median of "
+        "the previous round's accepted norms (round 1: x |w_sent|); streams (O(model) memory); null: off"
+    )
+    aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = Field(
+        "mean", description="how the w/ arrays of a round's replies are combined (methods that average weights): "
+        "the num_examples-weighted mean (streams), or a robust rule that holds the round's replies "
+        "(O(clients x model) memory): coordinate-wise median, trimmed_mean (trim_fraction cut at each end), "
+        "krum (the one reply closest to its neighbours), multi_krum (the mean of the krum_keep best)"
+    )
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="aggregation: trimmed_mean: the share cut at each end")
+    krum_malicious: int = Field(1, ge=0, description="aggregation: krum, multi_krum: f, the attackers tolerated")
+    krum_keep: int = Field(0, ge=0, description="aggregation: multi_krum: replies averaged (0: clients - f)")
     client_state_budget_mb: float | None = Field(
         1024.0, ge=0, description="RAM for per-client state on the server (client states, Local-only/hFedF/pFedHN "
         "per-client models and buffers, FedFA statistics); past it the least recently used entries are spilled to "
@@ -212,6 +233,10 @@ class FlowerConfig(Strict):
     ray_num_cpus: int | None = Field(None, ge=1, description="simulation: CPUs Ray may use (default: all)")
     round_timeout_s: float = Field(3600.0, gt=0, description="seconds to wait for the replies of one round")
     node_wait_s: float = Field(120.0, gt=0, description="seconds to wait for every SuperNode partition to connect")
+    roster: str | None = Field(
+        None, description="deployment: YAML list of {client, name, public_key} read by the ServerApp; each node then "
+        "proves its client's key (docs/flower.md, 'Secure deployment') and node-declared partition ids are ignored"
+    )
 
 
 class ExtraEvalConfig(Strict):

@@ -3,7 +3,8 @@
 PyTorch, oneDNN, MKL, numpy and OpenBLAS pick their float kernels from the CPU they run on (AVX2 on one machine,
 AVX-512 on the next, a vendor-specific MKL path on AMD), and a kernel's summation order is part of its result:
 the same code gives other float bits elsewhere. ``portable`` pins every one of them to a kernel that exists on
-every x86-64 CPU with AVX2 and computes the same everywhere, and runs each process with one thread (threaded
+every x86-64 CPU with AVX2 and is meant to compute the same everywhere (docs/reliability.md says what is
+verified), and runs each process with one thread (threaded
 reductions split their sums by the thread count). The libraries read these settings once, when they load, so
 they must be in the environment before torch or numpy is imported: the CLI re-executes itself with them
 (:func:`exec_pinned`); a program that drives feddg as a library starts with them set

@@ -45,6 +45,7 @@ from feddg.config import (
 )
 from feddg.data import dataset_info
 from feddg.engines.workers import exit_with_parent
+from feddg.evaluation.selection import ORACLE_NOTE, Rule, default_rules, pick_notes, select, split_draw, unavailable
 from feddg.evaluation.tables import STATS_NOTE, csv_table, markdown_table
 from feddg.experiment import console, progress_bar, run_experiment
 from feddg.federation.checkpoint import CheckpointError, has_checkpoint
@@ -71,6 +72,9 @@ class SweepSpec(Strict):
                                       "(ood_acc, id_acc for classification)")
     search: SearchSpec | None = Field(None, description="random search over each variant's method.search_space")
     baseline: str | None = Field(None, description="a variant; tables add each row's paired difference from it")
+    selection: list[Rule] | None = Field(
+        None, description="model-selection rules, a table_<metric>_<rule> each (docs/selection.md); default: "
+                          "train_domain and last, plus lodo with ltdo pairs")
 
 
 LR_FACTORS = (0.1, 0.3, 1.0, 3.0)  # the learning rates searched for a method without a search_space, × optim.lr
@@ -171,6 +175,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
         spec.metrics = [task.key("id")] if federated else [task.key("ood"), task.key("id")]
     table_rows = _per_domain_rows(rows, spec.metrics, results[0]["source"]) if federated else rows
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec.selection = spec.selection or default_rules(rows)  # resolved, for sweep.json
     record = {**spec.model_dump(mode="json"), "expanded": {labelled(v, build_config(raw, [
         _override(k, x) for k, x in extra.items()]).method.name): extra for v, extra in variants.items()}}
     (out / "sweep.json").write_text(json.dumps(record, indent=1))
@@ -180,7 +185,36 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     (out / "table.md").write_text(f"# {base.name}\n\n{md}\n")
     for m in spec.metrics:
         (out / f"table_{m}.csv").write_text(csv_table(table_rows, m, spec.baseline, task.bounds))
+    for rule in spec.selection:
+        write_rule_tables(out, rule, rows, table_rows, spec, task, results[0]["source"] if federated else None)
     return {"out_dir": str(out), "rows": rows, "markdown": md}
+
+
+def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_rows: list[dict[str, Any]],
+                 spec: SweepSpec, task: TaskInfo, domains: list[str] | None) -> None:
+    """table_<metric>_<rule>.md/.csv: the cells each selection rule picks (evaluation/selection.py), with the
+    chosen draw and round beside each; ``last`` is table.md's content; an unavailable rule is one line."""
+    assert spec.metrics is not None
+    if (why := unavailable(rule, rows, task)) is not None:
+        _say(why)
+        for m in spec.metrics:
+            (out / f"table_{m}_{rule}.md").write_text(why + "\n")
+        return
+    picks, baseline = None, spec.baseline
+    chosen = last_rows
+    if rule != "last":
+        chosen = select(rows, rule, task)
+        chosen = _per_domain_rows(chosen, spec.metrics, domains) if domains is not None else chosen
+        picks, baseline = pick_notes(chosen), None if spec.baseline is None else split_draw(spec.baseline)[0]
+    how = {"train_domain": "training-domain validation (id, the clients' holdouts)",
+           "lodo": "leave-one-domain-out validation (val, mean over the source domains)", "oracle": ORACLE_NOTE,
+           "last": "none: the last round, every draw its own row"}[rule]
+    for m in spec.metrics:
+        note = "" if picks is None else "; beside each cell: per seed, the chosen search draw #k and round, of N candidates"
+        md = markdown_table(chosen, m, baseline, task.bounds, picks)
+        (out / f"table_{m}_{rule}.md").write_text(
+            f"### {m} over seeds {spec.seeds}, model selection: {how}\n\n{STATS_NOTE}{note}\n\n{md}\n")
+        (out / f"table_{m}_{rule}.csv").write_text(csv_table(chosen, m, baseline, task.bounds, picks))
 
 
 def _per_domain_rows(rows: list[dict[str, Any]], metrics: list[str], domains: list[str]) -> list[dict[str, Any]]:

@@ -4,7 +4,10 @@ One ``flower-superlink`` and one ``flower-supernode`` per client (with feddg's w
 each, or Flower's default isolation), as separate processes, and the feddg Flower App submitted with
 ``flwr run --stream``: exactly the shell recipes of docs/flower.md, driven from Python for the
 deployment test and ``benchmarks/bench_engines.py``.
-``stop()`` terminates them gracefully and reports any process of theirs still alive.
+``stop()`` terminates them gracefully and reports any process of theirs still alive. With ``tls`` (the
+certificates of ``feddg flower certs``) every connection is TLS; with ``node_keys`` too, the SuperLink
+authenticates SuperNodes (``--enable-supernode-auth``, every key registered with ``flwr supernode register``)
+and each node proves its key to the ServerApp (``auth-key`` in its node config: docs/flower.md, "Secure deployment").
 """
 
 from __future__ import annotations
@@ -84,10 +87,15 @@ class LocalDeployment:
     """
 
     def __init__(self, workdir: Path, num_nodes: int, env: dict[str, str] | None = None,
-                 isolation: str = "process") -> None:
+                 isolation: str = "process", tls: dict[str, Path] | None = None,
+                 node_keys: list[Path] | None = None, node_configs: list[str] | None = None) -> None:
         self.workdir = Path(workdir)
         self.num_nodes = num_nodes
         self.isolation = isolation
+        self.tls, self.node_keys = tls, node_keys
+        self.node_configs = node_configs or [
+            f'auth-key="{node_keys[p]}"' if node_keys else f"partition-id={p} num-partitions={num_nodes}"
+            for p in range(num_nodes)]
         self.bin = Path(sys.executable).parent
         self.port = free_port()
         self.node_ports = [free_port() for _ in range(num_nodes)]
@@ -95,7 +103,8 @@ class LocalDeployment:
         home.mkdir(parents=True, exist_ok=True)
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "{LOOPBACK}:{self.port}"\ninsecure = true\n'
+            f'[superlink.{CONNECTION}]\naddress = "{LOOPBACK}:{self.port}"\n'
+            + (f'root-certificates = "{tls["ca"]}"\n' if tls else "insecure = true\n")
         )
         self.env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{self.bin}{os.pathsep}{os.environ['PATH']}",
                     **(env or {})}
@@ -111,21 +120,31 @@ class LocalDeployment:
         )
 
     def start(self, timeout: float = 120.0) -> LocalDeployment:
-        """Start the SuperLink, then the SuperNodes; return once all of them listen."""
-        self._spawn("superlink", "flower-superlink", "--insecure", "--host", LOOPBACK, "--port", str(self.port),
-                    "--disable-runtime-dependency-installation")
+        """Start the SuperLink (and register the node keys), then the SuperNodes; return once all of them listen."""
+        tls = self.tls
+        serve_tls = ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["server"]),
+                     "--ssl-keyfile", str(tls["server-key"])] if tls else []
+        self._spawn("superlink", "flower-superlink", *(serve_tls or ["--insecure"]),
+                    *(["--enable-supernode-auth"] if self.node_keys else []), "--host", LOOPBACK,
+                    "--port", str(self.port), "--disable-runtime-dependency-installation")
         wait_for_port(self.port, timeout)
+        for key in self.node_keys or []:
+            subprocess.run([str(self.bin / "flwr"), "supernode", "register", f"{key}.pub", CONNECTION], cwd=self.workdir,
+                           env=self.env, check=True, capture_output=True, timeout=120)
         nodes = []
         for p, port in enumerate(self.node_ports):
-            self._spawn(f"supernode-{p}", "flower-supernode", "--insecure", "--superlink", f"{LOOPBACK}:{self.port}",
-                        "--host", LOOPBACK, "--port", str(port), "--isolation", self.isolation,
-                        "--node-config", f"partition-id={p} num-partitions={self.num_nodes}")
+            auth = ["--auth-supernode-private-key", str(self.node_keys[p])] if self.node_keys else []
+            self._spawn(f"supernode-{p}", "flower-supernode", *(["--root-certificates", str(tls["ca"])] if tls
+                        else ["--insecure"]), *auth, "--superlink", f"{LOOPBACK}:{self.port}",
+                        "--host", LOOPBACK, "--port", str(port), *serve_tls, "--isolation", self.isolation,
+                        "--node-config", self.node_configs[p])
             nodes.append(self.procs[-1].pid)
         for p, (port, pid) in enumerate(zip(self.node_ports, nodes, strict=True)):
             wait_for_port(port, timeout)
             if self.isolation == "process":
                 self._spawn(f"executor-{p}", "python", "-m", "feddg.engines.flower.executor",
-                            "--runtime-api-address", f"{LOOPBACK}:{port}", "--parent-pid", str(pid))
+                            "--runtime-api-address", f"{LOOPBACK}:{port}", "--parent-pid", str(pid),
+                            *(["--root-certificates", str(tls["ca"])] if tls else ["--insecure"]))
         return self
 
     def snapshot(self) -> set[tuple[int, str]]:

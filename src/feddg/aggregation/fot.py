@@ -152,15 +152,18 @@ class _Producer:
         ref: Mapping[str, Tensor],
         others: Sequence[Mapping[str, Tensor]],
         inputs: list[tuple[str, Axis]],
+        block: int = 1,
     ) -> None:
         r = ref[key]
         self.key, self.inputs = key, inputs
-        self.ref = normalise_filters(r)  # [c_ref, d]
+        # a channel of ``block`` rows (an attention head's): its rows' entries are one filter [c_in, block]
+        self.ref = normalise_filters(r) if block == 1 else normalise_filters(_blocks(r.float(), block).flatten(1))
         self.ref_sq = self.ref.pow(2).sum(-1)
         self.others = []
         for o in others:
             w = resize_filters(o[key], (r.shape[-2], r.shape[-1])) if r.dim() == 4 else o[key]
-            self.others.append(w.float().reshape(w.shape[0], w.shape[1], -1))  # [c, c_in, k·k], a view if float32
+            # [c, c_in, k·k], a view if float32
+            self.others.append(w.float().reshape(w.shape[0], w.shape[1], -1) if block == 1 else _blocks(w.float(), block))
         norms = torch.stack([torch.linalg.vector_norm(w.flatten(1), dim=1) for w in self.others])
         self.inv_norm = 1.0 / norms.clamp_min(1e-12)  # [E, c]
         self.other_sq = (norms * self.inv_norm).pow_(2)  # 1, or 0 for an all-zero filter
@@ -210,6 +213,17 @@ class _Producer:
         return (self.ref_sq + self.other_sq[e] - 2.0 * dot).clamp_min_(0.0)
 
 
+def _blocks(w: Tensor, block: int) -> Tensor:
+    """``[c·block, c_in, ...] -> [c, c_in, block·...]``: channel ``i``'s rows ``i·block + j`` as one filter."""
+    c = w.shape[0] // block
+    return w.reshape(c, block, w.shape[1], -1).transpose(1, 2).reshape(c, w.shape[1], -1)
+
+
+def _producer_blocks(spec: PermutationSpec) -> dict[str, int]:
+    """Producer key -> rows per channel (``Axis.block`` of its output axis; 1 for a conv's filters)."""
+    return {a.key: a.block for g in spec.groups for a in g.members if a.dim == 0 and a.key in g.producers}
+
+
 def _producer_inputs(spec: PermutationSpec) -> dict[str, list[tuple[str, Axis]]]:
     """Producer key -> the groups (and their axes) indexing its input channels (dim 1)."""
     producers = {p for g in spec.groups for p in g.producers}
@@ -229,8 +243,9 @@ def group_costs(ref: Mapping[str, Tensor], others: Sequence[Mapping[str, Tensor]
     stations = np.arange(len(others))
     rows = torch.arange(group.size).expand(len(others), -1)
     total = None
+    blocks = {a.key: a.block for a in group.members if a.dim == 0}
     for key in group.producers:
-        p = _Producer(key, ref, others, [])
+        p = _Producer(key, ref, others, [], blocks.get(key, 1))
         p.refresh(stations, {}, {}, 0)
         c = p.cost(stations, rows)
         total = c if total is None else total + c
@@ -278,7 +293,8 @@ def align_to_reference(
     if not n:
         return Alignment([], [])
     inputs = _producer_inputs(spec)
-    producers = {k: _Producer(k, ref, others, inputs[k]) for g in spec.groups for k in g.producers}
+    blocks = _producer_blocks(spec)
+    producers = {k: _Producer(k, ref, others, inputs[k], blocks.get(k, 1)) for g in spec.groups for k in g.producers}
     total = {g.name: np.tile(np.arange(g.size), (n, 1)) for g in spec.groups}
     changed = {g.name: np.full(n, -1) for g in spec.groups}  # step at which a station's permutation last moved
     matched = {g.name: np.full(n, -1) for g in spec.groups}  # step at which a station was last matched

@@ -93,7 +93,9 @@ class FedFA(Method):
 
     name = "fedfa"
     Params = FedFAParams
-    search_space = {"lambda_h": [0.0, 0.01, 0.1, 0.2], "p": [0.1, 0.3, 0.5, 0.7], "momentum": [0.0, 0.9, 0.99]}
+    # λ: FedFA paper Fig. 7; p and momentum α: within Fig. 5's ranges (its text names p 0.1-0.5, α 0-0.99)
+    search_space = {"lambda_h": [0.0, 1e-3, 1e-2, 0.05, 0.1, 0.2, 0.5, 1.0, 10.0],
+                    "p": [0.1, 0.3, 0.5, 0.7], "momentum": [0.0, 0.9, 0.99]}
     params: FedFAParams
 
     @classmethod

@@ -63,7 +63,7 @@ class FedGMA(Method):
     name = "fedgma"
     Params = FedGMAParams
     params: FedGMAParams
-    search_space: ClassVar[dict[str, list[Any]]] = {"threshold": [0.1, 0.2, 0.4, 0.6, 0.8], "server_lr": [0.5, 1.0]}
+    search_space: ClassVar[dict[str, list[Any]]] = {"threshold": [0.3, 0.5, 0.7], "server_lr": [1.0, 0.1, 0.01]}  # hFedF Table 10
 
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:

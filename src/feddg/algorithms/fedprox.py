@@ -29,7 +29,7 @@ class FedProx(Method):
     name = "fedprox"
     Params = FedProxParams
     params: FedProxParams
-    search_space = {"mu": [0.001, 0.01, 0.1, 1.0]}
+    search_space = {"mu": [1e-1, 1e-2, 1e-3]}  # hFedF paper, Table 10 (FedProx's "L2 regularizer" grid)
 
     def client_update(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

@@ -10,7 +10,7 @@ This file holds what that merge needs from the clients and the stations.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -55,7 +55,9 @@ class GramRecorder:
 
     Forward pre-hooks see each layer's input; a pass starts with every ``ctx.batches()`` call of a
     context from :meth:`track`. With ``clip``, each input row (for a 1×1 conv: each pixel) is clipped to that L2
-    norm (DP).
+    norm (DP). Token batches: a linear layer's ``[B, L, F]`` input gives one row per *non-padding* token (the batch's
+    ``attention_mask`` is 1; RegMean's rule for transformers, Jin et al. 2023), so padding never enters ``G``;
+    inputs of other shapes (a head's ``[B, H]``) are used whole.
     """
 
     def __init__(self, model: nn.Module, clip: float | None = None) -> None:
@@ -66,6 +68,7 @@ class GramRecorder:
         self.seen: set[str] = set()
         self.eval_mode = False
         self.handles: list[Any] = []
+        self.mask: Tensor | None = None  # the current token batch's attention mask [B, L]
 
     def __enter__(self) -> GramRecorder:
         self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in self.layers.items()]
@@ -89,6 +92,8 @@ class GramRecorder:
             self.seen.add(name)  # a second forward of the same batch is not counted again
             x = args[0].detach()
             if isinstance(module, nn.Linear):
+                if self.mask is not None and x.shape[:-1] == self.mask.shape:
+                    x = x[self.mask.to(x.device, torch.bool)]  # the non-padding tokens' rows
                 g = self._gram(x.reshape(-1, module.in_features))
             else:  # a 1×1 conv: pixels as rows, a chunk of images at a time
                 assert isinstance(module, nn.Conv2d)
@@ -103,8 +108,9 @@ class GramRecorder:
         if self.current:
             self.last, self.current = self.current, {}
 
-    def new_batch(self) -> None:
+    def new_batch(self, x: Inputs | None = None) -> None:
         self.seen = set()
+        self.mask = x.get("attention_mask") if isinstance(x, Mapping) else None
 
     def track(self, ctx: ClientContext) -> ClientContext:
         """``ctx`` whose ``batches()`` marks passes and batches for this recorder."""
@@ -132,7 +138,7 @@ class _TrackedContext(ClientContext):
         assert self.recorder is not None
         self.recorder.new_pass()
         for batch in super().batches(shuffle=shuffle, train=train):
-            self.recorder.new_batch()
+            self.recorder.new_batch(batch[0])
             yield batch
 
 

@@ -155,7 +155,7 @@ class HFedF(Method):
         return frozenset({IMAGES}) if params.embeddings == "autoencoder" else frozenset()
     personalized = True
     averages_weights = False
-    search_space = {
+    search_space = {  # the hFedF paper's Table 10 (its client lr and weight decay are optim.*, not searched here)
         "server_lr": [1e-1, 1e-2, 1e-3],
         "server_weight_decay": [1e-3, 1e-4, 1e-5],
         "ema_alpha": [0.75, 0.85, 0.95],

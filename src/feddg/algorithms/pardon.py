@@ -197,6 +197,7 @@ class Pardon(Method):
 
     name = "pardon"
     Params = PardonParams
+    # the PARDON paper gives no grid: a neighbourhood of the defaults
     search_space = {"triplet_weight": [0.25, 0.5, 0.75, 1.0], "reg_weight": [0.05, 0.1, 0.2], "alpha": [0.25, 0.5, 1.0]}
     params: PardonParams
     requires = frozenset({IMAGES, CLASS_LABELS})  # image styles (AdaIN) and class triplets

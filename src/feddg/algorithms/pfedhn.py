@@ -26,4 +26,4 @@ class PFedHN(HFedF):
 
     name = "pfedhn"
     Params = PFedHNParams
-    search_space = {"server_lr": [1e-1, 1e-2, 1e-3], "server_weight_decay": [1e-3, 1e-4, 1e-5]}
+    search_space = {"server_lr": [1e-1, 1e-2, 1e-3], "server_weight_decay": [1e-3, 1e-4, 1e-5]}  # hFedF paper, Table 10

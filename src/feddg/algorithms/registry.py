@@ -33,6 +33,10 @@ METHODS: dict[str, str | type[Method]] = {
     "fedrc": "feddg.algorithms.fedrc:FedRC",
     "harmofl": "feddg.algorithms.harmofl:HarmoFL",
     "elcfs": "feddg.algorithms.elcfs:ELCFS",
+    "fedavgm": "feddg.algorithms.fedavgm:FedAvgM",
+    "fedsam": "feddg.algorithms.fedsam:FedSAM",
+    "fedrobust": "feddg.algorithms.fedrobust:FedRobust",
+    "fedmix": "feddg.algorithms.fedmix:FedMix",
 }
 
 

@@ -5,7 +5,8 @@ feddg's client loop (:func:`~feddg.algorithms.components.local.train_local`: Ada
 the dataset) against a plain PyTorch loop of the same model, batch, optimiser and loss on the same data held in
 memory as tensors (the yardstick), interleaved. The task follows the model's output: dense ``[B, C, H, W]`` logits
 (the U-Net) train on ``synthetic-mri`` slices with the segmentation loss, ``[B, C]`` logits on random images with
-cross-entropy.
+cross-entropy, and text models (``tiny-roberta@128``: ``@`` is the maximum length in tokens) on ``synthetic-sentiment``
+reviews with cross-entropy against Hugging Face's own forward, counted in non-padding tokens/s.
 
 Numbers go into docs/benchmarks.md together with the command that produced them; no test
 asserts a speed.
@@ -33,6 +34,7 @@ from feddg.config import ExperimentConfig, load_config
 from feddg.data.base import DomainDataset
 from feddg.evaluation.plots import read_metrics
 from feddg.models import create_model
+from feddg.models.registry import model_capabilities
 from feddg.tasks import Task
 
 
@@ -141,7 +143,7 @@ class LoopBench:
     task: Task
     dataset: DomainDataset
     train_idx: np.ndarray
-    x: Tensor
+    x: Tensor | dict[str, Tensor]
     y: Tensor
     batch: int
 
@@ -171,9 +173,23 @@ class LoopBench:
         order = torch.randperm(len(self.train_idx), generator=torch.Generator().manual_seed(seed)) % len(self.y)
         for idx in order.split(self.batch):
             opt.zero_grad(set_to_none=True)
-            loss_fn(model(self.x[idx]), self.y[idx]).backward()
+            if isinstance(self.x, dict):  # transformers' own forward on the batch cut to its longest sequence
+                longest = int(self.x["attention_mask"][idx].sum(1).max())
+                ids, mask = self.x["input_ids"][idx, :longest], self.x["attention_mask"][idx, :longest]
+                logits = model.hf(input_ids=ids, attention_mask=mask).logits  # type: ignore[operator]
+            else:
+                logits = model(self.x[idx])
+            loss_fn(logits, self.y[idx]).backward()
             opt.step()
         return time.perf_counter() - t0
+
+    @property
+    def units(self) -> tuple[str, float]:
+        """What one epoch over ``train_idx`` processes: its images, or (text) its non-padding tokens."""
+        if isinstance(self.x, dict):
+            tokens = self.x["attention_mask"].sum(1)[torch.from_numpy(self.train_idx) % len(self.y)]
+            return "tokens", float(tokens.sum())
+        return "img", float(len(self.train_idx))
 
 
 def _dense_output(model: nn.Module, channels: int, image_size: int) -> bool:
@@ -194,6 +210,8 @@ def loop_bench(name: str, image_size: int, batch: int, steps: int, options: Mapp
     from feddg.data.tensor_dataset import TensorDomainDataset
     from feddg.tasks import make_task
 
+    if "tokens" in model_capabilities(name):
+        return _text_loop_bench(name, image_size, batch, steps, options)
     torch.manual_seed(0)
     probe = create_model(name, num_classes=2, in_channels=channels, image_size=image_size, **(options or {}))
     dataset: DomainDataset
@@ -216,6 +234,25 @@ def loop_bench(name: str, image_size: int, batch: int, steps: int, options: Mapp
     assert isinstance(x, Tensor)  # image models
     start = {k: v.clone() for k, v in model.state_dict().items()}
     return LoopBench(model.train(), start, make_task(task_name, classes), dataset, np.resize(used, steps * batch),
+                     x, y, batch)
+
+
+def _text_loop_bench(name: str, max_length: int, batch: int, steps: int,
+                     options: Mapping[str, Any] | None) -> LoopBench:
+    """:class:`LoopBench` of text model ``name`` on the built-in ``synthetic-sentiment`` reviews, tokenised to at most
+    ``max_length`` tokens (the spec's ``@N``); the yardstick's tensors are padded to the longest review and each of
+    its batches is cut to its own longest, as the dataset's batches are."""
+    from feddg.data import load_dataset
+    from feddg.tasks import make_task
+
+    dataset = load_dataset("synthetic-sentiment", max_length=max_length)
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=2, **dataset.model_args(), **(options or {}))
+    used = np.arange(min(len(dataset), steps * batch))
+    x, y = dataset.get_batch(used, train=False)
+    assert isinstance(x, dict)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    return LoopBench(model.train(), start, make_task("classification", 2), dataset, np.resize(used, steps * batch),
                      x, y, batch)
 
 
@@ -258,21 +295,22 @@ def loops_table(models: list[str], threads: int, seconds: float, batch: int = 32
     for name, px, options in specs:
         n = steps or _calibrated_steps(name, px, batch, seconds, options)
         bench = loop_bench(name, px, batch, n, options)
-        rows.append((name, px, options, bench.task.name, n, time_loops(bench, repeats)))
+        rows.append((name, px, options, bench.task.name, n, time_loops(bench, repeats), bench.units))
     shown = ", ".join(f"{_label(name, options)} @ {px} px" for name, px, options in specs)
     t = Table(title=f"training throughput, feddg's client loop vs a plain PyTorch loop: {shown}; batch {batch}, "
               f"Adam, {threads} torch threads, {repeats} interleaved repeats",
               caption=f"load average before: {before}; after: {load_average()}")
-    for col in ("model", "px", "task", "steps", "loop", "img/s (best)", "img/s (median)", "× plain (best, median)"):
+    for col in ("model", "px / tokens", "task", "steps", "loop", "per s (best)", "per s (median)",
+                "× plain (best, median)"):
         t.add_column(col, justify="left" if col in ("model", "task", "loop") else "right")
-    for name, px, options, task, n, times in rows:
-        best = {k: n * batch / min(v) for k, v in times.items()}
-        median = {k: n * batch / statistics.median(v) for k, v in times.items()}
+    for name, px, options, task, n, times, (unit, amount) in rows:
+        best = {k: amount / min(v) for k, v in times.items()}
+        median = {k: amount / statistics.median(v) for k, v in times.items()}
         (fed, *_), plain = times, "plain PyTorch"
         for loop in times:
             ratio = f"{best[fed] / best[plain]:.2f}, {median[fed] / median[plain]:.2f}" if loop == fed else ""
-            t.add_row(_label(name, options), str(px), task, str(n), loop, f"{best[loop]:,.0f}", f"{median[loop]:,.0f}",
-                      ratio)
+            t.add_row(_label(name, options), str(px), task, str(n), loop, f"{best[loop]:,.0f} {unit}",
+                      f"{median[loop]:,.0f} {unit}", ratio)
     return t
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ class DomainDataset(ABC):
     Attributes:
         name: registry name, e.g. ``"digits-dg"``.
         task: the task of its targets (``feddg.tasks``): ``classification``, ...
-        inputs: what :meth:`get_batch` returns as inputs: ``images`` (a tensor) or ``tokens`` (a dict of tensors).
+        inputs: what :meth:`get_batch` returns as inputs: ``images`` (a tensor), ``tokens`` (a dict of tensors) or
+            ``features`` (a float tensor ``[B, V]``).
         domains: domain names; ``domain_ids`` index into it.
         classes: class names (a segmentation's per-pixel classes); ``labels`` index into it.
         labels: int64 array ``[N]``: each sample's class where the task has one per sample (partitioners and
@@ -35,7 +37,8 @@ class DomainDataset(ABC):
             ``partition.kind: natural`` makes each group a client; ``group_names`` names them.
         cases: int64 array ``[N]`` of samples that stay together in every split (a volume's slices), or ``None``:
             a client's holdout is then made of whole cases.
-        image_shape: ``(C, H, W)`` of the image tensors :meth:`get_batch` returns (for tokens: ``(1, 1, L)``).
+        image_shape: ``(C, H, W)`` of the image tensors :meth:`get_batch` returns (tokens: ``(1, 1, L)``, features:
+            ``(1, 1, V)``).
         seeded_batches: whether training batches are random (see :func:`iterate_batches`).
         loader_workers: processes that build batches for :func:`iterate_batches` (0: the caller's).
     """
@@ -60,6 +63,12 @@ class DomainDataset(ABC):
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    def model_args(self) -> dict[str, Any]:
+        """What ``create_model`` needs of the data (images: ``in_channels`` and ``image_size``; text datasets
+        override it)."""
+        c, h, _ = self.image_shape
+        return {"in_channels": c, "image_size": h}
 
     def domain_index(self, domain: str) -> int:
         """Id of ``domain``; a clear error names the valid domains."""

@@ -10,8 +10,18 @@ import numpy as np
 
 from feddg.data import image_cache, prostate, synthetic_mri
 from feddg.data.folders import PRESETS, FolderScan, check_root, discover_classes, discover_domains, scan_tree
-from feddg.data.registry import BUILTINS, VOLUMES, default_transforms, folder_image_size, load_dataset, scan_folder
+from feddg.data.registry import (
+    BUILTINS,
+    NATURAL_SOURCES,
+    TEXTS,
+    VOLUMES,
+    default_transforms,
+    folder_image_size,
+    load_dataset,
+    scan_folder,
+)
 from feddg.data.slices import SliceDataset
+from feddg.data.text_sets import check_text
 from feddg.data.transform_spec import TransformSpec, parse_transforms
 
 
@@ -47,14 +57,19 @@ def describe_dataset(
     image_size: int | None = None,
     transforms: str | dict[str, Any] | None = None,
 ) -> Summary:
-    """The :class:`Summary` of dataset ``name``; a folder is scanned (and its cheap checks run), not decoded."""
+    """The :class:`Summary` of dataset ``name``; a folder is scanned (and its cheap checks run), not decoded; a text
+    dataset is read (and tokenised into its cache)."""
+    if name in TEXTS:
+        ds = load_dataset(name, root=root, cache_dir=cache_dir, image_size=image_size, transforms=transforms)
+        return Summary(name, ds.domains, ds.classes, ds.counts(), ds.image_shape, None, len(ds), "texts")
     if name in VOLUMES:
         ds = load_dataset(name, root=root, cache_dir=cache_dir, image_size=image_size, transforms=transforms)
         assert isinstance(ds, SliceDataset)
         return _describe_slices(ds)
-    if name in BUILTINS or root is None:
+    if name in BUILTINS or name in NATURAL_SOURCES or root is None:
         ds = load_dataset(name, root=root, cache_dir=cache_dir, image_size=image_size, transforms=transforms)
-        spec = parse_transforms(transforms, default_transforms(name))
+        own = NATURAL_SOURCES[name].transforms if name in NATURAL_SOURCES else default_transforms(name)
+        spec = parse_transforms(transforms, own)
         counts = ds.counts()
         return Summary(name, ds.domains, ds.classes, counts, ds.image_shape, spec, len(ds))
     spec = parse_transforms(transforms, default_transforms(name, root))
@@ -72,9 +87,18 @@ def check_dataset(name: str, *, root: str | None = None, workers: int | None = N
     """Every problem of folder dataset ``name``: the layout ones, then each image that cannot be decoded (for
     prostate: each case that cannot be read or whose mask does not match it).
 
-    Built-in datasets have nothing to check (``[]``).
+    Built-in datasets have nothing to check (``[]``); text datasets list every malformed file and line; the natural
+    datasets (FEMNIST, CIFAR-10, Tiny-ImageNet) their first malformed file.
     """
+    if name in TEXTS:
+        return check_text(name, root)
     if name in BUILTINS or name == synthetic_mri.NAME:
+        return []
+    if name in NATURAL_SOURCES:  # their readers stop at the first malformed file with one line naming it
+        try:
+            load_dataset(name, root=root)
+        except ValueError as err:
+            return [str(err)]
         return []
     if name == prostate.NAME:
         if root is None:

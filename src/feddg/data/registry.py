@@ -7,11 +7,25 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from feddg.data import digits, image_cache, mnist_variants, prostate, synthetic_mri
+from feddg.data import (
+    cifar,
+    digits,
+    femnist,
+    image_cache,
+    mnist_variants,
+    natural,
+    prostate,
+    synthetic_mri,
+    synthetic_text,
+    text_formats,
+    text_sets,
+    tinyimagenet,
+    writers,
+)
 from feddg.data.augment import BatchAugment
 from feddg.data.base import DomainDataset
 from feddg.data.cache import resolve_cache_dir
@@ -32,6 +46,7 @@ from feddg.data.folders import (
 from feddg.data.slices import CLASSES as SLICE_CLASSES
 from feddg.data.slices import SliceDataset
 from feddg.data.tensor_dataset import TensorDomainDataset
+from feddg.data.text import DEFAULT_MAX_LENGTH, DEFAULT_VOCAB_SIZE, BowDataset, TokenDataset
 from feddg.data.transform_spec import PRESETS as TRANSFORM_PRESETS
 from feddg.data.transform_spec import TransformSpec, check_channels, parse_transforms
 
@@ -90,8 +105,11 @@ def _no_transforms(name: str, transforms: object) -> None:
                          f"with (0.5, 0.5) and flipped left-right in training")
 
 
-def _trimmed(ds: SliceDataset, domains: list[str] | None, max_per_domain: int | None, seed: int) -> SliceDataset:
-    """``ds`` restricted to ``domains`` (in that order) and to ``max_per_domain`` slices each."""
+Trimmable = TypeVar("Trimmable", SliceDataset, TokenDataset, BowDataset)
+
+
+def _trimmed(ds: Trimmable, domains: list[str] | None, max_per_domain: int | None, seed: int) -> Trimmable:
+    """``ds`` restricted to ``domains`` (in that order) and to ``max_per_domain`` samples each."""
     chosen = _select(ds.name, ds.domains, domains)
     ids = [ds.domains.index(d) for d in chosen]
     keep = np.concatenate([np.flatnonzero(ds.domain_ids == i) for i in ids])
@@ -131,6 +149,73 @@ VOLUMES: dict[str, Plugin] = {
 }
 
 
+# Natural clients and official test splits (feddg.data.natural): datasets in the formats they are published in.
+def _natural_loader(name: str, source: natural.Source) -> Callable[..., DomainDataset]:
+    def load(*, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None, seed: int,
+             domains: list[str] | None, max_per_domain: int | None, transforms: object) -> DomainDataset:
+        spec = parse_transforms(transforms, source.transforms, where="transforms")
+        folder = resolve_cache_dir(cache_dir)
+        found = source.read(natural.check_root(name, source, root), seed, folder)
+        if domains is not None:
+            found = found.restrict(_select(name, found.domains, domains))
+        if max_per_domain is not None:
+            found = found.take(subsample(found.domains, found.domain_ids, found.labels, max_per_domain, seed))
+        return natural.to_dataset(name, found, spec, folder, image_size or source.image_size)
+    return load
+
+
+NATURAL_SOURCES = {femnist.NAME: femnist.SOURCE, cifar.NAME: cifar.SOURCE, tinyimagenet.NAME: tinyimagenet.SOURCE,
+                   writers.NAME: writers.SOURCE}
+PLUGINS.update({name: Plugin(_natural_loader(name, s), s.domains, s.classes, needs_root=s.needs_root,
+                             image_size=s.image_size) for name, s in NATURAL_SOURCES.items()})
+
+
+# Text classification (feddg.data.text_sets): token ids for transformers; amazon-bow: bag-of-words vectors.
+TextLoader = Callable[..., TokenDataset]
+TEXT_LOADERS: dict[str, TextLoader] = {synthetic_text.NAME: text_sets.load_synthetic_sentiment,
+                                       text_sets.AMAZON: text_sets.load_amazon_reviews,
+                                       text_sets.TABLE: text_sets.load_text_table}
+
+
+def _text_loader(name: str) -> Callable[..., DomainDataset]:
+    def load(*, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None, seed: int,
+             domains: list[str] | None, max_per_domain: int | None, transforms: object, tokenizer: str | None = None,
+             max_length: int | None = None, vocab_size: int | None = None) -> DomainDataset:
+        if image_size is not None or transforms is not None:
+            raise ValueError(f"{name} is a text dataset: it takes no image_size or transforms")
+        if name == text_sets.AMAZON_BOW:
+            if (tokenizer, max_length, vocab_size) != (None, None, None):
+                raise ValueError(f"{name} is bag-of-words vectors: it takes no tokenizer, max_length or vocab_size")
+            return _trimmed(text_sets.load_amazon_bow(root=root), domains, max_per_domain, seed)
+        full = TEXT_LOADERS[name](root=root, cache_dir=cache_dir, seed=seed, tokenizer=tokenizer,
+                                  max_length=max_length or DEFAULT_MAX_LENGTH, vocab_size=vocab_size or DEFAULT_VOCAB_SIZE)
+        return _trimmed(full, domains, max_per_domain, seed)
+    return load
+
+
+_SENTIMENT, _AMAZON = list(text_formats.SENTIMENT), list(text_formats.AMAZON_DOMAINS)
+TEXTS: dict[str, Plugin] = {  # text-table's domains and classes come from its rows
+    synthetic_text.NAME: Plugin(_text_loader(synthetic_text.NAME), list(synthetic_text.DOMAINS), _SENTIMENT,
+                                inputs="tokens"),
+    text_sets.AMAZON: Plugin(_text_loader(text_sets.AMAZON), _AMAZON, _SENTIMENT, inputs="tokens", needs_root=True),
+    text_sets.TABLE: Plugin(_text_loader(text_sets.TABLE), [], [], inputs="tokens", needs_root=True),
+    text_sets.AMAZON_BOW: Plugin(_text_loader(text_sets.AMAZON_BOW), _AMAZON, _SENTIMENT, inputs="features",
+                                 needs_root=True),
+}
+PLUGINS.update(TEXTS)
+
+
+def _text_options(name: str, tokenizer: str | None, max_length: int | None, vocab_size: int | None) -> dict[str, Any]:
+    """The text options for dataset ``name``'s loader; refused in one line for a dataset that is not text."""
+    options = {"tokenizer": tokenizer, "max_length": max_length, "vocab_size": vocab_size}
+    if name in TEXTS:
+        return options
+    given = [k for k, v in options.items() if v is not None]
+    if given:
+        raise ValueError(f"{name} is not a text dataset: it takes no {', '.join(given)}")
+    return {}
+
+
 def list_datasets() -> list[str]:
     """Names accepted by :func:`load_dataset`: built-in benchmarks first, then volume sets, folder presets and
     plug-ins."""
@@ -150,7 +235,7 @@ def dataset_info(name: str) -> dict[str, Any]:
     num_classes: int | None
     if name in PLUGINS or name in VOLUMES:
         plugin = PLUGINS.get(name) or VOLUMES[name]
-        domains, classes, num_classes = list(plugin.domains), list(plugin.classes), len(plugin.classes)
+        domains, classes, num_classes = list(plugin.domains), list(plugin.classes), len(plugin.classes) or None
         needs_root, image_size, task, inputs = plugin.needs_root, plugin.image_size, plugin.task, plugin.inputs
     elif name in BUILTINS:
         b = BUILTINS[name]
@@ -284,6 +369,9 @@ def load_dataset(
     max_per_domain: int | None = None,
     transforms: str | dict[str, Any] | None = None,
     loader_workers: int = 0,
+    tokenizer: str | None = None,
+    max_length: int | None = None,
+    vocab_size: int | None = None,
 ) -> DomainDataset:
     """Dataset ``name``, restricted to ``domains`` (in that order) and to ``max_per_domain`` samples each.
 
@@ -292,7 +380,8 @@ def load_dataset(
     checked (layout, class names, empty classes) and decoded once into an image cache there.
     ``transforms`` overrides the dataset's default augmentation and statistics (a preset name or a
     mapping, see :mod:`feddg.data.transform_spec`); ``loader_workers`` > 0 builds training batches
-    in that many DataLoader processes.
+    in that many DataLoader processes. Text datasets take ``tokenizer`` (a local tokenizer directory; default: a
+    byte-level BPE of ``vocab_size`` trained on the corpus) and ``max_length`` (tokens per text), others refuse them.
     """
     _check_name(name)
     if seed < 0:
@@ -303,11 +392,12 @@ def load_dataset(
         raise ValueError(f"image_size must be >= 1, got {image_size}")
     if loader_workers < 0:
         raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
+    text = _text_options(name, tokenizer, max_length, vocab_size)
     dataset: DomainDataset
     if name in PLUGINS or name in VOLUMES:
         plugin = PLUGINS.get(name) or VOLUMES[name]
         dataset = plugin.load(root=root, cache_dir=cache_dir, image_size=image_size, seed=seed, domains=domains,
-                              max_per_domain=max_per_domain, transforms=transforms)
+                              max_per_domain=max_per_domain, transforms=transforms, **text)
     elif name in BUILTINS:
         if root is not None:
             raise ValueError(f"{name} is built in and takes no root (got {root!r})")

@@ -28,6 +28,7 @@ NONE = "–"
 DEGRADED = "†"
 DEGRADED_NOTE = f"{DEGRADED} a run of this cell dropped clients in some round (its results.json `failures`)"
 Bounds = tuple[float, float] | None
+Picks = dict[tuple[str, str], str]  # (variant, target) -> the chosen draws and rounds (evaluation/selection.py)
 
 
 def sample_std(values: list[float]) -> float | None:
@@ -109,14 +110,17 @@ def _delta_text(deltas: list[float]) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None,
-                   bounds: Bounds = None) -> str:
+                   bounds: Bounds = None, picks: Picks | None = None) -> str:
     """One row per variant: mean ± std per target, the average over targets and its CI (clipped to ``bounds``),
-    and with ``baseline`` the paired difference of the average from that row's (mean [95 % CI] over seeds)."""
+    and with ``baseline`` the paired difference of the average from that row's (mean [95 % CI] over seeds);
+    ``picks`` (model selection) adds each cell's chosen draws and rounds beside it."""
     variants, targets, cells = pivot(rows, metric)
+    picks = picks or {}
     head = ["method", *targets, "avg", "avg 95 % CI"] + ([f"Δ avg vs {baseline}, paired [95 % CI]"] if baseline else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in variants:
-        vals = [mean_std(cells.get((v, t), [])) + (f" {DEGRADED}" if degraded(rows, v, t) else "") for t in targets]
+        vals = [mean_std(cells.get((v, t), [])) + (f" {DEGRADED}" if degraded(rows, v, t) else "")
+                + (f" [{picks[(v, t)]}]" if (v, t) in picks else "") for t in targets]
         avg = _avg_over_targets(rows, v, targets, metric)
         delta = [] if baseline is None else [NONE if v == baseline else _delta_text(paired_deltas(rows, v, baseline, metric))]
         lines.append("| " + " | ".join([v, *vals, mean_std(avg), _ci_text(avg, bounds), *delta]) + " |")
@@ -126,14 +130,16 @@ def markdown_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline
 
 
 def csv_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str | None = None,
-              bounds: Bounds = None) -> str:
+              bounds: Bounds = None, picks: Picks | None = None) -> str:
     """One line per (method, target) and per method's avg: mean, sample std, 95 % CI (clipped to ``bounds``), n
     (std and CI empty where n = 1), and whether a run of it dropped clients; with ``baseline``, a line
-    ``avg - <baseline>`` of the paired differences too (unclipped: a difference has no such bounds)."""
+    ``avg - <baseline>`` of the paired differences too (unclipped: a difference has no such bounds); with ``picks``
+    (model selection) a last column ``selected``: the cell's chosen draws and rounds."""
     variants, targets, cells = pivot(rows, metric)
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["method", "target", "mean", "std_ddof1", "ci95_low", "ci95_high", "n", "dropped_clients"])
+    w.writerow(["method", "target", "mean", "std_ddof1", "ci95_low", "ci95_high", "n", "dropped_clients"]
+               + (["selected"] if picks is not None else []))
     for v in variants:
         groups = [(t, cells.get((v, t), [])) for t in targets] + [("avg", _avg_over_targets(rows, v, targets, metric))]
         if baseline is not None and v != baseline:
@@ -145,5 +151,6 @@ def csv_table(rows: list[dict[str, Any]], metric: str = "ood_acc", baseline: str
                 cell_target = t if t in targets else None
                 w.writerow([v, t, f"{np.mean(vals):.3f}", "" if s is None else f"{s:.3f}",
                             *(("", "") if ci is None else (f"{ci[0]:.3f}", f"{ci[1]:.3f}")), len(vals),
-                            int(degraded(rows, v, cell_target))])
+                            int(degraded(rows, v, cell_target))]
+                           + ([] if picks is None else [picks.get((v, t), "")]))
     return buf.getvalue()

@@ -24,6 +24,7 @@ from feddg.config import ExperimentConfig, dump_config
 from feddg.federation.checkpoint import load_checkpoint, save_checkpoint
 from feddg.federation.client_store import STORE_DIR, ClientStore, ClientStores, restore
 from feddg.federation.evaluator import Evaluator
+from feddg.federation.integrity import NormBound, cap_examples, check_aggregation, non_finite, robust_replies
 from feddg.federation.provenance import write_provenance
 from feddg.federation.rounds import learning_rate
 from feddg.federation.setup import Federation
@@ -50,7 +51,8 @@ def default_run_dir(cfg: ExperimentConfig) -> Path:
 @dataclass
 class RoundFold:
     """A round in progress: the topology's accumulator and per-reply scalars. Replies are held only
-    with ``federation.reject_outliers`` (``held``: the decision needs the round's median update norm)."""
+    with ``federation.reject_outliers`` or a robust ``federation.aggregation`` (``held``: the decision needs
+    the whole round)."""
 
     sent: dict[int, Message]
     expected: dict[int, int]
@@ -61,6 +63,7 @@ class RoundFold:
     states: dict[int, Message] = field(default_factory=dict)  # new client states, kept for accepted clients only
     accepted: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
+    capped: dict[int, int] = field(default_factory=dict)  # client -> the num_examples it claimed beyond its data
     examples: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     bytes_up: int = 0
@@ -96,11 +99,17 @@ class Server:
             self.round = ckpt["round"]
             self.setup_done = ckpt["setup_done"]
         self.saved_round: int | None = ckpt["round"] if ckpt is not None else None
+        fc = fed.cfg.federation
+        reference = ckpt.get("norm_reference") if ckpt is not None else None  # older checkpoints: none yet
+        self.norm_bound = (NormBound(fc.update_norm_factor, reference)
+                           if fc.update_norm_factor is not None and fed.method.averages_weights else None)
+        self.warned_caps: set[int] = set()
         self.declared = shapes_of(weights_of(fed.model))  # what a reply's w/ arrays may be
         self.evaluator = Evaluator(fed)
         if fed.cfg.federation.reject_outliers is not None and not fed.method.averages_weights:
             raise ValueError(f"federation.reject_outliers: {fed.method.name} does not average weights, so a "
                              "reply's update norm is not defined")
+        check_aggregation(fed.cfg, fed.method)
         self._rewrite_metrics()
 
     # --- setup exchange ----------------------------------------------------------------
@@ -147,7 +156,7 @@ class Server:
                              f"{fc.min_clients}: lower it or raise federation.client_fraction")
         expected = {cid: len(self.fed.clients[cid].train_idx) for cid in sent}  # = each client's num_examples
         fold = RoundFold(sent, expected, bytes_down=int(sum(message_nbytes(m) for m in sent.values())))
-        if fc.reject_outliers is None:
+        if fc.reject_outliers is None and fc.aggregation == "mean":
             fold.acc = self.fed.topology.start(self.fed.method, expected)
         else:
             fold.held = []
@@ -161,16 +170,24 @@ class Server:
         cid, sent = reply.client_id, fold.sent[reply.client_id]
         fold.bytes_up += message_nbytes(reply.message)
         problem = check_reply(reply.message, sent, self.declared, all_weights=self.fed.method.averages_weights)
+        norm = None
+        if problem is None and (self.norm_bound is not None or fold.held is not None):
+            norm = update_norm(reply.message, sent)
+            problem = self.norm_bound.check(norm, sent) if self.norm_bound is not None else None
         if problem is not None:
             self.fail(fold, cid, problem)
         else:
+            reply, claimed = cap_examples(reply, fold.expected[cid])
+            if claimed is not None:
+                fold.capped[cid] = claimed
             if client_state is not None:
                 fold.states[cid] = client_state
             if fold.held is None:
                 self._fold(fold, reply)
             else:
                 fold.held.append(reply)
-                fold.norms[cid] = update_norm(reply.message, sent)
+            if norm is not None:
+                fold.norms[cid] = norm
         fold.seconds += time.perf_counter() - t0
 
     def fail(self, fold: RoundFold, client_id: int, reason: str) -> None:
@@ -183,20 +200,25 @@ class Server:
         fold.examples.append(reply.num_examples)
         fold.losses.append(float(reply.message.get("train_loss", np.nan)))
 
-    def _fold_held(self, fold: RoundFold) -> None:
+    def _fold_held(self, fold: RoundFold) -> dict[int, str]:
         """Drop the held replies whose update norm is an outlier, then fold the others in the order sent,
-        normalised by their own example total (the same bits as a round without the dropped clients)."""
-        factor = self.fed.cfg.federation.reject_outliers
-        assert fold.held is not None and factor is not None
-        rejected = outliers(fold.norms, factor)
+        normalised by their own example total (the same bits as a round without the dropped clients); a robust
+        ``federation.aggregation`` decides what is folded. Returns the replies it left out, with why."""
+        fc = self.fed.cfg.federation
+        assert fold.held is not None
+        rejected = {} if fc.reject_outliers is None else outliers(fold.norms, fc.reject_outliers)
         fold.failed.update(rejected)
         position = {cid: i for i, cid in enumerate(fold.sent)}
         kept = sorted((r for r in fold.held if r.client_id not in rejected), key=lambda r: position[r.client_id])
         fold.held = None
+        left_out: dict[int, str] = {}
+        if kept and fc.aggregation != "mean":
+            kept, left_out = robust_replies(kept, fc)
         if kept:
             fold.acc = self.fed.topology.start(self.fed.method, {r.client_id: fold.expected[r.client_id] for r in kept})
         for reply in kept:
             self._fold(fold, reply)
+        return left_out
 
     def finish_round(self, round: int, fold: RoundFold, timings: dict[str, float]) -> dict[str, Any]:
         """Finish the fold, evaluate when due, record metrics and checkpoint; returns this round's metrics.
@@ -205,17 +227,23 @@ class Server:
         replies are left."""
         t0 = time.perf_counter()
         fc = self.fed.cfg.federation
-        if fold.held is not None:
-            self._fold_held(fold)
+        left_out = self._fold_held(fold) if fold.held is not None else {}
         failed = {cid: fold.failed[cid] for cid in sorted(fold.failed)}
         for cid, reason in failed.items():
             log.warning("round %d: client %d dropped: %s", round, cid, reason)
         if len(fold.accepted) < fc.min_clients:
             raise RunStopped(self._stop_reason(round, fold, failed))
-        self.state, method_metrics = self.fed.topology.finish(self.fed.method, self.state, fold.acc, round)
-        for cid in fold.accepted:
-            if cid in fold.states:
-                self.client_states[cid] = fold.states[cid]
+        state, method_metrics = self.fed.topology.finish(self.fed.method, self.state, fold.acc, round)
+        rollback = non_finite(state)
+        if rollback is None:  # a rolled-back round keeps the previous model, client states and norm reference
+            self.state = state
+            for cid in fold.accepted:
+                if cid in fold.states:
+                    self.client_states[cid] = fold.states[cid]
+            if self.norm_bound is not None:
+                self.norm_bound.update([fold.norms[cid] for cid in fold.accepted if cid in fold.norms])
+        else:
+            log.warning("round %d rolled back to the previous global model: NaN or Inf in %s", round, rollback)
         row: dict[str, Any] = {
             "round": round,
             "lr": self.lr(round),
@@ -230,6 +258,17 @@ class Server:
         if failed:  # absent: every sampled client's reply was folded in
             row["clients_failed"] = len(failed)
             row["clients_failed_reasons"] = {str(cid): reason for cid, reason in failed.items()}
+        if left_out:
+            row["clients_left_out"] = {str(cid): reason for cid, reason in sorted(left_out.items())}
+        if fold.capped:
+            row["num_examples_capped"] = {str(cid): claim for cid, claim in sorted(fold.capped.items())}
+            for cid in sorted(set(fold.capped) - self.warned_caps):
+                log.warning("client %d claimed num_examples=%d but holds %d training examples: capped (logged once "
+                            "per client; metrics.jsonl num_examples_capped)", cid, fold.capped[cid], fold.expected[cid])
+            self.warned_caps.update(fold.capped)
+        if rollback is not None:
+            row["rolled_back"] = True
+            row["rollback_reason"] = f"NaN or Inf in {rollback}"
         if self.eval_due(round):
             t1 = time.perf_counter()
             figures = self.evaluator.evaluate(self.state)
@@ -268,6 +307,7 @@ class Server:
                 "client_states": self.stores.detach(self.client_states),
                 "client_store": index,
                 "metrics": self.metrics,
+                "norm_reference": None if self.norm_bound is None else self.norm_bound.reference,
             },
         )
         self.stores.saved(index)

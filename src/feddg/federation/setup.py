@@ -7,6 +7,7 @@ gives the same clients, data and initial model on either.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from feddg.algorithms import Method, OptimSettings, create_method
 from feddg.config import ExperimentConfig, ExtraEvalConfig
-from feddg.data import load_dataset
+from feddg.data import dataset_info, load_dataset
 from feddg.data.base import DomainDataset
 from feddg.data.partition import make_partition
 from feddg.data.splits import (
@@ -219,7 +220,19 @@ def load_data(cfg: ExperimentConfig) -> DomainDataset:
         max_per_domain=d.max_per_domain,
         transforms=d.transforms,
         loader_workers=d.loader_workers,
+        **text_options(cfg),
     )
+
+
+def text_options(cfg: ExperimentConfig) -> dict[str, Any]:
+    """``load_dataset``'s text options for ``cfg``: the tokenizer (``data.tokenizer``, else ``model.path``'s),
+    ``max_length`` and ``vocab_size`` for a token dataset; for any other, those changed from their defaults (refused
+    there: a config dumped with every field sets them all)."""
+    d = cfg.data
+    if dataset_info(d.dataset)["inputs"] != "tokens":  # changed from their defaults, they are refused in one line
+        return {k: getattr(d, k) for k in ("tokenizer", "max_length", "vocab_size")
+                if getattr(d, k) != type(d).model_fields[k].default}
+    return {"tokenizer": d.tokenizer or cfg.model.path, "max_length": d.max_length, "vocab_size": d.vocab_size}
 
 
 def build_federation(cfg: ExperimentConfig) -> Federation:
@@ -230,13 +243,13 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
     split = make_split(dataset, cfg)
     clients = make_clients(dataset, split, cfg)
     torch.manual_seed(derived_seed(cfg.seed, 23))
-    c, h, _ = dataset.image_shape
+    path: dict[str, Any] = {"path": cfg.model.path} if cfg.model.path is not None else {}
     base = create_model(
         cfg.model.name,
         **task_of(dataset).model_head(),
-        in_channels=c,
-        image_size=h,
+        **dataset.model_args(),
         weights=cfg.model.weights,
+        **path,
         **cfg.model.params,
     )
     device = resolve_device(cfg.device)

@@ -26,7 +26,9 @@ from feddg.models.cnn import SmallCNN
 from feddg.models.efficientnet import EfficientNetLite
 from feddg.models.hfedf_cnn import HFedFCNN, NaiveInception
 from feddg.models.lenet import LeNet
+from feddg.models.mlp import BagOfWordsMLP
 from feddg.models.resnet import BasicBlock, Bottleneck, ResNet
+from feddg.models.transformer import TextTransformer
 from feddg.models.unet import UNet
 from feddg.models.vgg import VGG
 
@@ -331,6 +333,56 @@ def unet_spec(model: UNet) -> PermutationSpec:
     return b.spec()
 
 
+def mlp_spec(model: BagOfWordsMLP) -> PermutationSpec:
+    """One group: the hidden units (``hidden.0`` rows and bias, ``classifier`` columns)."""
+    b = _Builder(model)
+    b.consume([(b.new_group("hidden.0"), 0)], "classifier.weight")
+    return b.spec()
+
+
+def _rows(key: str, bias: bool, block: int = 1) -> list[Axis]:
+    """The output rows of linear layer ``key`` (and its bias), ``block`` rows per channel."""
+    return [Axis(f"{key}.weight", 0, block=block)] + ([Axis(f"{key}.bias", 0, block=block)] if bias else [])
+
+
+def transformer_spec(model: TextTransformer) -> PermutationSpec:
+    """Per encoder layer, the symmetries of a transformer block (the residual stream, embeddings, LayerNorms and the
+    classification head stay unpermuted):
+
+    - ``<layer>.ffn``: the feed-forward block's hidden units, ``intermediate.dense`` rows and bias ↔
+      ``output.dense`` columns (GELU is element-wise);
+    - ``<layer>.heads``: whole attention heads, the same head permutation for the query, key and value rows (each
+      head's ``head_dim`` rows kept in order: ``Axis.block``) and for the attention output projection's input
+      columns; scores are per head, so permuting heads permutes ``softmax(q kᵀ) v``'s head blocks only. DeBERTa's
+      disentangled attention reads relative positions through ``query_proj``/``key_proj`` (``share_att_key``) or its
+      own ``pos_query_proj``/``pos_key_proj``, reshaped into the same heads: their rows move with the heads too.
+
+    FOT matches heads by their query, key and value rows together (three producers), FFN units by
+    ``intermediate.dense`` rows."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(config.hidden_size) // heads
+    base = model.hf.base_model_prefix
+    modules = dict(model.named_modules())
+    groups = []
+    for i in range(int(config.num_hidden_layers)):
+        p = f"hf.{base}.encoder.layer.{i}"
+        att = f"{p}.attention.self"
+        qkv = [f"{att}.{n}" for n in ("query", "key", "value", "query_proj", "key_proj", "value_proj")
+               if f"{att}.{n}" in modules]
+        rel = [f"{att}.{n}" for n in ("pos_query_proj", "pos_key_proj") if f"{att}.{n}" in modules]
+        if len(qkv) != 3:
+            raise TypeError(f"{att}: expected query, key and value projections, found {qkv}")
+        members = [a for k in qkv + rel for a in _rows(k, modules[k].bias is not None, head_dim)]
+        members.append(Axis(f"{p}.attention.output.dense.weight", 1, block=head_dim))
+        groups.append(PermGroup(f"{p}.heads", heads, tuple(f"{k}.weight" for k in qkv), tuple(members)))
+        up, down = f"{p}.intermediate.dense", f"{p}.output.dense"
+        size = modules[up].out_features
+        members = [*_rows(up, modules[up].bias is not None), Axis(f"{down}.weight", 1)]
+        groups.append(PermGroup(f"{p}.ffn", size, (f"{up}.weight",), tuple(members)))
+    return PermutationSpec(tuple(groups))
+
+
 SpecBuilder = Callable[[nn.Module], PermutationSpec]
 
 #: zoo class -> spec builder; :func:`register_spec` adds models defined elsewhere
@@ -343,6 +395,8 @@ SPEC_BUILDERS: dict[type[nn.Module], SpecBuilder] = {
     ResNet: resnet_spec,  # type: ignore[dict-item]
     EfficientNetLite: efficientnet_spec,  # type: ignore[dict-item]
     UNet: unet_spec,  # type: ignore[dict-item]
+    BagOfWordsMLP: mlp_spec,  # type: ignore[dict-item]
+    TextTransformer: transformer_spec,  # type: ignore[dict-item]
 }
 
 

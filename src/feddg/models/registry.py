@@ -16,13 +16,16 @@ from feddg.models.cnn4 import CNN4
 from feddg.models.efficientnet import efficientnet_lite0
 from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
+from feddg.models.mlp import BagOfWordsMLP
 from feddg.models.resnet import resnet18, resnet50
+from feddg.models.transformer import pretrained_transformer, tiny_deberta, tiny_roberta
 from feddg.models.unet import UNet
 from feddg.models.vgg import vgg11, vgg11_bn
 
 logger = logging.getLogger(__name__)
 
-# Every factory takes (num_classes, in_channels, image_size, **model options).
+# Every image factory takes (num_classes, in_channels, image_size, **model options); a token model
+# (num_classes, vocab_size, max_length, pad_token_id, **options), a feature model (num_classes, in_features, ...).
 MODELS: dict[str, Callable[..., FedModel]] = {
     "alexnet": AlexNet,
     "cnn": SmallCNN,
@@ -30,8 +33,12 @@ MODELS: dict[str, Callable[..., FedModel]] = {
     "efficientnet_lite0": efficientnet_lite0,  # model.params.pretrained: true for the ImageNet weights
     "hfedf-cnn": HFedFCNN,
     "lenet": LeNet,
+    "mlp": BagOfWordsMLP,  # bag-of-words [B, V] inputs; model.params.hidden (256)
     "resnet18": resnet18,
     "resnet50": resnet50,
+    "tiny-deberta": tiny_deberta,  # random DeBERTa-v2 (hidden 64, 2 layers, 4 heads), disentangled attention
+    "tiny-roberta": tiny_roberta,  # random RoBERTa (hidden 64, 2 layers, 4 heads)
+    "transformer": pretrained_transformer,  # a local Hugging Face model directory (model.path): RoBERTa, DeBERTa
     "unet": UNet,  # dense [B, classes, H, W] outputs (segmentation); width 32, depth 4 is FedHarmo/FedFA's
     "vgg11": vgg11,
     "vgg11_bn": vgg11_bn,
@@ -40,8 +47,11 @@ MODELS: dict[str, Callable[..., FedModel]] = {
 
 _STAGES = frozenset({"conv_stages"})
 _BN_STAGES = frozenset({"batchnorm", "conv_stages"})
+_TOKENS = frozenset({"tokens"})  # takes {"input_ids", "attention_mask"} batches (feddg.tasks.TOKENS)
+_FEATURES = frozenset({"features"})  # takes dense [B, V] vectors (feddg.tasks.FEATURES)
 #: what each model offers methods (``feddg.tasks`` capabilities): BatchNorm layers, a conv-stage map
-#: (models/stages.py); checked against the built models by tests/test_models.py
+#: (models/stages.py), or the non-image inputs it takes (tokens, features); checked against the built models by
+#: tests/test_models.py
 CAPABILITIES: dict[str, frozenset[str]] = {
     "alexnet": _BN_STAGES,
     "cnn": _BN_STAGES,
@@ -49,8 +59,12 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "efficientnet_lite0": _BN_STAGES,
     "hfedf-cnn": _STAGES,
     "lenet": _STAGES,
+    "mlp": _FEATURES,
     "resnet18": _BN_STAGES,
     "resnet50": _BN_STAGES,
+    "tiny-deberta": _TOKENS,
+    "tiny-roberta": _TOKENS,
+    "transformer": _TOKENS,
     "unet": _BN_STAGES,
     "vgg11": _STAGES,
     "vgg11_bn": _BN_STAGES,
@@ -69,20 +83,37 @@ def list_models() -> list[str]:
     return sorted(MODELS)
 
 
+#: models that load a local directory (``model.path``)
+TAKES_PATH = frozenset({"transformer"})
+
+
 def create_model(
     name: str,
     num_classes: int,
-    in_channels: int = 3,
-    image_size: int = 28,
+    in_channels: int | None = None,
+    image_size: int | None = None,
     weights: str | Path | None = None,
+    path: str | Path | None = None,
     **kwargs: object,
 ) -> FedModel:
-    """Build a zoo model for ``in_channels``×``image_size``² inputs; ``kwargs`` are model options
-    (e.g. ``small_input``, ``hidden_dim``, ``reduced_head``). ``weights`` is a local ``.pth``
-    state_dict loaded with :func:`load_weights`."""
+    """Build a zoo model: an image model for ``in_channels``×``image_size``² inputs (default 3 × 28²), a token model
+    from ``vocab_size``, ``max_length``, ``pad_token_id``, a feature model from ``in_features`` (in ``kwargs``, from
+    ``DomainDataset.model_args()``); other ``kwargs`` are model options (e.g. ``small_input``, ``hidden_dim``).
+    ``weights`` is a local ``.pth`` state_dict loaded with :func:`load_weights`; ``path`` a local model directory,
+    for the models in :data:`TAKES_PATH`."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    model = MODELS[name](num_classes=num_classes, in_channels=in_channels, image_size=image_size, **kwargs)
+    if path is not None:
+        if name not in TAKES_PATH:
+            raise ValueError(f"model.path is for {', '.join(sorted(TAKES_PATH))}; model {name} takes none")
+        kwargs["path"] = path
+    if inputs := CAPABILITIES[name] & (_TOKENS | _FEATURES):
+        if in_channels is not None or image_size is not None:
+            raise ValueError(f"model {name} takes {', '.join(sorted(inputs))} inputs, not images")
+    else:
+        kwargs |= {"in_channels": 3 if in_channels is None else in_channels,
+                   "image_size": 28 if image_size is None else image_size}
+    model = MODELS[name](num_classes=num_classes, **kwargs)
     if weights is not None:
         load_weights(model, weights)
     return model

@@ -19,6 +19,7 @@ import numpy as np
 
 from feddg.config import read_yaml
 from feddg.evaluation.plots import chance_line, draw_domains, integer_rounds, read_metrics
+from feddg.evaluation.selection import RULES
 from feddg.evaluation.tables import (
     DEGRADED_NOTE,
     ci95,
@@ -204,7 +205,10 @@ def sweep_report(sweep_dir: Path) -> Path:
             counts[r["target"]] = c
     if task is None:
         raise ValueError(f"{sweep_dir}: the runs' task is unknown ({'; '.join(notes)})")
-    csv_metrics = [p.stem.removeprefix("table_") for p in sorted(sweep_dir.glob("table_*.csv"))]
+    csv_metrics = [p.stem.removeprefix("table_") for p in sorted(sweep_dir.glob("table_*.csv"))
+                   if not p.stem.endswith(tuple(f"_{rule}" for rule in RULES))]  # the selection tables: below
+    selection = [{"title": p.stem.removeprefix("table_"), "text": p.read_text()}  # one per metric and rule
+                 for p in sorted(sweep_dir.glob("table_*.md")) if p.stem.endswith(tuple(f"_{r}" for r in RULES))]
     metrics: list[str] = [m for m in (task.key(r) for r in ("ood", "val", "id"))
                           if m in csv_metrics or (not csv_metrics and m in rows[0])]
     metrics += [m for m in csv_metrics if m not in metrics]
@@ -238,5 +242,6 @@ def sweep_report(sweep_dir: Path) -> Path:
                   subtitle=f"{len(variants)} variants × {len(counts)} targets × {len(seeds)} seeds",
                   summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows, unit=task.unit,
                   metric_label=task.label, variants=spec.get("expanded", {}), degraded_note=DEGRADED_NOTE,
+                  selection=selection,
                   base_config=cfg_text)
 

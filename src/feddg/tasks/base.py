@@ -32,13 +32,14 @@ Predictor = Callable[[np.ndarray], Tensor]
 # what a dataset's batches provide (the inputs' kind, the targets' kind) ...
 IMAGES = "images"  # inputs are image tensors [B, C, H, W]
 TOKENS = "tokens"  # inputs are a dict of token ids and attention masks [B, L]
+FEATURES = "features"  # inputs are dense float vectors [B, V] (bag-of-words counts)
 CLASS_LABELS = "class_labels"  # one class index per sample
 DENSE_MASKS = "dense_masks"  # one class index per pixel [B, H, W]
 # ... and what a model offers (models/registry.py declares them per model)
 BATCHNORM = "batchnorm"  # BatchNorm layers (FedBN keeps them local)
 CONV_STAGES = "conv_stages"  # a conv-stage map of [B, C, H, W] feature maps (models/stages.py)
-CAPABILITIES = frozenset({IMAGES, TOKENS, CLASS_LABELS, DENSE_MASKS, BATCHNORM, CONV_STAGES})
-INPUT_KINDS = frozenset({IMAGES, TOKENS})
+CAPABILITIES = frozenset({IMAGES, TOKENS, FEATURES, CLASS_LABELS, DENSE_MASKS, BATCHNORM, CONV_STAGES})
+INPUT_KINDS = frozenset({IMAGES, TOKENS, FEATURES})
 
 #: the roles a metric is reported for: the clients' holdouts, the held-out (test) and validation domains, and for a
 #: personalised method the global model's

@@ -9,13 +9,17 @@ need travels in the run config (``flwr run --run-config run.toml``):
 
 The ServerApp builds the Federation (for evaluation and the run directory) and drives it with
 ``run_on_grid``; each SuperNode's ClientApp rebuilds the same Federation and serves the clients
-of its ``partition-id``.
+of its ``partition-id`` (or, with ``flower.roster``, of its key). The run directory's ``status.json``
+says how the ServerApp ended (:func:`mark`): ``running`` (still, or killed), ``completed`` (with
+results.json), ``failed`` (with the error) or ``stopped`` (``flwr stop``, a signal).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from collections.abc import Callable
 from logging import INFO
 from pathlib import Path
@@ -44,9 +48,24 @@ def _round_logger(metric: str) -> Callable[[dict[str, Any]], None]:
     return log_round
 
 
+#: the run directory's mark of how the ServerApp ended (``feddg flower run`` reads it)
+STATUS = "status.json"
+
+
+def mark(run_dir: Path, status: str, error: str = "") -> None:
+    """Write ``run_dir/status.json``: ``status`` (running, completed, failed, stopped) and the error's one line."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
+              **({"error": " ".join(error.split())[:500]} if error else {})}
+    tmp = run_dir / f".{STATUS}.tmp"
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(run_dir / STATUS)
+
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the experiment of the run config on the SuperNodes connected to this SuperLink."""
+    """Run the experiment of the run config on the SuperNodes connected to this SuperLink; mark the run directory
+    with how it ended (``status.json``), so a stopped or failed run is not mistaken for a result."""
     # the server half, imported here: a ClientApp process imports this module too
     from feddg.engines.flower.server import PollingGrid, run_on_grid
     from feddg.evaluation.plots import plot_run  # matplotlib: only where the run directory is written
@@ -57,8 +76,17 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     cfg = config_from_text(str(rc.get("config", "")))
     run_dir = Path(str(rc.get("run-dir", "")) or default_run_dir(cfg))
-    server = Server(build_federation(cfg), run_dir, resume=bool(rc.get("resume", False)))
-    results = run_on_grid(server, PollingGrid(grid), on_round=_round_logger(server.fed.task.metric))
+    mark(run_dir, "running")
+    try:
+        server = Server(build_federation(cfg), run_dir, resume=bool(rc.get("resume", False)))
+        results = run_on_grid(server, PollingGrid(grid), on_round=_round_logger(server.fed.task.metric))
+    except (KeyboardInterrupt, SystemExit) as err:  # flwr stop: the task heartbeat raises SIGINT here
+        mark(run_dir, "stopped", f"stopped from outside ({type(err).__name__}) before the last round")
+        raise
+    except BaseException as err:
+        mark(run_dir, "failed", f"{type(err).__name__}: {err}")
+        raise
+    mark(run_dir, "completed")
     plot_run(run_dir)
     write_examples(server)
     log(INFO, "feddg results (%s): %s", run_dir, json.dumps(results["final"]))

@@ -11,7 +11,9 @@ reply was folded in (``commit-round``): a client whose reply the server dropped 
 
 Message types (the ServerApp sends them, see :mod:`feddg.engines.flower.server`):
 
-``query.identify``  reply ``route`` = {partition-id, num-partitions, fingerprint}
+``query.identify``  reply ``route`` = {partition-id, num-partitions, fingerprint}; in a secure deployment
+                    (``flower.roster``) the server's ``challenge`` comes back signed with the node's key
+                    (``--node-config "auth-key='KEY'"``), and the roster, not partition-id, says which client it is
 ``query.setup``     the method's one-time setup exchange (``client_setup``)
 ``train``           one round of ``client_update``
 """
@@ -25,6 +27,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from logging import ERROR, INFO
+from pathlib import Path
 
 import yaml
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -35,6 +38,7 @@ from flwr.supercore.logger import update_console_handler
 
 from feddg.config import ExperimentConfig, build_config, dump_config
 from feddg.engines.flower.records import get_message, put_message, record_int
+from feddg.engines.flower.security import identity_statement, load_private_key, public_key_text, sign
 from feddg.federation.client import describe, run_client, run_client_setup
 from feddg.federation.setup import Federation, build_federation
 from feddg.messages import Message as FeddgMessage
@@ -44,6 +48,8 @@ IDENTIFY, SETUP, TRAIN = "query.identify", "query.setup", "train"
 ROUTE = "route"
 #: route key of train messages: the last round whose reply the server folded in from this client
 COMMIT = "commit-round"
+#: node config key: the node's private key file (its ``--auth-supernode-private-key``), for the roster's proof
+AUTH_KEY = "auth-key"
 
 FederationFactory = Callable[[ExperimentConfig], Federation]
 
@@ -134,7 +140,10 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         return node_federation(text, factory)
 
     def client_id(msg: Message, context: Context) -> int:
-        cid, partition = record_int(msg.content.config_records[ROUTE]["client-id"]), node_partition(context)[0]
+        cid = record_int(msg.content.config_records[ROUTE]["client-id"])
+        if AUTH_KEY in context.node_config:  # the server bound this node to its client by the node's key (roster)
+            return cid
+        partition = node_partition(context)[0]
         if cid != partition:
             raise ValueError(f"a message for client {cid} reached the SuperNode of partition {partition}")
         return cid
@@ -144,8 +153,15 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
 
     @app.query("identify")
     def identify(msg: Message, context: Context) -> Message:
-        p, n = node_partition(context)
-        info = ConfigRecord({"partition-id": p, "num-partitions": n, "fingerprint": fingerprint(federation(context))})
+        fp, asked = fingerprint(federation(context)), msg.content.config_records[ROUTE]
+        if AUTH_KEY in context.node_config and "challenge" in asked:  # secure: the roster says who this node is
+            key = load_private_key(Path(str(context.node_config[AUTH_KEY])))
+            statement = identity_statement(str(asked["challenge"]), context.node_id, fp)
+            info = ConfigRecord({"fingerprint": fp, "public-key": public_key_text(key.public_key()),
+                                 "signature": sign(key, statement)})
+        else:
+            p, n = node_partition(context)
+            info = ConfigRecord({"partition-id": p, "num-partitions": n, "fingerprint": fp})
         return Message(RecordDict({ROUTE: info}), reply_to=msg)
 
     @app.query("setup")

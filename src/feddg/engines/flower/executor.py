@@ -1,7 +1,11 @@
 """The warm ClientApp executor of a SuperNode started with ``--isolation process`` (see docs/flower.md).
 
-    flower-supernode --insecure --isolation process --host 127.0.0.1 --port 9094 ... &
-    python -m feddg.engines.flower.executor --runtime-api-address 127.0.0.1:9094 --parent-pid $! &
+    flower-supernode --root-certificates ca.pem --isolation process --host 127.0.0.1 --port 9094 \
+        --ssl-certfile server.pem --ssl-keyfile server.key --ssl-ca-certfile ca.pem ... &
+    python -m feddg.engines.flower.executor --runtime-api-address 127.0.0.1:9094 --root-certificates ca.pem \
+        --parent-pid $! &
+
+(``--insecure`` instead of ``--root-certificates``: plain HTTP to the Runtime API, with a warning.)
 
 It keeps one warm worker (:mod:`feddg.engines.flower.worker`) running the node's ClientApp tasks and
 starts another if that one dies (a client killed by the OOM killer, a crash in native code), as Flower
@@ -73,14 +77,31 @@ def supervise(worker_args: list[str], parent_pid: int | None) -> None:
                 child.wait()
 
 
+INSECURE_WARNING = ("feddg executor: warning: --insecure: the Runtime API is plain HTTP (messages, the node's "
+                    "Context); use it on loopback only, or pass --root-certificates CA.pem")
+
+
+def tls_args(root_certificates: str | None, insecure: bool) -> list[str]:
+    """The worker's TLS arguments; ``insecure`` (plain HTTP) only when asked for, with a warning."""
+    if insecure:
+        print(INSECURE_WARNING, file=sys.stderr, flush=True)
+        return ["--insecure"]
+    if root_certificates is None or not Path(root_certificates).is_file():
+        raise SystemExit(f"feddg executor: --root-certificates {root_certificates}: no such file (or pass --insecure)")
+    return ["--root-certificates", str(Path(root_certificates).resolve())]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="run a SuperNode's ClientApps in one warm, supervised process")
     ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's --host:--port (loopback)")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds between task polls when idle")
     ap.add_argument("--parent-pid", type=int, help="the SuperNode's pid: end with it")
+    tls = ap.add_mutually_exclusive_group(required=True)
+    tls.add_argument("--root-certificates", help="CA certificate (PEM) of the SuperNode's Runtime API TLS")
+    tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (warns; loopback only)")
     args = ap.parse_args()
-    supervise(["--runtime-api-address", args.runtime_api_address, "--poll-interval", str(args.poll_interval)],
-              args.parent_pid)
+    supervise(["--runtime-api-address", args.runtime_api_address, "--poll-interval", str(args.poll_interval),
+               *tls_args(args.root_certificates, args.insecure)], args.parent_pid)
 
 
 if __name__ == "__main__":

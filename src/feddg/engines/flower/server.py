@@ -5,7 +5,9 @@ SuperLink):
 
 1. ``query.identify`` to every node until partitions 0..K-1 have all answered (client k is the
    node of partition k); each node's federation fingerprint must equal the server's (same
-   config, same data, same partition).
+   config, same data, same partition). With ``flower.roster`` (a secure deployment) client k is
+   the node that signs the server's challenge with client k's key; partition ids are ignored and
+   unknown, forged and duplicate nodes are refused (one log line each) and never sent anything else.
 2. ``query.setup`` to every client, once, if the method has a setup exchange.
 3. :class:`FeddgStrategy` ``.start`` for the remaining rounds: ``configure_train`` asks
    ``Server.configure`` for per-client messages, ``aggregate_train`` hands the replies to
@@ -24,9 +26,11 @@ exactly as in the in-process engine.
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable
-from logging import INFO
+from logging import INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -39,6 +43,14 @@ from feddg.algorithms.base import Reply
 from feddg.config import one_line
 from feddg.engines.flower.client import COMMIT, IDENTIFY, ROUTE, SETUP, TRAIN, fingerprint
 from feddg.engines.flower.records import get_message, put_message, record_int
+from feddg.engines.flower.security import (
+    Roster,
+    RosterEntry,
+    identity_statement,
+    key_fingerprint,
+    load_public_key,
+    verify,
+)
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
 from feddg.messages import Message as FeddgMessage
@@ -122,36 +134,89 @@ def collect(sent: dict[int, Message], replies: Iterable[Message], timeout: float
     return [Reply(cid, got[cid]) for cid in sent if cid in got], failed
 
 
-def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int]:
-    """``client_id -> node_id``: ask every node its partition until partitions 0..K-1 have all answered.
+class Refused(ValueError):
+    """A node that is not, or cannot prove it is, a client of the roster."""
 
-    One SuperNode per client: Flower runs a node's messages with copies of one Context, so two
-    clients on one node could overwrite each other's state.
+
+def roster_identity(roster: Roster, reply: Message, challenge: str, nodes: dict[int, int]) -> RosterEntry:
+    """The roster entry whose key signed ``reply``'s answer to ``challenge`` (:func:`identity_statement` of the
+    challenge, the reply's node id and its federation fingerprint); :class:`Refused` names why there is none."""
+    node = reply.metadata.src_node_id
+    if reply.has_error():
+        raise Refused(f"node {node} failed to identify: {one_line(str(reply.error.reason))[:200]}")
+    info = reply.content.config_records[ROUTE]
+    if "signature" not in info:
+        raise Refused(f"node {node} sent no identity proof (start it with --node-config \"auth-key='KEY'\")")
+    try:
+        key = load_public_key(str(info["public-key"]))
+    except ValueError as err:
+        raise Refused(f"node {node}: {err}") from None
+    entry = roster.by_fingerprint.get(key_fingerprint(key))
+    if entry is None:
+        raise Refused(f"node {node}: key {key_fingerprint(key)} is not in the roster")
+    if not verify(key, identity_statement(challenge, node, str(info["fingerprint"])), str(info["signature"])):
+        raise Refused(f"node {node}: forged identity: its signature does not verify with {entry.name}'s key")
+    if entry.client in nodes:
+        raise Refused(f"node {node}: client {entry.client} ({entry.name}) is already node {nodes[entry.client]}")
+    return entry
+
+
+def declared_partition(reply: Message, k: int, nodes: dict[int, int]) -> int:
+    """The partition an insecure node declares (``--node-config partition-id=...``): trusted as it is."""
+    node = reply.metadata.src_node_id
+    if reply.has_error():
+        raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
+    info = reply.content.config_records[ROUTE]
+    p, n = record_int(info["partition-id"]), record_int(info["num-partitions"])
+    if n != k or not 0 <= p < k or p in nodes:
+        raise RuntimeError(f"node {node} is partition {p} of {n}; want one node per client, partitions 0..{k - 1}")
+    return p
+
+
+def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int]:
+    """``client_id -> node_id``: ask every node who it is until clients 0..K-1 have all answered.
+
+    Without ``flower.roster`` a node is the client of its declared partition; with it, the client whose
+    roster key signed the node's answer to a fresh challenge (:func:`roster_identity`). One SuperNode per
+    client: Flower runs a node's messages with copies of one Context, so two clients on one node could
+    overwrite each other's state.
     """
     want, k = fingerprint(server.fed), len(server.fed.clients)
+    roster_path = server.fed.cfg.flower.roster
+    roster = Roster.load(Path(roster_path), k) if roster_path else None
     deadline = time.monotonic() + wait_s
     nodes: dict[int, int] = {}
+    refused: dict[int, str] = {}
+    challenges: dict[int, str] = {}
     while len(nodes) < k:
-        new = [n for n in grid.get_node_ids() if n not in nodes.values()]
-        msgs = [Message(RecordDict({ROUTE: ConfigRecord({"node-id": n})}), n, IDENTIFY) for n in new]
+        new = [n for n in grid.get_node_ids() if n not in nodes.values() and n not in refused]
+        msgs = []
+        for n in new:
+            route = ConfigRecord({"node-id": n})
+            if roster is not None:
+                route["challenge"] = challenges[n] = secrets.token_hex(32)
+            msgs.append(Message(RecordDict({ROUTE: route}), n, IDENTIFY))
         for r in grid.send_and_receive(msgs, timeout=max(deadline - time.monotonic(), 1.0)) if msgs else []:
             node = r.metadata.src_node_id
-            if r.has_error():
-                raise RuntimeError(f"node {node} failed to identify: {r.error.reason}")
-            info = r.content.config_records[ROUTE]
-            p, n = record_int(info["partition-id"]), record_int(info["num-partitions"])
-            if n != k or not 0 <= p < k or p in nodes:
-                raise RuntimeError(f"node {node} is partition {p} of {n}; "
-                                   f"want one node per client, partitions 0..{k - 1}")
-            if info["fingerprint"] != want:
-                raise RuntimeError(f"node {node} (partition {p}) built a different federation: same config and data?")
+            if roster is None:
+                p = declared_partition(r, k, nodes)
+            else:
+                try:
+                    p = roster_identity(roster, r, challenges[node], nodes).client
+                except Refused as why:
+                    refused[node] = str(why)
+                    log(WARNING, "feddg: refused %s", why)
+                    continue
+            if r.content.config_records[ROUTE]["fingerprint"] != want:
+                raise RuntimeError(f"node {node} (client {p}) built a different federation: same config and data?")
             nodes[p] = node
         if len(nodes) < k:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(k)) - set(nodes))
-                raise TimeoutError(f"partitions {missing} did not connect within flower.node_wait_s={wait_s}")
+                raise TimeoutError(f"clients {missing} did not connect within flower.node_wait_s={wait_s}"
+                                   + (f"; refused {len(refused)} node(s): {'; '.join(refused.values())}" if refused else ""))
             time.sleep(0.5)
-    log(INFO, "feddg: %d clients on %d SuperNodes", k, k)
+    log(INFO, "feddg: %d clients on %d SuperNodes%s", k, k, " (identified by the roster)" if roster else "")
     return nodes
 
 

@@ -75,6 +75,8 @@ def run_flower(
 
     ``factory`` rebuilds the Federation from the config inside each ClientApp (tests pass a toy one).
     """
+    if server.fed.cfg.flower.roster:
+        raise ValueError("flower.roster is for deployments (its nodes prove their keys); the simulation has no keys")
     results: dict[str, Any] = {}
     stopped: list[RunStopped] = []
     server_app = ServerApp()

@@ -12,7 +12,8 @@ by :func:`feddg.engines.flower.client.node_federation` stay loaded between messa
 
 Run it through :mod:`feddg.engines.flower.executor`, which restarts it if it dies. It uses Flower's own
 task functions (``flwr.supernode.runtime.run_clientapp``), internal to flwr 1.41 (the pinned version).
-The Runtime API is reached without TLS: keep the SuperNode's ``--host`` on loopback.
+The Runtime API is reached over TLS with ``--root-certificates CA.pem`` (the SuperNode started with
+``--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile``), or in plain HTTP with ``--insecure`` (loopback only).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 from logging import ERROR, INFO
+from pathlib import Path
 
 import torch
 from flwr.app import Context, Error, Message
@@ -56,10 +58,12 @@ from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 import feddg.engines.flower.app  # noqa: F401  # torch, feddg and the ClientApp load before the first message
 
 
-def runtime_client(address: str, *interceptors: ProtobufClientInterceptor) -> RuntimeHttpClient:
-    """A client of the SuperNode's Runtime API at ``address`` (host:port, plain HTTP)."""
+def runtime_client(address: str, root_certificates: bytes | None, *interceptors: ProtobufClientInterceptor
+                   ) -> RuntimeHttpClient:
+    """A client of the SuperNode's Runtime API at ``address`` (host:port): TLS trusting ``root_certificates``
+    (PEM), plain HTTP where it is ``None``."""
     return RuntimeHttpClient.from_server_address(
-        server_address=address, insecure=True, root_certificates=None,
+        server_address=address, insecure=root_certificates is None, root_certificates=root_certificates,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"), *interceptors],
         retry_invoker=make_simple_http_retry_invoker(),
     )
@@ -86,10 +90,10 @@ def pull_task_input(client: RuntimeHttpClient) -> tuple[Message, Context, Run, F
     return message, context, run_from_proto(res.run), fab_from_proto(res.fab)
 
 
-def run_task(address: str, token: str, apps: dict[str, ClientApp]) -> None:
+def run_task(address: str, root_certificates: bytes | None, token: str, apps: dict[str, ClientApp]) -> None:
     """Run the claimed ClientApp task of ``token`` as ``flwr-clientapp`` would; ``apps`` caches the loaded
     ClientApp per FAB hash."""
-    client = runtime_client(address, RuntimeTokenHttpInterceptor(token))
+    client = runtime_client(address, root_certificates, RuntimeTokenHttpInterceptor(token))
     heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
     heartbeat.start()
     message = reply = context = None
@@ -127,16 +131,16 @@ def warm_up() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def serve(address: str, poll_s: float) -> None:
+def serve(address: str, root_certificates: bytes | None, poll_s: float) -> None:
     """Claim and run the ClientApp tasks of the SuperNode at ``address``, forever."""
-    acquirer = runtime_client(address)
+    acquirer = runtime_client(address, root_certificates)
     apps: dict[str, ClientApp] = {}
     request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
     log(INFO, "feddg warm ClientApp worker: serving the SuperNode at %s", address)
     while True:
         res = acquirer.AcquireTask(request)
         if res.HasField("task") and res.token:
-            run_task(address, res.token, apps)
+            run_task(address, root_certificates, res.token, apps)
         else:
             time.sleep(poll_s)
 
@@ -146,11 +150,14 @@ def main() -> None:
     ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's --host:--port")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds between task polls when idle")
     ap.add_argument("--parent-pid", type=int, help="exit when this process ends")
+    tls = ap.add_mutually_exclusive_group(required=True)
+    tls.add_argument("--root-certificates", type=Path, help="CA certificate (PEM) of the Runtime API's TLS")
+    tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (loopback only)")
     args = ap.parse_args()
     if args.parent_pid is not None:
         start_parent_process_monitor(args.parent_pid)
     warm_up()
-    serve(args.runtime_api_address, args.poll_interval)
+    serve(args.runtime_api_address, None if args.insecure else args.root_certificates.read_bytes(), args.poll_interval)
 
 
 if __name__ == "__main__":

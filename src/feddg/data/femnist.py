@@ -1,0 +1,161 @@
+"""FEMNIST (LEAF, Caldas et al. 2018): handwritten digits and letters, one natural group per writer.
+
+Two on-disk formats:
+
+* **LEAF json**: ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [[784 floats in 0..1]],
+  "y": [int]}}}`` in ``root/all_data_*.json`` (or ``root/all_data/*.json``: every writer is then a domain) or in
+  ``root/train/*.json`` + ``root/test/*.json`` (LEAF's split: the domains are ``test`` and ``train``). Users with
+  no samples are skipped.
+* **WILDS-style** ``root/metadata.csv`` with columns ``path, y, split, domain`` (``path`` relative to the root,
+  an image file): the ``split`` values are the domains, the ``domain`` column (the writer) the natural group.
+
+Labels 0-9 are the digits, 10-35 the upper-case and 36-61 the lower-case letters; images are 28 px grayscale.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+
+from feddg.data import image_cache
+from feddg.data.cache import cached
+from feddg.data.natural import Samples, Source, split_order
+from feddg.data.transform_spec import TransformSpec
+
+NAME = "femnist"
+CLASSES = [*string.digits, *string.ascii_uppercase, *string.ascii_lowercase]
+SIZE = 28
+PIXELS = SIZE * SIZE
+COLUMNS = ("path", "y", "split", "domain")
+LAYOUT = ("root/all_data_*.json or root/{train,test}/*.json (LEAF), or root/metadata.csv with columns "
+          "path, y, split, domain and the images")
+
+
+def _label(value: object) -> int:
+    """``value`` as a class index in 0..61, else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"label {value!r} is not an integer")
+    y = int(value)
+    if not 0 <= y < len(CLASSES):
+        raise ValueError(f"label {y} is outside 0..{len(CLASSES) - 1}")
+    return y
+
+
+def _user_arrays(path: Path, user: str, data: object) -> tuple[np.ndarray, np.ndarray]:
+    """One user's ``x`` as uint8 ``[n, 1, 28, 28]`` and ``y``; one line naming the file and user if malformed."""
+    try:
+        if not isinstance(data, dict) or "x" not in data or "y" not in data:
+            raise ValueError("expected an object with x and y")
+        y = np.array([_label(v) for v in data["y"]], dtype=np.int64)
+        x = np.asarray(data["x"], dtype=np.float64)
+        if x.shape != (len(y), PIXELS) and len(y):
+            raise ValueError(f"x must be {len(y)} lists of {PIXELS} numbers (one per label), got shape {x.shape}")
+        if len(y) and not (x.min() >= 0 and x.max() <= 1):
+            raise ValueError("x values must lie in 0..1")
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: user {user}: {' '.join(str(err).split())}") from None
+    pixels = np.rint(x * 255).astype(np.uint8).reshape(len(y), 1, SIZE, SIZE)
+    return pixels, y
+
+
+def read_leaf_file(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each user's images and labels in one LEAF json file (users without samples left out)."""
+    try:
+        blob = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not readable JSON ({' '.join(str(err).split())})") from None
+    if not isinstance(blob, dict) or not isinstance(blob.get("users"), list) or not isinstance(
+            blob.get("user_data"), dict):
+        raise ValueError(f"{path}: expected LEAF's object with users, num_samples and user_data")
+    out = {}
+    for user in blob["users"]:
+        if str(user) not in blob["user_data"]:
+            raise ValueError(f"{path}: user {user}: listed in users but missing from user_data")
+        x, y = _user_arrays(path, str(user), blob["user_data"][str(user)])
+        if len(y):
+            out[str(user)] = (x, y)
+    return out
+
+
+def _leaf_files(root: Path) -> dict[str, list[Path]]:
+    """The json files of each split (``{"all": [...]}`` for LEAF's unsplit ``all_data``)."""
+    splits = {s: sorted((root / s).glob("*.json")) for s in ("test", "train") if (root / s).is_dir()}
+    if splits:
+        return splits
+    every = sorted(root.glob("all_data_*.json")) or sorted((root / "all_data").glob("*.json"))
+    return {"all": every} if every else {}
+
+
+def _read_leaf(root: Path, files: dict[str, list[Path]]) -> dict[str, np.ndarray]:
+    """Every sample of the LEAF files: images, labels, split index (into ``files``) and writer name."""
+    xs, ys, splits, users = [], [], [], []
+    for s, paths in enumerate(files.values()):
+        for path in paths:
+            for user, (x, y) in read_leaf_file(path).items():
+                xs.append(x)
+                ys.append(y)
+                splits.append(np.full(len(y), s, dtype=np.int64))
+                users += [user] * len(y)
+    if not ys:
+        raise ValueError(f"{root}: the LEAF files hold no sample")
+    return {"x": np.concatenate(xs), "y": np.concatenate(ys), "split": np.concatenate(splits),
+            "user": np.array(users)}
+
+
+def read_leaf(root: Path, cache_dir: Path) -> Samples:
+    """FEMNIST from LEAF json files, parsed once into a cache keyed by the files' paths, sizes and mtimes."""
+    files = _leaf_files(root)
+    if not files or not all(files.values()):
+        raise ValueError(f"{root}: no FEMNIST data; expected {LAYOUT}")
+    every = [p for paths in files.values() for p in paths]
+    key = image_cache.cache_path(cache_dir, f"{NAME}-leaf", root, every, SIZE).with_suffix(".npz")
+    arrays = cached(key, ("x", "y", "split", "user"), lambda: _read_leaf(root, files))
+    writers, groups = np.unique(arrays["user"], return_inverse=True)
+    names = [str(w) for w in writers]
+    if "all" in files:  # no official split: each writer is a domain
+        return Samples(names, CLASSES, arrays["y"], groups, SIZE, 1, groups, names, arrays["x"])
+    return Samples(list(files), CLASSES, arrays["y"], arrays["split"], SIZE, 1, groups, names, arrays["x"])
+
+
+def read_metadata(root: Path) -> Samples:
+    """FEMNIST from ``root/metadata.csv`` (``path, y, split, domain``) and its image files."""
+    table = root / "metadata.csv"
+    try:
+        with table.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"{table}: not a readable CSV ({' '.join(str(err).split())})") from None
+    if not rows or any(c not in rows[0] for c in COLUMNS):
+        raise ValueError(f"{table}: expected a header with columns {', '.join(COLUMNS)} and one row per image")
+    files, labels, splits, writers = [], [], [], []
+    for line, row in enumerate(rows, start=2):
+        try:
+            if any(not row.get(c) for c in COLUMNS):
+                raise ValueError(f"empty {', '.join(c for c in COLUMNS if not row.get(c))}")
+            labels.append(_label(row["y"].strip()))
+            file = root / row["path"]
+            if not file.is_file():
+                raise ValueError(f"no image {file}")
+        except ValueError as err:
+            raise ValueError(f"{table}: line {line}: {err}") from None
+        files.append(file)
+        splits.append(row["split"])
+        writers.append(row["domain"])
+    domains = split_order(set(splits))
+    names, groups = np.unique(np.array(writers), return_inverse=True)
+    domain_ids = np.array([domains.index(s) for s in splits], dtype=np.int64)
+    return Samples(domains, CLASSES, np.array(labels, dtype=np.int64), domain_ids, SIZE, 1, groups,
+                   [str(n) for n in names], files=files, root=root)
+
+
+def read_femnist(root: Path | None, seed: int, cache_dir: Path) -> Samples:
+    """FEMNIST from ``root`` in either format (``metadata.csv`` if present, else LEAF json); ``seed`` is unused."""
+    assert root is not None
+    return read_metadata(root) if (root / "metadata.csv").is_file() else read_leaf(root, cache_dir)
+
+
+SOURCE = Source(read_femnist, [], CLASSES, SIZE, TransformSpec(mean=(0.5,), std=(0.5,)), layout=LAYOUT)

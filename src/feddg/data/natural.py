@@ -1,0 +1,116 @@
+"""Datasets read from the formats they are published in, with natural client groups or an official test split.
+
+A reader returns :class:`Samples` (labels, domains, natural groups, and either the pixels or the image files); the
+registry (``data/registry.py``) picks domains and ``max_per_domain`` on it, and :func:`to_dataset` decodes what is
+kept. **Domains** are the data's official split where it has one (``test`` first, so that a LODO split's default
+target holds it out), else each writer is a domain (so ``split.target_fraction`` holds out unseen writers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from feddg.data import image_cache
+from feddg.data.augment import BatchAugment
+from feddg.data.base import DomainDataset
+from feddg.data.digits import resize_uint8
+from feddg.data.folders import FolderDomainDataset
+from feddg.data.tensor_dataset import TensorDomainDataset
+from feddg.data.transform_spec import TransformSpec, check_channels
+
+
+@dataclass(frozen=True, eq=False)
+class Samples:
+    """What a reader found.
+
+    Attributes:
+        domains, classes: names; ``domain_ids`` and ``labels`` (int64 ``[N]``) index into them.
+        groups: int64 ``[N]`` natural group (writer) of each sample into ``group_names``, or ``None``.
+        images: uint8 ``[N, C, S, S]`` pixels at ``size`` px, or ``None`` when ``files`` holds the image files.
+        root: the folder ``files`` lie under (the image cache's key is relative to it).
+        channels: channels of the dataset's images (files decode as RGB; grayscale data keeps the first).
+    """
+
+    domains: list[str]
+    classes: list[str]
+    labels: np.ndarray
+    domain_ids: np.ndarray
+    size: int
+    channels: int
+    groups: np.ndarray | None = None
+    group_names: list[str] | None = None
+    images: np.ndarray | None = None
+    files: list[Path] | None = None
+    root: Path | None = None
+
+    def take(self, rows: np.ndarray) -> Samples:
+        """The samples at ``rows`` (domains and groups keep their names and ids)."""
+        return replace(self, labels=self.labels[rows], domain_ids=self.domain_ids[rows],
+                       groups=None if self.groups is None else self.groups[rows],
+                       images=None if self.images is None else self.images[rows],
+                       files=None if self.files is None else [self.files[i] for i in rows])
+
+    def restrict(self, chosen: list[str]) -> Samples:
+        """The samples of domains ``chosen`` (names among ``domains``), renumbered in that order."""
+        ids = [self.domains.index(d) for d in chosen]
+        rows = np.flatnonzero(np.isin(self.domain_ids, ids))
+        remap = np.zeros(len(self.domains), dtype=np.int64)
+        remap[ids] = np.arange(len(ids))
+        kept = self.take(rows)
+        return replace(kept, domains=list(chosen), domain_ids=remap[kept.domain_ids])
+
+
+@dataclass(frozen=True)
+class Source:
+    """A dataset format: ``read(root, seed, cache_dir)`` and what configs are checked against before it loads."""
+
+    read: Callable[[Path | None, int, Path], Samples]
+    domains: list[str]
+    classes: list[str]
+    image_size: int
+    transforms: TransformSpec
+    needs_root: bool = True
+    layout: str = ""
+
+
+def check_root(name: str, source: Source, root: str | None) -> Path | None:
+    """``root`` as a folder for a dataset that reads one; one line when it is missing or unexpected."""
+    if not source.needs_root:
+        if root is not None:
+            raise ValueError(f"{name} is built in and takes no root (got {root!r})")
+        return None
+    if root is None:
+        raise ValueError(f"dataset {name} needs root=<folder> laid out as {source.layout}")
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"dataset {name}: root {path} is not a folder; expected {source.layout}")
+    return path
+
+
+def split_order(names: set[str]) -> list[str]:
+    """Split names with ``test`` first (a LODO split's default target), the others sorted."""
+    return sorted(names, key=lambda s: (s != "test", s))
+
+
+def to_dataset(name: str, samples: Samples, spec: TransformSpec, cache_dir: Path, size: int) -> DomainDataset:
+    """The dataset of ``samples`` at ``size`` px: files are decoded once into the image cache and memory-mapped."""
+    ds: TensorDomainDataset
+    if samples.files is not None:
+        assert samples.root is not None
+        images, _ = image_cache.cached_images(cache_dir, name, samples.root, samples.files, size)
+        ds = FolderDomainDataset(name, samples.files, images[..., :samples.channels], samples.labels,
+                                 samples.domain_ids, samples.domains, samples.classes, spec)
+    else:
+        assert samples.images is not None
+        x = samples.images if size == samples.size else resize_uint8(samples.images, size)
+        mean, std = check_channels(spec, x.shape[1], name)
+        ds = TensorDomainDataset(name, torch.from_numpy(np.ascontiguousarray(x)), samples.labels, samples.domain_ids,
+                                 samples.domains, samples.classes, mean, std,
+                                 BatchAugment(spec) if spec.augments else None)
+    ds.groups, ds.group_names = samples.groups, samples.group_names
+    return ds

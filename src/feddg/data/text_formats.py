@@ -1,0 +1,232 @@
+"""Readers of the text layouts: Blitzer et al.'s multi-domain sentiment release (raw and ``processed_acl``) and
+CSV / JSONL tables.
+
+Each reader returns per-domain samples and the list of every problem found, one line each as
+``path:line: what is wrong``; :func:`first_problem` turns that list into the one-line error a load stops with.
+
+Layouts (Blitzer, Dredze & Pereira, ACL 2007, "Biographies, Bollywood, Boom-boxes and Blenders"):
+
+- raw: ``root/<domain>/{positive,negative}.review``, pseudo-XML with one ``<review>`` per entry whose
+  ``<review_text>`` is the text (HTML entities unescaped; ``unlabeled.review`` is ignored);
+- ``processed_acl``: the same files, one review per line ``tok:count tok_tok:count ... #label#:positive``;
+- table: a ``.csv`` / ``.jsonl`` file, or a folder of them, with columns (keys) ``text``, ``label``, ``domain``.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Amazon Reviews' domains as feddg names them, and the folder names the release may use for each
+AMAZON_DOMAINS = ("books", "dvd", "electronics", "kitchen")
+AMAZON_FOLDERS = {"kitchen": ("kitchen", "kitchen_&_housewares")}
+SENTIMENT = ("negative", "positive")  # class 0, class 1
+RAW_LAYOUT = "root/<domain>/{positive,negative}.review (Blitzer et al.'s release; domains books, dvd, electronics, kitchen)"
+ACL_LAYOUT = "root/<domain>/{positive,negative}.review with lines `tok:count ... #label#:positive|negative`"
+TABLE_LAYOUT = "a .csv or .jsonl file (or a folder of them) with columns text, label, domain"
+TABLE_COLUMNS = ("text", "label", "domain")
+_TAG = re.compile(r"<(/?)(review|review_text)>")
+
+Labelled = list[tuple[str, int]]  # (text, class index) per review
+Counts = list[tuple[dict[str, int], int]]  # (feature counts, class index) per review
+
+
+def first_problem(problems: list[str]) -> str:
+    """The first problem, and how many more there are (``--check`` lists them all)."""
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+def _read_text(path: Path) -> str:
+    """The file as text: UTF-8, else Latin-1 (the 2007 release mixes encodings)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
+
+
+def domain_folder(root: Path, domain: str) -> Path | None:
+    """The folder of an Amazon domain under ``root`` (``kitchen`` may be named ``kitchen_&_housewares``)."""
+    for name in AMAZON_FOLDERS.get(domain, (domain,)):
+        if (root / name).is_dir():
+            return root / name
+    return None
+
+
+def review_files(root: str | Path, domains: tuple[str, ...] = AMAZON_DOMAINS) -> tuple[list[tuple[str, Path, int]], list[str]]:
+    """``(domain, file, class)`` of every ``{negative,positive}.review`` of ``domains`` under ``root``, and the
+    problems of the layout (a missing root, domain folder or file)."""
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        return [], [f"{path}: no such folder; expected {RAW_LAYOUT}"]
+    files, problems = [], []
+    for domain in domains:
+        folder = domain_folder(path, domain)
+        if folder is None:
+            problems.append(f"{path / domain}: domain folder is missing")
+            continue
+        for k, polarity in enumerate(SENTIMENT):
+            file = folder / f"{polarity}.review"
+            if file.is_file():
+                files.append((domain, file, k))
+            else:
+                problems.append(f"{file}: file is missing")
+    return files, problems
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def parse_raw_reviews(path: Path) -> tuple[list[str], list[str]]:
+    """The ``<review_text>`` of every ``<review>`` of a raw ``.review`` file (entities unescaped, whitespace
+    collapsed), and its problems. Not valid XML (bare ``&``, ``<`` in texts), so tags are matched by a regex."""
+    text = _read_text(path)
+    texts: list[str] = []
+    problems: list[str] = []
+    review_at = body_at = None  # offsets of the open <review> and of the end of the open <review_text>
+    body: str | None = None
+    for m in _TAG.finditer(text):
+        closing, tag, pos = m.group(1) == "/", m.group(2), m.start()
+        if tag == "review" and not closing:
+            if review_at is not None:
+                problems.append(f"{path}:{_line(text, review_at)}: <review> is not closed before the next <review>")
+            review_at, body_at, body = pos, None, None
+        elif tag == "review":
+            if review_at is None:
+                problems.append(f"{path}:{_line(text, pos)}: </review> without <review>")
+            elif body_at is not None:
+                problems.append(f"{path}:{_line(text, body_at)}: <review_text> is not closed")
+            elif body is None:
+                problems.append(f"{path}:{_line(text, review_at)}: review has no <review_text>")
+            elif not body:
+                problems.append(f"{path}:{_line(text, review_at)}: review has an empty <review_text>")
+            else:
+                texts.append(body)
+            review_at, body_at, body = None, None, None
+        elif not closing:
+            if review_at is None:
+                problems.append(f"{path}:{_line(text, pos)}: <review_text> outside a <review>")
+            body_at = m.end()
+        elif body_at is None:
+            problems.append(f"{path}:{_line(text, pos)}: </review_text> without <review_text>")
+        else:
+            body, body_at = " ".join(html.unescape(text[body_at:pos]).split()), None
+    if review_at is not None:
+        problems.append(f"{path}:{_line(text, review_at)}: <review> is not closed")
+    return texts, problems
+
+
+def read_raw(root: str | Path, domains: tuple[str, ...] = AMAZON_DOMAINS) -> tuple[dict[str, Labelled], list[str]]:
+    """Blitzer et al.'s raw release: ``(text, class)`` per review of each domain (classes :data:`SENTIMENT`)."""
+    files, problems = review_files(root, domains)
+    out: dict[str, Labelled] = {d: [] for d in domains}
+    for domain, file, k in files:
+        texts, bad = parse_raw_reviews(file)
+        out[domain] += [(t, k) for t in texts]
+        problems += bad
+    return out, problems
+
+
+def parse_acl_line(path: Path, number: int, line: str) -> tuple[dict[str, int], str] | str:
+    """``(feature counts, label name)`` of a ``processed_acl`` line, or the problem with it."""
+    *pairs, last = line.split()
+    if not last.startswith("#label#:"):
+        return f"{path}:{number}: the line does not end with #label#:positive or #label#:negative"
+    label = last.removeprefix("#label#:")
+    if label not in SENTIMENT:
+        return f"{path}:{number}: unknown label {label!r}; expected positive or negative"
+    counts: dict[str, int] = {}
+    for pair in pairs:
+        feature, _, count = pair.rpartition(":")
+        if not feature or not count.isdigit() or int(count) < 1:
+            return f"{path}:{number}: {pair!r} is not feature:count with a positive count"
+        counts[feature] = counts.get(feature, 0) + int(count)
+    return counts, label
+
+
+def read_processed_acl(root: str | Path, domains: tuple[str, ...] = AMAZON_DOMAINS) -> tuple[dict[str, Counts], list[str]]:
+    """``processed_acl``: ``(feature counts, class)`` per review of each domain; a file's label must match each
+    line's ``#label#``."""
+    files, problems = review_files(root, domains)
+    out: dict[str, Counts] = {d: [] for d in domains}
+    for domain, file, k in files:
+        for number, line in enumerate(_read_text(file).splitlines(), 1):
+            if not line.strip():
+                continue
+            parsed = parse_acl_line(file, number, line)
+            if isinstance(parsed, str):
+                problems.append(parsed)
+            elif parsed[1] != SENTIMENT[k]:
+                problems.append(f"{file}:{number}: label {parsed[1]} in the {SENTIMENT[k]} file")
+            else:
+                out[domain].append((parsed[0], k))
+    return out, problems
+
+
+def table_files(root: str | Path) -> tuple[list[Path], list[str]]:
+    """The ``.csv`` / ``.jsonl`` files of ``root`` (a file, or a folder's, sorted), and the layout's problems."""
+    path = Path(root).expanduser()
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".csv", ".jsonl") and p.is_file())
+    else:
+        return [], [f"{path}: no such file or folder; expected {TABLE_LAYOUT}"]
+    if not files or any(f.suffix not in (".csv", ".jsonl") for f in files):
+        return [], [f"{path}: no .csv or .jsonl file; expected {TABLE_LAYOUT}"]
+    return files, []
+
+
+def _rows(path: Path) -> Iterator[tuple[int, dict[str, object] | str]]:
+    """``(line, row)`` of a table file, or ``(line, problem)`` for a row that cannot be read."""
+    if path.suffix == ".csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in TABLE_COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                yield 1, f"the header lacks column(s) {', '.join(missing)}; expected {', '.join(TABLE_COLUMNS)}"
+                return
+            for row in reader:
+                yield reader.line_num, dict(row)
+        return
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield number, f"not JSON ({err.msg})"
+                continue
+            yield number, row if isinstance(row, dict) else "not a JSON object"
+
+
+def _label_name(value: object) -> str:
+    """A label as a class name: 0/1 are negative/positive, anything else its own name."""
+    name = str(value).strip()
+    return {"0": "negative", "1": "positive"}.get(name, name)
+
+
+def read_table(root: str | Path) -> tuple[list[str], dict[str, list[tuple[str, str]]], list[str]]:
+    """CSV / JSONL rows: the sorted domain names, ``(text, label name)`` per row of each, and the problems."""
+    files, problems = table_files(root)
+    out: dict[str, list[tuple[str, str]]] = {}
+    for file in files:
+        for number, row in _rows(file):
+            if isinstance(row, str):
+                problems.append(f"{file}:{number}: {row}")
+                continue
+            missing = [c for c in TABLE_COLUMNS if row.get(c) is None]
+            text, label, domain = ("" if row.get(c) is None else str(row.get(c)).strip() for c in TABLE_COLUMNS)
+            if missing or not (text and label and domain):
+                what = f"lacks {', '.join(missing)}" if missing else "has an empty text, label or domain"
+                problems.append(f"{file}:{number}: the row {what}")
+                continue
+            out.setdefault(domain, []).append((" ".join(text.split()), _label_name(label)))
+    return sorted(out), {d: out[d] for d in sorted(out)}, problems

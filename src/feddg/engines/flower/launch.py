@@ -1,0 +1,45 @@
+"""``feddg flower run``: submit an experiment to a SuperLink with ``flwr run --stream`` and report how it ended.
+
+``flwr run --stream`` exits 0 whatever became of the run (Flower 1.41 streams the logs and returns), so
+the outcome is read from the run directory's ``status.json``, written by the ServerApp
+(:func:`feddg.engines.flower.app.mark`): only ``completed`` with a results.json is a success.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from feddg.config import ExperimentConfig
+from feddg.engines.flower.app import STATUS, run_config_toml
+
+
+def outcome(run_dir: Path) -> str | None:
+    """``None`` if the run in ``run_dir`` completed; otherwise one line saying how it ended."""
+    try:
+        status = json.loads((run_dir / STATUS).read_text())
+    except (OSError, ValueError):
+        return f"{run_dir}: no {STATUS}: the ServerApp did not start (see `flwr log`), or the run directory is elsewhere"
+    state = status.get("status")
+    if state == "completed" and (run_dir / "results.json").is_file():
+        return None
+    if state == "running":
+        return f"{run_dir}: the ServerApp ended without a mark (killed?); rounds in metrics.jsonl are incomplete"
+    return f"{run_dir}: run {state}: {status.get('error', '')}".rstrip(": ")
+
+
+def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path) -> str | None:
+    """``flwr run app_dir connection --run-config <cfg> --stream`` (its output goes to this terminal); returns
+    :func:`outcome` of ``run_dir``, or why ``flwr run`` itself failed."""
+    flwr = shutil.which("flwr")
+    if flwr is None:
+        return "no `flwr` on PATH: install feddg with the [flower] extra"
+    (run_dir / STATUS).unlink(missing_ok=True)  # an earlier run's mark must not answer for this one
+    with tempfile.TemporaryDirectory() as tmp:
+        toml = Path(tmp) / "run.toml"
+        toml.write_text(run_config_toml(cfg, run_dir))
+        code = subprocess.run([flwr, "run", str(app_dir), connection, "--run-config", str(toml), "--stream"]).returncode
+    return f"`flwr run` exited with {code}" if code != 0 else outcome(run_dir.resolve())

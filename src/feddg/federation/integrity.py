@@ -1,0 +1,101 @@
+"""What keeps one client from taking over the global model (docs/reliability.md, "A client cannot take over the
+model"): its example count is capped at what the server knows it holds, its update norm is bounded by the honest
+clients' recent norms, a robust rule may replace the mean, and a non-finite aggregate is rolled back."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from feddg.aggregation.robust import coordinate_median, krum_select, trimmed_mean
+from feddg.algorithms.base import Method, Reply
+from feddg.config import ExperimentConfig, FederationConfig
+from feddg.messages import WEIGHT_PREFIX, Message
+
+
+def weights_norm(msg: Message) -> float:
+    """``‖w‖`` over the float ``w/`` arrays of ``msg``, in float64."""
+    total = 0.0
+    for key, value in msg.items():
+        if key.startswith(WEIGHT_PREFIX) and np.asarray(value).dtype.kind == "f":
+            flat = np.asarray(value, dtype=np.float64).ravel()
+            total += float(flat @ flat)
+    return math.sqrt(total)
+
+
+@dataclass
+class NormBound:
+    """``‖w_k − w_sent‖ ≤ factor × reference``: the reference is the median of the previous completed round's
+    accepted update norms (one client cannot move a median far), or ``‖w_sent‖`` before any (round 1, or a
+    median of 0). Streams: it needs nothing of the current round but the reply at hand."""
+
+    factor: float
+    reference: float | None = None
+
+    def limit(self, sent: Message) -> float:
+        return self.factor * (self.reference if self.reference else weights_norm(sent))
+
+    def check(self, norm: float, sent: Message) -> str | None:
+        """Why an update of norm ``norm`` from weights ``sent`` is refused, or ``None``."""
+        limit = self.limit(sent)
+        if norm <= limit:
+            return None
+        of = f"median {self.reference:.4g} of the last round" if self.reference else "|w_sent|"
+        return f"update norm {norm:.4g} > {self.factor:g} x {of} (federation.update_norm_factor)"
+
+    def update(self, accepted_norms: list[float]) -> None:
+        """After a completed round (not rolled back): the median of its accepted replies' norms."""
+        if accepted_norms:
+            self.reference = float(np.median(accepted_norms))
+
+
+def cap_examples(reply: Reply, known: int) -> tuple[Reply, int | None]:
+    """``reply`` with ``num_examples`` at most ``known`` (the client's training examples, from the partition),
+    and the claim when it was larger (else ``None``)."""
+    claimed = reply.num_examples
+    if claimed <= known:
+        return reply, None
+    return Reply(reply.client_id, {**reply.message, "num_examples": known}), claimed
+
+
+def check_aggregation(cfg: ExperimentConfig, method: Method) -> None:
+    """Refuse, in one line, a robust ``federation.aggregation`` where it is not defined: methods that do not
+    average weights (no ``w/`` arrays to combine) and station topologies (each station folds its own clients)."""
+    rule = cfg.federation.aggregation
+    if rule != "mean" and (not method.averages_weights or cfg.hierarchy is not None):
+        what = ("a station topology (hierarchy)" if cfg.hierarchy is not None
+                else f"{method.name}, which does not average weights")
+        raise ValueError(f"federation.aggregation: {rule} is for flat federations of methods that average weights, "
+                         f"not {what}")
+
+
+def robust_replies(replies: list[Reply], fc: FederationConfig) -> tuple[list[Reply], dict[int, str]]:
+    """What the method folds under ``fc.aggregation`` (not ``mean``), and the replies left out with why.
+
+    median / trimmed_mean: every reply, each carrying the round's robust ``w/`` arrays (the weighted mean of
+    equal arrays is that array); krum / multi_krum: the selected replies, unchanged."""
+    messages = [r.message for r in replies]
+    if fc.aggregation in ("median", "trimmed_mean"):
+        robust = (coordinate_median(messages, WEIGHT_PREFIX) if fc.aggregation == "median"
+                  else trimmed_mean(messages, WEIGHT_PREFIX, fc.trim_fraction))
+        return [Reply(r.client_id, {**r.message, **robust}) for r in replies], {}
+    keep = 1 if fc.aggregation == "krum" else (fc.krum_keep or len(replies) - fc.krum_malicious)
+    chosen = set(krum_select(messages, WEIGHT_PREFIX, fc.krum_malicious, min(max(keep, 1), len(replies))))
+    left_out = {r.client_id: f"not selected by {fc.aggregation} (federation.aggregation)"
+                for i, r in enumerate(replies) if i not in chosen}
+    return [r for i, r in enumerate(replies) if i in chosen], left_out
+
+
+def non_finite(tree: Any, path: str = "state") -> str | None:
+    """The path of the first float array holding NaN or Inf in a server state (dicts, lists, tuples), or ``None``."""
+    if isinstance(tree, np.ndarray):
+        return None if tree.dtype.kind not in "fc" or np.isfinite(tree).all() else path
+    if type(tree) in (dict, list, tuple):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        for key, value in items:
+            if (found := non_finite(value, f"{path}/{key}" if path else str(key))) is not None:
+                return found
+    return None

@@ -1,0 +1,104 @@
+"""FedMix: the loss of eq. 5 against a hand-computed value, its first-order agreement with mixup, the setup's
+group means, the server's bank without the client's own means, and the refusals."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from toy import toy_federation
+from toy_pixels import NAME, registered
+
+from feddg.algorithms import Reply
+from feddg.algorithms.fedmix import MEAN_X, MEAN_Y, FedMix, FedMixParams, fedmix_loss, group_means
+from feddg.config import ConfigError, build_config
+from feddg.federation.client import client_context
+from feddg.messages import weights_of
+from feddg.tasks.classification import Classification
+
+
+def _linear(weight):
+    model = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor(weight))
+    return model
+
+
+def test_the_loss_by_hand():
+    """``W = [[1, 2], [0, 1]]``, ``x = [1, 1]``, ``y = 0``, ``λ = ½``: logits ``W x/2 = [1.5, 0.5]``, so
+    ``ℓ_0 = log(1 + e⁻¹)``, ``ℓ_1 = 1 + ℓ_0``, ``p_1 = 1 − s`` with ``s = 1/(1 + e⁻¹)``; ``∂ℓ/∂x = Wᵀ(p − e_0)
+    = −(1 − s)·[1, 1]``, against ``x̄ = [2, −1]``: ``−(1 − s)``; ``ȳ = [¼, ¾]``."""
+    loss = fedmix_loss(_linear([[1.0, 2.0], [0.0, 1.0]]), Classification(2), torch.tensor([[1.0, 1.0]]),
+                       torch.tensor([0]), torch.tensor([[2.0, -1.0]]), torch.tensor([[0.25, 0.75]]), 0.5)
+    l0, s = math.log(1 + math.exp(-1)), 1 / (1 + math.exp(-1))
+    expected = 0.5 * l0 + 0.5 * (0.25 * l0 + 0.75 * (1 + l0)) + 0.5 * -(1 - s)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_it_is_mixup_to_first_order_in_lambda_and_its_derivative_term_reaches_the_weights():
+    torch.manual_seed(0)
+    model, task = _linear(torch.randn(2, 2).tolist()), Classification(2)
+    x, y = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
+    x_bar, y_bar = torch.randn(4, 2), torch.softmax(torch.randn(4, 2), 1)
+
+    def error(lam):
+        mixup = F.cross_entropy(model((1 - lam) * x + lam * x_bar), (1 - lam) * F.one_hot(y, 2) + lam * y_bar)
+        return abs(float((fedmix_loss(model, task, x, y, x_bar, y_bar, lam) - mixup).detach()))
+
+    assert error(0.02) / error(0.01) == pytest.approx(4.0, rel=0.1)  # the error is O(λ²)
+    model.zero_grad()
+    fedmix_loss(model, task, x, y, x_bar, y_bar, 0.3).backward()
+    with_term = model.weight.grad.clone()
+    model.zero_grad()
+    fedmix_loss(model, task, x, y, torch.zeros_like(x_bar), y_bar, 0.3).backward()
+    assert not torch.allclose(with_term, model.weight.grad)  # double backprop: ∂/∂W of λ ∂ℓ/∂x · x̄
+
+
+def test_group_means_average_consecutive_groups_and_drop_the_rest():
+    x = torch.arange(5.0).reshape(5, 1)
+    onehot = F.one_hot(torch.tensor([0, 1, 1, 1, 0]), 2).float()
+    xm, ym = group_means(x, onehot, 2)
+    torch.testing.assert_close(xm, torch.tensor([[0.5], [2.5]]))
+    torch.testing.assert_close(ym, torch.tensor([[0.5, 0.5], [0.0, 1.0]]))
+
+
+def test_a_client_uploads_means_of_m_samples_only():
+    fed = toy_federation("method.name=fedmix")
+    ctx = client_context(fed, 0, 0)
+    n = ctx.num_examples
+    m = next(d for d in range(5, n) if n % d == 0)  # every sample in some group
+    reply, _ = FedMix(FedMixParams(mean_size=m)).client_setup(fed.model, {"mean_size": m}, {}, ctx)
+    assert set(reply) == {MEAN_X, MEAN_Y} and reply[MEAN_X].shape == (n // m, 1, 6, 6)
+    x = fed.dataset.x[ctx.train_idx].numpy()
+    np.testing.assert_allclose(reply[MEAN_X].sum(0) * m, x.sum(0), rtol=1e-4, atol=1e-4)
+    counts = np.bincount(fed.dataset.labels[ctx.train_idx], minlength=4)
+    np.testing.assert_allclose(reply[MEAN_Y].sum(0) * m, counts, rtol=1e-5)
+
+
+def test_each_client_receives_the_other_clients_means():
+    method = FedMix()
+    replies = [Reply(k, {MEAN_X: np.full((k + 1, 1, 2, 2), k, np.float32), MEAN_Y: np.full((k + 1, 3), k, np.float32)})
+               for k in range(3)]
+    state = method.server_setup({"weights": {"w/a": np.zeros(1, np.float32)}}, replies)
+    msg = method.client_config(state, 1, 1)
+    assert msg[MEAN_X].shape == (4, 1, 2, 2) and sorted(set(msg[MEAN_X].ravel())) == [0.0, 2.0]
+    assert sorted(set(msg[MEAN_Y].ravel())) == [0.0, 2.0] and "w/a" in msg
+    with pytest.raises(ValueError, match="needs the means of at least 2 clients, got 1"):
+        method.server_setup({}, [replies[0], Reply(1, {MEAN_X: np.zeros((0, 1, 2, 2)), MEAN_Y: np.zeros((0, 3))})])
+
+
+def test_a_client_trains_against_the_bank_and_an_empty_bank_is_refused():
+    fed = toy_federation("method.name=fedmix")
+    bank = {MEAN_X: fed.dataset.x[:3].numpy(), MEAN_Y: np.eye(4, dtype=np.float32)[:3]}
+    msg = {**weights_of(fed.model), **bank, "lr": 0.1, "round": 1}
+    reply, _ = fed.method.client_update(fed.model, dict(msg), {}, client_context(fed, 0, 1))
+    assert set(reply) == {*weights_of(fed.model), "num_examples", "train_loss"} and math.isfinite(reply["train_loss"])
+    empty = {**msg, MEAN_X: bank[MEAN_X][:0], MEAN_Y: bank[MEAN_Y][:0]}
+    with pytest.raises(ValueError, match="client 0 received no other client's means"):
+        fed.method.client_update(fed.model, empty, {}, client_context(fed, 0, 1))
+
+
+def test_tasks_without_class_labels_are_refused_when_the_config_loads():
+    with registered(), pytest.raises(ConfigError, match="method fedmix needs class_labels"):
+        build_config({}, [f"data.dataset={NAME}", "model.name=pixelnet", "method.name=fedmix"])

@@ -1,0 +1,210 @@
+"""A secure Flower deployment: test certificates, node keys, the roster's identity proofs, the insecure path's
+warning, run-directory marks, and one loopback deployment with TLS + SuperNode auth + a roster (and a rogue node)."""
+
+import ipaddress
+import json
+import shutil
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+from uuid import uuid4
+
+import pytest
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.cli.supernode.register import try_load_public_key
+from flwr.supercore.task_identity import TaskIdentity
+from support.flower_local import LocalDeployment
+from toy import toy_federation_of
+
+from feddg.config import build_config, dump_config
+from feddg.engines.flower import client as flower_client
+from feddg.engines.flower.app import mark
+from feddg.engines.flower.client import IDENTIFY, ROUTE, make_client_app
+from feddg.engines.flower.executor import INSECURE_WARNING, tls_args
+from feddg.engines.flower.launch import outcome, submit
+from feddg.engines.flower.security import (
+    Roster,
+    identity_statement,
+    key_fingerprint,
+    load_private_key,
+    load_public_key,
+    make_certificates,
+    make_node_keys,
+    public_key_text,
+    sign,
+)
+from feddg.engines.flower.server import Refused, roster_identity
+
+
+def test_the_server_certificate_is_issued_by_the_ca_for_the_given_hosts(tmp_path):
+    paths = make_certificates(tmp_path, ["127.0.0.1", "node1.example"])
+    ca = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
+    server = x509.load_pem_x509_certificate(paths["server"].read_bytes())
+    server.verify_directly_issued_by(ca)  # raises unless the CA's key signed it
+    ca.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    assert san.get_values_for_type(x509.DNSName) == ["node1.example"]
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    assert server.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    other = make_certificates(tmp_path / "other", ["127.0.0.1"])
+    with pytest.raises(InvalidSignature):  # another CA's certificate does not chain to this CA
+        x509.load_pem_x509_certificate(other["server"].read_bytes()).verify_directly_issued_by(ca)
+    assert oct(paths["server-key"].stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(ValueError, match="--host"):
+        make_certificates(tmp_path, [])
+
+
+def test_node_keys_are_p384_openssh_pairs_that_flower_accepts(tmp_path):
+    (private, public), _ = make_node_keys(tmp_path, ["node0", "node1"])
+    key = load_private_key(private)
+    assert isinstance(key.curve, ec.SECP384R1)
+    assert public_key_text(key.public_key()) == public.read_text().strip()
+    assert try_load_public_key(public)  # what `flwr supernode register node0.pub` reads
+    fp = key_fingerprint(load_public_key(public.read_text()))
+    assert fp.startswith("SHA256:") and len(fp) == 7 + 43  # 32 bytes, unpadded base64
+    with pytest.raises(ValueError, match="once"):
+        make_node_keys(tmp_path, ["a", "a"])
+
+
+@pytest.fixture
+def keys(tmp_path):
+    pairs = make_node_keys(tmp_path, ["node0", "node1", "rogue"])
+    return {p[0].name: (load_private_key(p[0]), p[1]) for p in pairs}
+
+
+def write_roster(tmp_path: Path, keys: dict, entries: list[tuple[int, str, str]]) -> Path:
+    """Entries (client, name, key name); node1's key is given by fingerprint, the others by file."""
+    rows = [{"client": c, "name": n, "public_key": key_fingerprint(load_public_key(keys[k][1].read_text()))
+             if k == "node1" else f"{k}.pub"} for c, n, k in entries]
+    path = tmp_path / "roster.yaml"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def test_a_roster_lists_each_client_once_with_distinct_keys(tmp_path, keys):
+    roster = Roster.load(write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")]), 2)
+    assert sorted(e.name for e in roster.by_fingerprint.values()) == ["Guy's", "St Mary's"]
+    for entries, why in (([(0, "a", "node0")], "want 0..1"), ([(0, "a", "node0"), (0, "b", "node1")], "want 0..1"),
+                         ([(0, "a", "node0"), (1, "b", "node0")], "share a public key"),
+                         ([(0, "a", "node0"), (1, "a", "node1")], "share a name")):
+        with pytest.raises(ValueError, match=why):
+            Roster.load(write_roster(tmp_path, keys, entries), 2)
+
+
+def reply(node_id: int, info: dict) -> SimpleNamespace:
+    """What roster_identity reads of a Flower reply."""
+    return SimpleNamespace(metadata=SimpleNamespace(src_node_id=node_id), has_error=lambda: False,
+                           content=SimpleNamespace(config_records={ROUTE: ConfigRecord(info)}))
+
+
+def proof(key: ec.EllipticCurvePrivateKey, challenge: str, node_id: int, shown=None) -> dict:
+    """A node's identify answer: ``shown``'s public key (default: its own), signed with ``key``."""
+    return {"fingerprint": "fed", "public-key": public_key_text((shown or key).public_key()),
+            "signature": sign(key, identity_statement(challenge, node_id, "fed"))}
+
+
+def test_the_roster_refuses_unknown_forged_duplicate_and_unproven_nodes(tmp_path, keys):
+    roster = Roster.load(write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")]), 2)
+    node0, node1, rogue = (keys[k][0] for k in ("node0", "node1", "rogue"))
+    assert roster_identity(roster, reply(11, proof(node1, "c1", 11)), "c1", {}).client == 1
+    with pytest.raises(Refused, match="is not in the roster"):  # a key the SuperLink may know, feddg does not
+        roster_identity(roster, reply(12, proof(rogue, "c2", 12)), "c2", {})
+    with pytest.raises(Refused, match="forged identity: .* St Mary's"):  # node0's public key, the rogue's signature
+        roster_identity(roster, reply(12, proof(rogue, "c2", 12, shown=node0)), "c2", {})
+    with pytest.raises(Refused, match="forged identity"):  # node0's own signature, replayed for another challenge
+        roster_identity(roster, reply(12, proof(node0, "old", 12)), "c2", {})
+    with pytest.raises(Refused, match="forged identity"):  # ... or from another node id
+        roster_identity(roster, reply(12, proof(node0, "c2", 10)), "c2", {})
+    with pytest.raises(Refused, match=r"client 0 \(St Mary's\) is already node 10"):
+        roster_identity(roster, reply(12, proof(node0, "c2", 12)), "c2", {0: 10})
+    with pytest.raises(Refused, match="no identity proof"):  # a node declaring partition-id=0 only
+        roster_identity(roster, reply(12, {"partition-id": 0, "num-partitions": 2, "fingerprint": "fed"}), "c2", {})
+
+
+def test_a_node_with_its_key_answers_the_challenge_through_the_client_app(tmp_path, keys, monkeypatch):
+    monkeypatch.setattr(flower_client, "_FEDERATIONS", OrderedDict())
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    text = dump_config(build_config({"partition": {"kind": "by_domain", "num_clients": 2}, "split": {"target": "c"},
+                                     "device": "cpu"}))
+    app = make_client_app(text, factory=toy_federation_of)
+    roster = Roster.load(write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")]), 2)
+    msg = Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7, "challenge": "abc"})}), 7, IDENTIFY)
+    msg.metadata.__dict__["_message_id"] = uuid4().hex
+    node = {"auth-key": str(tmp_path / "node1"), "partition-id": 0, "num-partitions": 2}  # declares 0, is 1
+    answer = app(msg, Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={}))
+    answer.metadata.__dict__["_src_node_id"] = 7
+    assert roster_identity(roster, answer, "abc", {}).client == 1
+    assert "partition-id" not in answer.content.config_records[ROUTE]
+
+
+def test_the_insecure_runtime_api_is_only_used_when_asked_for_with_a_warning(tmp_path, capsys):
+    assert tls_args(None, True) == ["--insecure"]
+    assert INSECURE_WARNING in capsys.readouterr().err
+    ca = make_certificates(tmp_path, ["127.0.0.1"])["ca"]
+    assert tls_args(str(ca), False) == ["--root-certificates", str(ca)]
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit, match="no such file"):
+        tls_args(str(tmp_path / "missing.pem"), False)
+
+
+def test_a_run_directory_says_whether_it_holds_a_result(tmp_path):
+    assert "no status.json" in outcome(tmp_path)
+    mark(tmp_path, "running")  # a ServerApp killed mid-run leaves this
+    assert "without a mark" in outcome(tmp_path)
+    mark(tmp_path, "stopped", "stopped from outside\n(KeyboardInterrupt)")
+    assert outcome(tmp_path).endswith("run stopped: stopped from outside (KeyboardInterrupt)")
+    mark(tmp_path, "completed")
+    assert "without a mark" not in outcome(tmp_path) and outcome(tmp_path) is not None  # no results.json yet
+    (tmp_path / "results.json").write_text("{}")
+    assert outcome(tmp_path) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalDeployment reads /proc")
+def test_a_deployment_with_tls_node_auth_and_a_roster_refuses_a_rogue_node(tmp_path, cache_dir, keys, monkeypatch):
+    bin_dir = Path(sys.executable).parent
+    if not all((bin_dir / b).exists() for b in ("flower-superlink", "flower-supernode", "flwr")):
+        pytest.skip("Flower's binaries are not installed beside this Python")
+    tls = make_certificates(tmp_path / "certs", ["127.0.0.1"])
+    roster = write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")])
+    cfg = build_config(
+        {"name": "secure", "seed": 1, "device": "cpu",
+         "data": {"dataset": "digits-dg", "max_per_domain": 40, "cache_dir": str(cache_dir)},
+         "split": {"target": "synth"}, "partition": {"kind": "iid", "num_clients": 2},
+         "model": {"name": "cnn"}, "federation": {"rounds": 1, "batch_size": 32},
+         "flower": {"roster": str(roster), "node_wait_s": 60}})
+    key_paths = [tmp_path / k for k in ("node0", "node1", "rogue")]
+    configs = [f'auth-key="{key_paths[0]}"', f'auth-key="{key_paths[1]}"',
+               f'auth-key="{key_paths[2]}" partition-id=0 num-partitions=2']  # registered, not in the roster
+    dep = LocalDeployment(tmp_path / "deployment", 3, env={"OMP_NUM_THREADS": "1"}, tls=tls, node_keys=key_paths,
+                          node_configs=configs)
+    try:
+        dep.start()
+    except (OSError, TimeoutError) as err:
+        dep.stop()
+        pytest.skip(f"no loopback deployment here: {err}")
+    try:
+        run_dir = tmp_path / "run"
+        proc = dep.run(cfg, run_dir, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert outcome(run_dir) is None, outcome(run_dir)
+        logs = proc.stdout + "".join(p.read_text(errors="replace") for p in dep.workdir.glob("*.log"))
+        assert "refused node" in logs and "is not in the roster" in logs, logs[-3000:]
+        rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["clients"] for r in rows] == [2]
+        # a ServerApp that fails (its roster is gone): `flwr run` exits 0, feddg's launcher reports the failure
+        shutil.move(roster, tmp_path / "gone.yaml")
+        monkeypatch.setenv("FLWR_HOME", dep.env["FLWR_HOME"])
+        monkeypatch.setenv("PATH", dep.env["PATH"])
+        failure = submit(cfg, tmp_path / "failed", "feddg-local", Path(__file__).resolve().parents[1] / "flower")
+        assert failure is not None and "run failed" in failure and "roster.yaml" in failure, failure
+        assert not (tmp_path / "failed" / "results.json").exists()
+    finally:
+        left = dep.stop()
+    assert left == set(), f"processes outlived the deployment: {left}"

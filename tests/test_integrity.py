@@ -1,0 +1,236 @@
+"""Issue 27: one client cannot take over the global model (docs/reliability.md, "A client cannot take over the
+model"): scaled and huge weights are refused by the default update-norm bound, an inflated ``num_examples`` is
+capped at the client's data, robust aggregation rules give their hand-computed values, and a non-finite aggregate
+is rolled back, never checkpointed, and a resumed run goes on as the uninterrupted one."""
+
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from pydantic import Field
+from toy import toy_federation_of
+
+from feddg.aggregation.robust import coordinate_median, krum_scores, krum_select, trimmed_mean
+from feddg.algorithms.base import Accumulator, ClientContext, ClientState, Params, Reply
+from feddg.algorithms.fedavg import FedAvg
+from feddg.algorithms.registry import METHODS
+from feddg.config import build_config
+from feddg.engines.inprocess import run_inprocess
+from feddg.federation.checkpoint import load_checkpoint
+from feddg.federation.integrity import NormBound, cap_examples, non_finite
+from feddg.federation.server import Server
+from feddg.messages import Message
+
+BASE = {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
+        "federation": {"rounds": 3, "batch_size": 16, "workers": 1}, "optim": {"lr": 0.1}, "device": "cpu"}
+ATTACKER = 3
+
+
+class AttackParams(Params):
+    #: ``"round:client"`` -> x1000 | huge | claim | poison
+    faults: dict[str, str] = Field(default_factory=dict)
+
+
+class Malicious(FedAvg):
+    """FedAvg whose client misbehaves as an attacker would: ``x1000`` (weights × 1000), ``huge`` (every weight
+    1e30), ``claim`` (``num_examples`` = 10⁹ and its biases + 1), ``poison`` (a finite reply that makes the
+    server's step non-finite, as a diverging server optimiser would). Like tests/support/faults.py's ``faulty``,
+    registered for each test only, and run sequentially (``workers: 1``) so that no worker needs to import it."""
+
+    name = "malicious"
+    Params = AttackParams
+
+    def client_update(
+        self, model: torch.nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
+    ) -> tuple[Message, ClientState]:
+        fault = self.params.faults.get(f"{ctx.round}:{ctx.client_id}")
+        reply, state = super().client_update(model, msg, client_state, ctx)
+        floats = [k for k, v in reply.items() if isinstance(v, np.ndarray) and v.dtype.kind == "f"]
+        if fault == "x1000":
+            reply.update({k: reply[k] * 1000 for k in floats})
+        if fault == "huge":
+            reply.update({k: np.full_like(reply[k], 1e30) for k in floats})
+        if fault == "claim":
+            reply.update({"num_examples": 10**9, **{k: reply[k] + 1 for k in floats if k.endswith(".bias")}})
+        if fault == "poison":
+            reply["poison"] = 1.0
+        return reply, state
+
+    def keep(self, reply: Reply) -> Message | None:
+        return {"poison": 1.0} if "poison" in reply.message else None
+
+    def finish(self, state, acc: Accumulator):
+        state, metrics = super().finish(state, acc)
+        if acc.kept:
+            state = {**state, "weights": {k: v * np.nan for k, v in state["weights"].items()}}
+        return state, metrics
+
+
+@pytest.fixture(autouse=True)
+def malicious() -> Iterator[None]:
+    METHODS[Malicious.name] = Malicious
+    try:
+        yield
+    finally:
+        METHODS.pop(Malicious.name, None)
+
+
+def run(tmp_path, name: str, attacks: dict[str, str], *overrides: str, drop_attacker: bool = False) -> Server:
+    """A toy run with ``attacks``; ``drop_attacker``: the honest reference, whose server never sends to the attacker
+    in the attacked rounds."""
+    cfg = build_config({**BASE, "method": {"name": "malicious", "params": {"faults": attacks}}}, list(overrides))
+    server = Server(toy_federation_of(cfg), tmp_path / name)
+    if drop_attacker:
+        rounds = {int(k.split(":")[0]) for k in attacks}
+        configure = server.configure
+        server.configure = lambda r: {c: m for c, m in configure(r).items() if not (r in rounds and c == ATTACKER)}
+    run_inprocess(server)
+    return server
+
+
+def rows(server: Server) -> list[dict]:
+    return [json.loads(line) for line in (server.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close(got: dict, want: dict, rtol: float = 1e-5) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=rtol, atol=1e-6, err_msg=k)
+
+
+# --- the pieces, by hand ---------------------------------------------------------------------------
+# five clients' one-number models, the last one an attacker; and an integer buffer
+FIVE = [{"w/a": np.array([v], np.float32), "w/n": np.array(v, np.int64)} for v in (1, 2, 3, 5, 100)]
+
+
+def test_the_median_and_the_trimmed_mean_ignore_the_attacker():
+    assert coordinate_median(FIVE, "w/") == {"w/a": np.array([3], np.float32), "w/n": np.array(3)}
+    got = trimmed_mean(FIVE, "w/", 0.2)  # one cut at each end: (2 + 3 + 5) / 3
+    np.testing.assert_array_equal(got["w/a"], np.array([10 / 3], np.float32))
+    assert got["w/n"] == 3 and got["w/n"].dtype == np.int64
+    assert coordinate_median(FIVE[:4], "w/")["w/a"] == np.float32(2.5)  # even count: the middle pair's mean
+
+
+def test_krum_scores_its_nearest_neighbours_and_selects_the_lowest():
+    # f = 1: each client's 5 - 1 - 2 = 2 nearest others; squared distances of 1, 2, 3, 5, 100
+    scores = krum_scores(FIVE, "w/", malicious=1)
+    np.testing.assert_array_equal(scores, [1 + 4, 1 + 1, 1 + 4, 4 + 9, 95**2 + 97**2])
+    assert krum_select(FIVE, "w/", 1) == [1]
+    assert krum_select(FIVE, "w/", 1, keep=3) == [0, 1, 2]
+
+
+def test_the_rules_agree_with_flowers_own():
+    aggregate = pytest.importorskip("flwr.server.strategy.aggregate")
+    results = [([m["w/a"]], 10) for m in FIVE]
+    assert aggregate.aggregate_median(results)[0] == coordinate_median(FIVE, "w/")["w/a"]
+    np.testing.assert_allclose(aggregate.aggregate_trimmed_avg(results, 0.2)[0], trimmed_mean(FIVE, "w/", 0.2)["w/a"])
+    assert aggregate.aggregate_krum(results, 1, 0)[0] == FIVE[krum_select(FIVE, "w/", 1)[0]]["w/a"]
+
+
+def test_the_norm_bound_uses_the_last_rounds_median_or_the_sent_weights():
+    bound, sent = NormBound(10.0), {"w/a": np.array([3.0, 4.0], np.float32), "w/n": np.array(7)}  # |w_sent| = 5
+    assert bound.check(50.0, sent) is None
+    assert bound.check(50.5, sent) == "update norm 50.5 > 10 x |w_sent| (federation.update_norm_factor)"
+    bound.update([1.0, 2.0, 1e6])  # the attacker's norm does not move the median
+    assert bound.check(20.0, sent) is None
+    assert bound.check(21.0, sent) == ("update norm 21 > 10 x median 2 of the last round "
+                                       "(federation.update_norm_factor)")
+
+
+def test_a_claim_beyond_the_clients_data_is_capped_and_others_pass():
+    reply = Reply(3, {"num_examples": 10**9, "w/a": np.ones(1)})
+    capped, claim = cap_examples(reply, 40)
+    assert capped.num_examples == 40 and claim == 10**9 and reply.num_examples == 10**9
+    assert cap_examples(Reply(3, {"num_examples": 40}), 40) == (Reply(3, {"num_examples": 40}), None)
+
+
+def test_non_finite_names_the_array():
+    state = {"weights": {"w/a": np.ones(2), "w/b": np.array([1.0, np.inf])}, "count": np.array([1]), "t": [0.5]}
+    assert non_finite(state) == "state/weights/w/b"
+    assert non_finite({"weights": {"w/a": np.ones(2)}}) is None
+
+
+# --- whole runs ---------------------------------------------------------------------------------------
+def test_scaled_and_huge_weights_are_refused_by_default(tmp_path):
+    attacks = {"1:3": "x1000", "2:3": "x1000", "3:3": "huge"}
+    server = run(tmp_path, "attacked", attacks)
+    reasons = {r["round"]: r.get("clients_failed_reasons", {}) for r in rows(server)}
+    assert list(reasons[1]) == list(reasons[2]) == list(reasons[3]) == [str(ATTACKER)]
+    assert "x |w_sent|" in reasons[1]["3"] and "median" in reasons[2]["3"] and "median" in reasons[3]["3"]
+    honest = run(tmp_path, "honest", attacks, drop_attacker=True)
+    assert_close(server.state["weights"], honest.state["weights"])
+    assert rows(server)[-1]["ood_acc"] == pytest.approx(rows(honest)[-1]["ood_acc"], abs=1.0)
+    ckpt = load_checkpoint(server.run_dir)
+    assert non_finite(ckpt["server_state"]) is None and np.abs(ckpt["server_state"]["weights"]["w/fc.weight"]).max() < 10
+
+
+def test_a_huge_num_examples_claim_does_not_take_over(tmp_path, caplog):
+    attacks = {"2:3": "claim", "3:3": "claim"}
+    server = run(tmp_path, "claim", attacks)
+    assert [r.get("num_examples_capped") for r in rows(server)] == [None, {"3": 10**9}, {"3": 10**9}]
+    assert sum("claimed num_examples=1000000000" in m for m in caplog.messages) == 1  # warned once
+    assert all("clients_failed" not in r for r in rows(server))  # capped, not refused: no honest client dropped
+    honest = run(tmp_path, "honest", attacks, drop_attacker=True)  # the honest clients alone in rounds 2 and 3
+    attacked, clean = server.state["weights"], honest.state["weights"]
+    # capped at its share n_3 / Σ n of a round (uncapped: ~1), its +1 on the biases moves the mean by that share
+    # in each of the two rounds (10⁹ examples would move it by ~2: the attacker's biases)
+    sizes = [len(c.train_idx) for c in server.fed.clients]
+    share = sizes[ATTACKER] / sum(sizes)
+    np.testing.assert_allclose(attacked["w/classifier.bias"] - clean["w/classifier.bias"], 2 * share, atol=0.1)
+    np.testing.assert_allclose(attacked["w/conv.weight"], clean["w/conv.weight"], atol=0.2)
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "krum", "multi_krum"])
+def test_robust_rules_keep_an_attacker_out_without_the_norm_bound(tmp_path, rule):
+    attacks = {"2:3": "x1000", "3:3": "x1000"}
+    server = run(tmp_path, rule, attacks, "federation.update_norm_factor=null", f"federation.aggregation={rule}",
+                 "federation.trim_fraction=0.25")
+    weights = server.state["weights"]
+    assert max(float(np.abs(v).max()) for k, v in weights.items() if v.dtype.kind == "f") < 20
+    honest = run(tmp_path, "honest", {})
+    assert rows(server)[-1]["ood_acc"] > rows(honest)[-1]["ood_acc"] - 15
+    if rule.endswith("krum"):
+        assert "3" in rows(server)[-1]["clients_left_out"]
+
+
+@pytest.mark.parametrize(("method", "hierarchy", "what"), [
+    ("local", None, "local, which does not average weights"),
+    ("fedavg", {"stations": 2}, "a station topology (hierarchy)"),
+])
+def test_robust_rules_are_refused_where_they_are_not_defined(tmp_path, method, hierarchy, what):
+    cfg = build_config({**BASE, "method": {"name": method}, "hierarchy": hierarchy}, ["federation.aggregation=median"])
+    with pytest.raises(ValueError, match=f"^federation.aggregation: median is for flat federations of methods that "
+                                         f"average weights, not {what}$".replace("(", r"\(").replace(")", r"\)")):
+        Server(toy_federation_of(cfg), tmp_path / "run")
+
+
+def test_a_non_finite_aggregate_is_rolled_back_never_checkpointed_and_resume_goes_on(tmp_path):
+    attacks = {"2:3": "poison"}
+    server = run(tmp_path, "poisoned", attacks)
+    row = rows(server)[1]
+    assert row["rolled_back"] is True and row["rollback_reason"] == "NaN or Inf in state/weights/w/conv.weight"
+    assert non_finite(server.state) is None
+    # killed after the rolled-back round: its checkpoint holds the round-1 model; resuming ends as the whole run
+    cfg = build_config({**BASE, "method": {"name": "malicious", "params": {"faults": attacks}}}, [])
+    killed = Server(toy_federation_of(cfg), tmp_path / "killed")
+
+    after_1: dict = {}
+
+    def stop_after_2(row: dict) -> None:
+        if row["round"] == 1:
+            after_1.update(killed.state["weights"])
+        if row["round"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_inprocess(killed, stop_after_2)
+    ckpt = load_checkpoint(killed.run_dir)
+    assert ckpt["round"] == 2 and non_finite(ckpt["server_state"]) is None
+    for k, v in after_1.items():  # the round-1 model
+        np.testing.assert_array_equal(ckpt["server_state"]["weights"][k], v, err_msg=k)
+    resumed = Server(toy_federation_of(cfg), killed.run_dir, resume=True)
+    run_inprocess(resumed)
+    for k, v in server.state["weights"].items():
+        np.testing.assert_array_equal(resumed.state["weights"][k], v, err_msg=k)

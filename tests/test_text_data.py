@@ -1,0 +1,221 @@
+"""Text data: the three layouts' readers and their errors, the tokenised cache, padded batches, the BPE tokenizer,
+the synthetic corpus, and ``model_args`` for each kind of inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from feddg.data import load_dataset
+from feddg.data import text_sets as text_sets_module
+from feddg.data.base import DomainDataset
+from feddg.data.inspect import check_dataset
+from feddg.data.synthetic_text import DOMAINS, WORDS, generate
+from feddg.data.text import bag_of_words
+from feddg.data.text_formats import read_processed_acl, read_raw, read_table
+from feddg.data.tokenizer import SPECIAL_TOKENS, train_bpe
+
+RAW = """<review>
+<unique_id>
+0001:great:jane
+</unique_id>
+<rating>
+5.0
+</rating>
+<review_text>
+Salt &amp; pepper
+ mills that   work
+</review_text>
+</review>
+<review>
+<review_text>
+Second one &quot;ok&quot;
+</review_text>
+</review>
+"""
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _raw_root(tmp_path: Path) -> Path:
+    root = tmp_path / "raw"
+    _write(root / "books" / "positive.review", RAW)
+    _write(root / "books" / "negative.review", "<review>\n<review_text>\ndull &lt;3\n</review_text>\n</review>\n")
+    _write(root / "books" / "unlabeled.review", "<review> not parsed")
+    _write(root / "kitchen_&_housewares" / "positive.review", "<review><review_text>sturdy</review_text></review>")
+    _write(root / "kitchen_&_housewares" / "negative.review", "<review><review_text>rusty</review_text></review>")
+    return root
+
+
+def test_raw_reader_reads_texts_labels_and_domains(tmp_path: Path) -> None:
+    samples, problems = read_raw(_raw_root(tmp_path), ("books", "kitchen"))
+    assert problems == []
+    assert samples == {"books": [("dull <3", 0), ("Salt & pepper mills that work", 1), ('Second one "ok"', 1)],
+                       "kitchen": [("rusty", 0), ("sturdy", 1)]}
+
+
+def test_raw_reader_names_the_line_of_a_malformed_review(tmp_path: Path) -> None:
+    root = _raw_root(tmp_path)
+    bad = _write(root / "books" / "negative.review", "<review>\n<review_text>\na\n</review_text>\n</review>\n"
+                 "<review>\n<rating>1</rating>\n</review>\n<review>\n<review_text>\nunclosed\n")
+    _, problems = read_raw(root, ("books", "kitchen"))
+    assert problems == [f"{bad}:6: review has no <review_text>", f"{bad}:9: <review> is not closed"]
+    for domain in ("dvd", "electronics"):  # amazon-reviews reads all four domains
+        _write(root / domain / "positive.review", "<review><review_text>fine</review_text></review>")
+        _write(root / domain / "negative.review", "<review><review_text>bad</review_text></review>")
+    with pytest.raises(ValueError, match=r"^\S+negative.review:6: review has no <review_text> \(and 1 more"):
+        load_dataset("amazon-reviews", root=str(root), cache_dir=tmp_path / "cache")
+
+
+def test_table_reader_csv_and_jsonl(tmp_path: Path) -> None:
+    root = tmp_path / "table"
+    _write(root / "a.csv", 'text,label,domain\n"two\nlines",1,web\nbad stuff,negative,mail\n')
+    _write(root / "b.jsonl", json.dumps({"text": "fine", "label": 0, "domain": "web"}) + "\n\n"
+           + json.dumps({"text": "x &amp; y", "label": "positive", "domain": "mail"}) + "\n")
+    domains, rows, problems = read_table(root)
+    assert problems == []
+    assert domains == ["mail", "web"]
+    assert rows == {"mail": [("bad stuff", "negative"), ("x &amp; y", "positive")],
+                    "web": [("two lines", "positive"), ("fine", "negative")]}
+
+
+def test_table_reader_names_every_malformed_line(tmp_path: Path) -> None:
+    jsonl = _write(tmp_path / "t" / "a.jsonl", '{"text": "a", "label": 1, "domain": "d"}\n{"text": "b"\n'
+                   '{"text": "", "label": 1, "domain": "d"}\n')
+    csv_file = _write(tmp_path / "t" / "b.csv", "text,label\nhello,1\n")
+    assert read_table(tmp_path / "t")[2] == [f"{jsonl}:2: not JSON (Expecting ',' delimiter)",
+                                             f"{jsonl}:3: the row has an empty text, label or domain",
+                                             f"{csv_file}:1: the header lacks column(s) domain; expected text, "
+                                             "label, domain"]
+    assert len(check_dataset("text-table", root=str(tmp_path / "t"))) == 3
+
+
+def test_processed_acl_reader_and_bag_of_words(tmp_path: Path) -> None:
+    root = tmp_path / "acl"
+    _write(root / "books" / "positive.review", "great:2 great_read:1 #label#:positive\nfun:1 #label#:positive\n")
+    _write(root / "books" / "negative.review", "dull:3 great:1 #label#:negative\n")
+    _write(root / "kitchen" / "positive.review", "sturdy:1 great:1 #label#:positive\n")
+    _write(root / "kitchen" / "negative.review", "dull:1 #label#:negative\n")
+    samples, problems = read_processed_acl(root, ("books", "kitchen"))
+    assert problems == []
+    assert samples["books"] == [({"dull": 3, "great": 1}, 0), ({"great": 2, "great_read": 1}, 1), ({"fun": 1}, 1)]
+    # totals: great 4, dull 4, then fun/great_read/sturdy 1: the two most frequent, ties by name
+    features, labels, domain_ids, vocabulary = bag_of_words(samples, ["negative", "positive"], max_features=2)
+    assert vocabulary == ["dull", "great"]
+    np.testing.assert_array_equal(features.toarray(), [[3, 1], [0, 2], [0, 0], [1, 0], [0, 1]])
+    np.testing.assert_array_equal(labels, [0, 1, 1, 0, 1])
+    np.testing.assert_array_equal(domain_ids, [0, 0, 0, 1, 1])
+
+
+def test_processed_acl_reader_names_the_malformed_line(tmp_path: Path) -> None:
+    root = tmp_path / "acl"
+    bad = _write(root / "books" / "positive.review", "good:1 #label#:positive\ngood:x #label#:positive\n"
+                 "good:1 #label#:negative\ngood:1\n")
+    _write(root / "books" / "negative.review", "bad:1 #label#:negative\n")
+    assert read_processed_acl(root, ("books",))[1] == [
+        f"{bad}:2: 'good:x' is not feature:count with a positive count",
+        f"{bad}:3: label negative in the positive file",
+        f"{bad}:4: the line does not end with #label#:positive or #label#:negative"]
+
+
+def _table(tmp_path: Path) -> Path:
+    long = " ".join(["word"] * 40)
+    rows = [("a good film", 1, "web"), ("bad", 0, "web"), (long, 1, "mail"), ("ok then fine", 0, "mail")] * 3
+    return _write(tmp_path / "reviews.csv", "text,label,domain\n" + "".join(f"{t},{k},{d}\n" for t, k, d in rows))
+
+
+def test_token_cache_second_load_reads_no_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    csv_file, cache = _table(tmp_path), tmp_path / "cache"
+    first = load_dataset("text-table", root=str(csv_file), cache_dir=cache, vocab_size=300)
+    assert (first.domains, first.classes, len(first)) == (["mail", "web"], ["negative", "positive"], 12)
+    np.testing.assert_array_equal(first.labels[:4], [1, 0, 1, 0])  # mail's rows first (domains sorted)
+
+    def no_text(*args: object) -> None:
+        raise AssertionError("the text was read again")
+
+    monkeypatch.setattr(text_sets_module, "read_table", no_text)
+    second = load_dataset("text-table", root=str(csv_file), cache_dir=cache, vocab_size=300)
+    assert isinstance(second.ids, np.memmap)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(second.ids, first.ids)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(second.domain_ids, first.domain_ids)
+
+
+def test_batches_are_padded_to_the_longest_with_masks_and_truncated(tmp_path: Path) -> None:
+    ds = load_dataset("text-table", root=str(_table(tmp_path)), cache_dir=tmp_path / "cache", vocab_size=300,
+                      max_length=16)
+    inputs, labels = ds.get_batch(np.array([3, 4]), train=True)  # "ok then fine" (mail), "a good film" (web)
+    assert isinstance(inputs, dict)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    lengths = mask.sum(1).tolist()
+    assert ids.dtype == mask.dtype == labels.dtype == torch.int64
+    assert ids.shape == (2, max(lengths)) and min(lengths) < max(lengths)
+    short = int(np.argmin(lengths))
+    assert (ids[short, lengths[short]:] == 1).all() and (mask[short, lengths[short]:] == 0).all()  # <pad> = 1
+    assert ids[:, 0].tolist() == [0, 0] and ids[1 - short, -1] == 2  # <s> ... </s>
+    assert labels.tolist() == [0, 1]
+    long_ids, _ = ds.get_batch(np.array([0]), train=False)  # 40 words, cut to 16 tokens ending in </s>
+    assert isinstance(long_ids, dict) and long_ids["input_ids"].shape == (1, 16) and long_ids["input_ids"][0, -1] == 2
+    assert ds.model_args() == {"vocab_size": ds.vocab_size, "max_length": 16, "pad_token_id": 1}  # type: ignore[attr-defined]
+    assert ds.image_shape == (1, 1, 16)
+
+
+def test_bpe_round_trips_and_has_robertas_special_ids(tmp_path: Path) -> None:
+    texts = ["the plot was gripping and the prose was clear", "the kettle leaks and the lid is cracked"] * 20
+    tok = train_bpe(texts, 300, tmp_path)
+    assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4] and tok.pad_token_id == 1
+    sentence = "The plot leaks, naïvely!"
+    ids = tok(sentence)["input_ids"]
+    assert ids[0] == 0 and ids[-1] == 2
+    assert tok.decode(ids, skip_special_tokens=True) == sentence
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+    assert train_bpe(texts, 300, tmp_path).get_vocab() == tok.get_vocab()  # loaded from the cache
+
+
+def test_synthetic_corpus_is_seeded_balanced_and_noisy() -> None:
+    a, b = generate(3, per_domain=400), generate(3, per_domain=400)
+    assert a == b and a != generate(4, per_domain=400)
+    assert list(a) == list(DOMAINS) == ["books", "dvd", "electronics", "kitchen"]
+    clean = generate(3, per_domain=400, noise=0.0)
+    flipped = 0
+    for d in DOMAINS:
+        assert [t for t, _ in a[d]] == [t for t, _ in clean[d]]  # the noise draws on its own stream
+        assert sum(k for _, k in clean[d]) == 200  # balanced before noise
+        assert all(WORDS[0] <= len(t.split()) <= WORDS[1] for t, _ in a[d])
+        flipped += sum(k != c for (_, k), (_, c) in zip(a[d], clean[d], strict=True))
+    assert abs(flipped / 1600 - 0.1) < 0.03  # 10 % label noise (binomial sd 0.75 %)
+
+
+class _Images(DomainDataset):
+    name, image_shape = "images", (3, 28, 28)
+
+    def get_batch(self, indices: np.ndarray, train: bool, generator: torch.Generator | None = None) -> tuple:
+        raise NotImplementedError
+
+
+def test_model_args_per_kind_of_inputs(tmp_path: Path) -> None:
+    assert _Images().model_args() == {"in_channels": 3, "image_size": 28}
+    root = tmp_path / "acl"
+    for d in ("books", "dvd", "electronics", "kitchen"):
+        _write(root / d / "positive.review", "a:1 b:2 #label#:positive\n")
+        _write(root / d / "negative.review", "c:1 #label#:negative\n")
+    bow = load_dataset("amazon-bow", root=str(root), domains=["dvd", "books"], max_per_domain=1)
+    assert bow.inputs == "features" and bow.model_args() == {"in_features": 3} and bow.image_shape == (1, 1, 3)
+    x, y = bow.get_batch(np.arange(len(bow)), train=True)
+    assert bow.domains == ["dvd", "books"] and x.dtype == torch.float32 and len(y) == 2
+
+
+def test_text_options_are_refused_where_they_do_not_apply() -> None:
+    with pytest.raises(ValueError, match="^digits-dg is not a text dataset: it takes no tokenizer, max_length$"):
+        load_dataset("digits-dg", tokenizer="/tok", max_length=64)
+    with pytest.raises(ValueError, match="^synthetic-sentiment is a text dataset: it takes no image_size"):
+        load_dataset("synthetic-sentiment", image_size=32)
+    with pytest.raises(ValueError, match="^amazon-bow is bag-of-words vectors: it takes no tokenizer"):
+        load_dataset("amazon-bow", root="/nowhere", max_length=64)

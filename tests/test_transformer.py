@@ -1,0 +1,134 @@
+"""Text models (issue 25): tiny RoBERTa/DeBERTa and local pre-trained transformers in the zoo's contract, the
+bag-of-words MLP, create_model's data arguments, config refusals for image-only methods, and the client methods that
+act on features/classifier (FedSR, FedIIR, ...) on token batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from toy_pixels import registered
+from toy_tokens import MAX_LENGTH, PAD, VOCAB, ToyTokens, padded, token_batch
+
+from feddg.algorithms import create_method
+from feddg.algorithms.base import ClientContext, OptimSettings, ServerContext
+from feddg.config import ConfigError, build_config
+from feddg.messages import weights_of
+from feddg.models import create_model, model_capabilities
+from feddg.models.transformer import TextTransformer
+from feddg.tasks.classification import Classification
+
+TEXT = {"vocab_size": VOCAB, "max_length": MAX_LENGTH, "pad_token_id": PAD}
+
+
+def _tiny(name: str, classes: int = 2, **params) -> TextTransformer:
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=classes, **TEXT, **params)
+    assert isinstance(model, TextTransformer)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["tiny-roberta", "tiny-deberta"])
+def test_tiny_models_compute_the_hugging_face_logits_from_their_pooled_features(name):
+    model = _tiny(name, classes=3)
+    x = token_batch([5, 12, 3])
+    with torch.no_grad():
+        feats, out = model.features(x), model(x)
+        ref = model.hf(**x).logits
+        more = model(padded(x, 4))
+    assert feats.shape == (3, 64) and model.feature_dim == 64 and out.shape == (3, 3)
+    assert torch.equal(out, ref) and torch.equal(out, model.classifier(feats))
+    assert isinstance(model.classifier, nn.Linear) and model.classifier.in_features == 64
+    head = model.hf.classifier if name == "tiny-deberta" else model.hf.classifier.out_proj
+    assert model.classifier is head
+    assert (more - out).abs().max() <= 1e-5  # padding is masked
+    assert model_capabilities(name) == {"tokens"}
+    with pytest.raises(AttributeError, match="read-only"):
+        model.classifier = nn.Linear(64, 3)
+
+
+def test_the_roberta_representation_is_the_heads_tanh_of_the_first_token():
+    model = _tiny("tiny-roberta")
+    x = token_batch([4, 6])
+    with torch.no_grad():
+        cls = model.hf.roberta(**x).last_hidden_state[:, 0]
+        head = model.hf.classifier
+        expected = torch.tanh(cls @ head.dense.weight.T + head.dense.bias)
+        torch.testing.assert_close(model.features(x), expected)
+
+
+def test_the_bag_of_words_mlp_by_hand():
+    model = create_model("mlp", num_classes=2, in_features=3, hidden=2)
+    assert model.feature_dim == 2 and model_capabilities("mlp") == {"features"}
+    with torch.no_grad():
+        model.hidden[0].weight.copy_(torch.tensor([[1.0, 0.0, -1.0], [0.5, 0.5, 0.5]]))
+        model.hidden[0].bias.copy_(torch.tensor([0.0, -1.0]))
+        model.classifier.weight.copy_(torch.tensor([[1.0, 2.0], [-1.0, 0.0]]))
+        model.classifier.bias.copy_(torch.tensor([0.5, 0.0]))
+        out = model(torch.tensor([[1.0, 2.0, 3.0]]))
+    # hidden = relu([1 - 3, 3 - 1]) = [0, 2]; logits = [0 + 4 + 0.5, 0] = [4.5, 0]
+    assert out.tolist() == [[4.5, 0.0]]
+
+
+def test_a_local_pretrained_directory_loads_with_its_weights(tmp_path):
+    model = _tiny("tiny-roberta")
+    model.hf.save_pretrained(tmp_path)
+    loaded = create_model("transformer", num_classes=2, path=tmp_path, **TEXT).eval()
+    x = token_batch([7, 3])
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+@pytest.mark.parametrize(("name", "kwargs", "message"), [
+    ("transformer", {"path": "/x", **TEXT}, "model.path /x: no such directory: put a Hugging Face model there"),
+    ("transformer", TEXT, "model transformer needs model.path"),
+    ("cnn", {"path": "/x"}, "model.path is for transformer; model cnn takes none"),
+    ("tiny-roberta", {"in_channels": 3, "image_size": 28, **TEXT}, "tiny-roberta takes tokens inputs, not images"),
+    ("mlp", {"in_features": 0}, "mlp needs in_features and hidden >= 1"),
+])
+def test_bad_model_arguments_are_refused_in_one_line(name, kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        create_model(name, num_classes=2, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["method.name=pardon"],
+    ["method.name=ccst"],
+    ["method.name=fedfa"],
+    ["optim.augment=[{name: mixstyle}]"],
+])
+def test_image_methods_refuse_a_token_dataset_in_one_line(overrides):
+    with registered(), pytest.raises(ConfigError, match="needs (conv_stages|images)") as err:
+        build_config({}, ["data.dataset=toy-tokens", "model.name=tiny-roberta", *overrides])
+    assert "\n" not in str(err.value) and "toy-tokens" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["method.name=fedavg"], ["method.name=fedprox"], ["method.name=fedsr"], ["method.name=fediir"],
+    ["method.name=scaffold", "optim.momentum=0"], ["hierarchy.merge=hfedatm", "partition.num_clients=4"],
+])
+def test_text_methods_validate_on_a_token_dataset(overrides):
+    with registered():
+        cfg = build_config({}, ["data.dataset=toy-tokens", "model.name=tiny-deberta", "model.path=null", *overrides])
+    assert cfg.model.name == "tiny-deberta" and cfg.model.path is None
+
+
+@pytest.mark.parametrize("method_name", ["fedavg", "fedprox", "fedsr", "fediir", "scaffold"])
+def test_client_methods_train_a_transformer_on_token_batches(method_name):
+    method = create_method(method_name, {})
+    torch.manual_seed(0)
+    model = method.prepare_model(create_model("tiny-roberta", num_classes=2, **TEXT))
+    ctx = ClientContext(0, 1, ToyTokens(), np.arange(12), 4, 1, OptimSettings(momentum=0.0),
+                        torch.Generator().manual_seed(0),
+                        Classification(2, "tokens"))
+    state = method.server_init(model, ServerContext(num_clients=1, rounds=1, seed=0))
+    msg = {**method.client_config(state, 0, 1), "lr": 0.05, "round": 1}
+    before = weights_of(model)
+    reply, _ = method.client_update(model, msg, {}, ctx)
+    assert np.isfinite(reply["train_loss"]) and reply["num_examples"] == 12
+    assert any(not np.array_equal(reply[k], v) for k, v in before.items() if k.endswith("query.weight"))
+    model.eval()
+    with torch.no_grad():
+        assert method.predict(model, token_batch([3, 9])).shape == (2, 2)
