@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import ndimage
+from toy import run_recording_replies
 from toy_pixels import NAME, pixel_federation, registered
 
 from feddg.aggregation.accounting import statistic_privacy
@@ -24,7 +25,7 @@ from feddg.algorithms.elcfs import (
 )
 from feddg.algorithms.harmofl import mix_low_frequency
 from feddg.config import build_config
-from feddg.engines.inprocess import run_inprocess, run_setup
+from feddg.engines.inprocess import run_setup
 from feddg.federation.client import client_context
 from feddg.federation.server import Server
 
@@ -249,18 +250,7 @@ def test_the_shared_spectra_are_clipped_and_noised_once_and_floored_at_zero(tmp_
 
 def _round(tmp_path):
     fed = pixels()
-    replies = []
-    update = fed.method.client_update
-
-    def client_update(*a):
-        out = update(*a)
-        replies.append(out[0])
-        return out
-
-    fed.method.client_update = client_update
-    server = Server(fed, tmp_path)
-    run_inprocess(server)
-    return fed, server, replies
+    return (fed, *run_recording_replies(fed, tmp_path))
 
 
 def test_one_round_is_reproducible_and_replies_only_the_weights(tmp_path):

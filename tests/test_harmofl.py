@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from toy import toy_federation
+from toy import run_recording_replies, toy_federation
 
 from feddg.algorithms.harmofl import (
     AmpNormNet,
@@ -178,18 +178,7 @@ def test_evaluation_and_training_see_the_normalised_images(tmp_path):
 
 def _run(tmp_path, *over):
     fed = toy_federation("federation.rounds=1", *over)
-    replies = []
-    update = fed.method.client_update
-
-    def client_update(*a):
-        out = update(*a)
-        replies.append(out[0])
-        return out
-
-    fed.method.client_update = client_update
-    server = Server(fed, tmp_path)
-    run_inprocess(server)
-    return fed, server, replies
+    return (fed, *run_recording_replies(fed, tmp_path))
 
 
 def test_one_round_is_reproducible_and_sends_only_the_weights(tmp_path):

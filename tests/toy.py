@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -9,7 +12,10 @@ from torch import Tensor, nn
 from feddg.algorithms import create_method
 from feddg.config import ExperimentConfig, build_config
 from feddg.data.base import DomainDataset
+from feddg.engines.inprocess import run_inprocess
+from feddg.federation.server import Server
 from feddg.federation.setup import Federation, make_clients, make_split, make_topology
+from feddg.messages import Message
 from feddg.models.base import FedModel
 
 
@@ -84,3 +90,19 @@ class Point(nn.Module):
 def quadratic(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     """``f_i(w) = ½ (w − a_i)²`` with ``a_i`` the mean pixel of client i's data (one full batch an epoch)."""
     return 0.5 * ((model.w - x.mean()) ** 2).sum()
+
+
+def run_recording_replies(fed: Federation, run_dir: Path) -> tuple[Server, list[Message]]:
+    """Run ``fed`` in-process into ``run_dir``; its server and every client reply, in the order they were made."""
+    replies: list[Message] = []
+    update = fed.method.client_update
+
+    def client_update(*args: Any) -> Any:
+        out = update(*args)
+        replies.append(out[0])
+        return out
+
+    fed.method.client_update = client_update  # type: ignore[method-assign]
+    server = Server(fed, run_dir)
+    run_inprocess(server)
+    return server, replies
