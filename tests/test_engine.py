@@ -107,10 +107,11 @@ def test_a_reply_that_breaks_the_contract_is_rejected(tmp_path):
         run_inprocess(Server(fed, tmp_path / "x"))
 
 
-def test_workers_give_the_sequential_bits_at_one_torch_thread(tmp_path, cache_dir, monkeypatch):
-    """A worker runs its clients with one torch thread and the server folds the replies in the order sent, so
-    workers 2 give exactly the sequential path's bits at one thread; so does ``auto`` on one core (sequential,
-    one thread for the run, then the thread count restored)."""
+def test_every_worker_count_gives_the_same_bits_under_the_default_thread_policy(tmp_path, cache_dir, monkeypatch):
+    """A worker runs its clients with one torch thread and the server folds the replies in the order sent;
+    ``federation.threads: auto`` gives the server process one thread too, so ``workers`` 1, 2 and ``auto`` (on
+    one core: sequential) give exactly the same bits, and the thread count is restored after the run;
+    ``threads: 2`` runs the rounds on two."""
     import torch
 
     from feddg.config import build_config
@@ -121,15 +122,18 @@ def test_workers_give_the_sequential_bits_at_one_torch_thread(tmp_path, cache_di
             "split.target=uci", f"data.cache_dir={cache_dir}", "device=cpu"]
     threads: list[int] = []
 
-    def weights(name: str, count: str) -> dict:
-        server = Server(build_federation(build_config({}, [*over, f"federation.workers={count}"])), tmp_path / name)
+    def weights(name: str, count: str, *extra: str) -> dict:
+        cfg = build_config({}, [*over, f"federation.workers={count}", *extra])
+        server = Server(build_federation(cfg), tmp_path / name)
         run_inprocess(server, lambda row: threads.append(torch.get_num_threads()))
         assert [m["round"] for m in server.metrics] == [1, 2]
         return server.state["weights"]
 
     before = torch.get_num_threads()
-    with workers.one_torch_thread():
-        seq = weights("seq", "1")
+    seq = weights("seq", "1")
+    assert threads == [1, 1] and torch.get_num_threads() == before
+    weights("two-threads", "1", "federation.threads=2")
+    assert threads[-2:] == [2, 2] and torch.get_num_threads() == before
     par = weights("par", "2")
     monkeypatch.setattr(workers, "usable_cores", lambda: 1)
     auto = weights("auto", "auto")
@@ -156,3 +160,17 @@ def test_auto_is_a_worker_per_core_on_the_cpu_and_per_gpu_on_cuda(monkeypatch):
     monkeypatch.setattr(workers, "usable_cores", lambda: 1)
     assert workers.resolve_workers("auto", cpu) == 0
     assert [workers.resolve_workers(n, cpu) for n in (1, 2, 3)] == [0, 2, 3]
+
+
+def test_a_client_seed_draws_what_torch_manual_seed_draws():
+    """The per-client seeding skips torch's accelerator backends on the CPU; its random streams are unchanged."""
+    import torch
+
+    from feddg.federation.client import seed_torch
+
+    torch.manual_seed(1234)
+    want = torch.rand(6), torch.randn(3)
+    torch.manual_seed(99)  # another state in between
+    seed_torch(1234, torch.device("cpu"))
+    got = torch.rand(6), torch.randn(3)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

@@ -137,3 +137,16 @@ def test_bench_all_memory_rows_count_models_held_and_judge_the_target():
     assert [r.figure.split(", ")[2] for r in rows] == ["10 clients × 20,000 params", "300 clients × 20,000 params"]
     for r in rows:  # the streamed fold holds a few models (float64 sums + the reply being folded), not one per client
         assert r.ratio is not None and 1.0 <= r.ratio <= 8.0 and r.met
+
+
+def test_the_merge_bound_counts_exactly_the_flops_of_its_products():
+    """M1's exact-cost bound divides the merge's GEMM FLOPs (torch's FlopCounterMode) by the GEMM rate; a
+    function doing two known products counts 2·m·k·n each, and a mean adds none."""
+    from feddg.bench.merge import merge_gflop
+
+    a, b, c = torch.ones(30, 40), torch.ones(40, 50), torch.ones(50, 7)
+
+    def two_products() -> object:
+        return (a @ b) @ c + a.mean()
+
+    assert merge_gflop(two_products) == pytest.approx((2 * 30 * 40 * 50 + 2 * 30 * 50 * 7) / 1e9, rel=1e-12)

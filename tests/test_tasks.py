@@ -77,6 +77,21 @@ def test_tallies_of_a_split_evaluation_sum_to_the_single_pass_figure_exactly():
         fed.task, whole, fed.dataset.domains, "id")
 
 
+def test_one_pass_over_many_domains_gives_each_domain_pass_tally():
+    """Evaluation over every domain is one pass over the evaluation indices: its per-domain rows equal the
+    tallies of one pass per domain, exactly (at one thread, as a worker or the default server computes)."""
+    fed = _FED
+    idx = np.concatenate([fed.split.test_idx, *(c.holdout_idx for c in fed.clients)])
+    with one_torch_thread():
+        whole = tally_by_domain(fed.model, fed.dataset, idx, fed.task, batch_size=64)
+        assert len(np.unique(fed.dataset.domain_ids[idx])) > 1
+        for d in range(len(fed.dataset.domains)):
+            own = idx[fed.dataset.domain_ids[idx] == d]
+            per = tally_by_domain(fed.model, fed.dataset, own, fed.task, batch_size=64)
+            np.testing.assert_array_equal(whole[d], per[d])
+            assert not per[np.arange(len(per)) != d].any()
+
+
 def test_a_pixel_task_runs_fedavg_in_process_under_its_own_metric(tmp_path, monkeypatch):
     res = run_experiment(build_config(PIXELS), tmp_path / "run", progress=False)
     assert res["task"]["name"] == "pixel-agreement" and res["task"]["metric"] == "pagree"

@@ -551,14 +551,16 @@ def bench_memory(
 def bench_scale(
     configs: Annotated[list[Path] | None, typer.Argument(help="experiment YAMLs")] = None,
     rounds: Annotated[int, typer.Option(help="rounds of each config")] = 2,
+    repeats: Annotated[int, typer.Option(help="interleaved runs of feddg and of the plain loop")] = 2,
     overrides: Overrides = None,
 ) -> None:
-    """The papers' client counts end to end: build time, seconds per round and peak RSS of each config."""
+    """The papers' client counts end to end: each config's last round against a plain PyTorch loop of the same
+    clients and evaluation, wall and CPU seconds, peak RSS."""
     from feddg.bench.scale import scale_report
 
     paths = configs or [Path("configs/scale/femnist-scale.yaml"), Path("configs/scale/iwildcam-scale.yaml")]
     with _user_errors():
-        _print_all(scale_report(paths, rounds, list(overrides or [])))
+        _print_all(scale_report(paths, rounds, list(overrides or []), repeats))
 
 
 @bench_app.command("portable", help="The cost of reproducibility: portable: the same short run with this CPU's own "

@@ -14,7 +14,7 @@ import copy
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -142,8 +142,14 @@ class FederationConfig(Strict):
     workers: int | Literal["auto"] = Field(
         "auto", description="in-process engine: warm client worker processes, one torch thread each (auto = one "
         "per core on the CPU, one per GPU on CUDA, at most one per client, sequential with one thread where that "
-        "is one; the same bits for any N >= 2 and auto); 1 = sequential with the process's torch threads (float "
-        "summation order only differs)"
+        "is one; the same bits for any N >= 2, auto and 1 at federation.threads auto); 1 = sequential in the "
+        "server process"
+    )
+    threads: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="CPU: torch threads of the server process (its evaluation, and the clients where they "
+        "run sequentially); workers always use one. auto = 1: a process never waits on OpenMP threads that another "
+        "process keeps off their core (under load they spin: 10x slower measured), and every worker count gives the "
+        "same bits. N > 1 uses N threads where N cores are free (float summation order then differs)"
     )
     checkpoint_every: int = Field(
         1, ge=1, description="write checkpoint.pt every k rounds and after the last (a crash loses < k rounds); "

@@ -8,6 +8,9 @@ import numpy as np
 
 from feddg.messages import Value
 
+#: elements per chunk of :func:`weighted_mean` (256 KiB of float64: the sums and one product stay in L2)
+CHUNK = 1 << 15
+
 
 def normalised_weights(weights: Sequence[float]) -> np.ndarray:
     """``weights / sum(weights)`` as float64; rejects negative or all-zero weights."""
@@ -25,11 +28,17 @@ def weighted_mean(arrays: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     Integer arrays (e.g. BatchNorm's ``num_batches_tracked``) are rounded.
     """
     w = normalised_weights(weights)
-    acc = np.zeros_like(arrays[0], dtype=np.float64)
-    for wk, a in zip(w, arrays, strict=True):
-        acc += wk * np.asarray(a, dtype=np.float64)
+    flat = [np.asarray(a).reshape(-1) for a in arrays]
+    acc = np.zeros(flat[0].size, dtype=np.float64)
+    tmp = np.empty(min(CHUNK, acc.size), dtype=np.float64)
+    for start in range(0, acc.size, CHUNK):  # in cache-sized chunks: the same operations, one pass over memory
+        part = acc[start:start + CHUNK]
+        scaled = tmp[:part.size]
+        for wk, a in zip(w, flat, strict=True):
+            part += np.multiply(a[start:start + CHUNK], wk, out=scaled, dtype=np.float64)
+    mean = acc.reshape(np.shape(arrays[0]))
     dtype = np.asarray(arrays[0]).dtype
-    return np.rint(acc).astype(dtype) if np.issubdtype(dtype, np.integer) else acc.astype(dtype)
+    return np.rint(mean).astype(dtype) if np.issubdtype(dtype, np.integer) else mean.astype(dtype)
 
 
 def weighted_mean_messages(

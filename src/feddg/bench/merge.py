@@ -108,3 +108,32 @@ def time_merges(
 def summary(times: list[float]) -> tuple[float, float]:
     """(min, median) seconds."""
     return min(times), statistics.median(times)
+
+
+def merge_gflop(merge: Callable[[], object]) -> float:
+    """GFLOP of the matrix products in one call of ``merge``, counted by torch's ``FlopCounterMode`` (FOT's cost
+    GEMMs: the exact-cost part of a merge; the assignment solves and the means add no GEMM FLOPs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        merge()
+    return counter.get_total_flops() / 1e9
+
+
+def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), repeats: int = 20) -> float:
+    """This machine's float32 GEMM rate now (GFLOP/s, best of ``repeats``) at ``shape`` ``(m, k, n)`` (default:
+    the merge's largest cost GEMM, ResNet-18's 512 filters of 512 × 3 × 3), on ``threads`` torch threads."""
+    m, k, n = shape
+    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+    best = float("inf")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i in range(repeats + 3):  # 3 warm-up products
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            if i >= 3:
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(previous)
+    return 2 * m * k * n / best / 1e9

@@ -1,42 +1,94 @@
-"""The papers' client counts end to end (time per round, peak RSS) and the client workers' start-up time."""
+"""The papers' client counts end to end (time per round against a plain loop of the same clients, CPU seconds,
+peak RSS) and the client workers' start-up time."""
 
 from __future__ import annotations
 
 import resource
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from rich.table import Table
+from torch import nn
 
 from feddg.config import ExperimentConfig, load_config
-from feddg.engines.workers import FederationFactory, WorkerPool
+from feddg.engines.workers import FederationFactory, WorkerPool, resolve_workers, torch_threads
 from feddg.evaluation.plots import read_metrics
-from feddg.federation.setup import Federation
+from feddg.federation.server import Server
+from feddg.federation.setup import Federation, build_federation
 
 
-def peak_rss_mb() -> dict[str, float]:
-    """Peak resident memory so far of this process and of its finished children (Linux: KiB -> MiB)."""
-    return {"self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+def peak_rss_mb() -> float:
+    """Peak resident memory so far of this process (Linux: KiB -> MiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def scale_run(config: Path, rounds: int, overrides: list[str]) -> dict[str, Any]:
-    """Run ``config`` for ``rounds`` rounds in a scratch directory: build, per-round and total seconds, peak RSS."""
+def scale_run(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Run ``cfg`` in a scratch directory: build seconds, each round's seconds (the last one evaluates), wall
+    and CPU seconds, the client-state budget, and the clients of the last round."""
+    from feddg.bench.w1 import cpu_seconds
     from feddg.experiment import run_experiment  # the whole stack
 
-    cfg = load_config(config, [*overrides, f"federation.rounds={rounds}"])
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         run_experiment(cfg, Path(tmp) / "run", progress=False)
-        total = time.perf_counter() - t0
+        total, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         rows = read_metrics(Path(tmp) / "run")
     per_round = [float(r["time_round_s"]) for r in rows]
-    return {"clients": cfg.partition.num_clients, "fraction": cfg.federation.client_fraction,
-            "sampled": [int(r["clients"]) for r in rows], "round_s": per_round, "total_s": total,
-            "build_s": total - sum(per_round), "peak_rss_mb": peak_rss_mb(), "workers": cfg.federation.workers}
+    return {"clients": cfg.partition.num_clients, "sampled": [int(r["clients"]) for r in rows],
+            "round_s": per_round, "total_s": total, "cpu_s": cpu, "build_s": total - sum(per_round)}
+
+
+def yardstick(cfg: ExperimentConfig) -> dict[str, float]:
+    """:func:`plain_round_seconds` of the clients that ``cfg``'s last round samples, on one torch thread (as
+    feddg's sequential path), with that round's learning rate."""
+    fed = build_federation(cfg)
+    with tempfile.TemporaryDirectory() as tmp, torch_threads(1):
+        server = Server(fed, Path(tmp) / "run")
+        last = cfg.federation.rounds
+        return plain_round_seconds(fed, list(server.configure(last)), server.lr(last))
+
+
+def plain_round_seconds(fed: Federation, clients: list[int], lr: float) -> dict[str, float]:
+    """The pure compute of one round of ``clients`` in a plain PyTorch loop on this process's threads: each
+    client's epochs of SGD from the same start (its batches read before the clock starts, batches of one
+    skipped as feddg skips them for BatchNorm) and one evaluation pass over the held-out domain(s); seconds of
+    ``train`` and ``eval``. No messages, copies of state beyond ``load_state_dict``, aggregation or files."""
+    cfg, ds, model = fed.cfg, fed.dataset, fed.model
+    fc, opt_cfg = cfg.federation, cfg.optim
+    batches = []
+    for cid in clients:
+        idx = fed.clients[cid].train_idx
+        for _ in range(fc.local_epochs):
+            order = np.random.default_rng(cid).permutation(idx)
+            batches.append([ds.get_batch(order[i:i + fc.batch_size], train=False)
+                            for i in range(0, len(order), fc.batch_size) if len(order[i:i + fc.batch_size]) > 1])
+    test = fed.split.test_idx
+    evals = [ds.get_batch(test[i:i + cfg.eval.batch_size], train=False)
+             for i in range(0, len(test), cfg.eval.batch_size)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    t0 = time.perf_counter()
+    for client_batches in batches:
+        model.load_state_dict(start)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=opt_cfg.momentum, weight_decay=opt_cfg.weight_decay)
+        for x, y in client_batches:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    t1 = time.perf_counter()
+    model.eval()
+    with torch.no_grad():
+        for x, _ in evals:
+            model(x)
+    t2 = time.perf_counter()
+    model.load_state_dict(start)
+    return {"train": t1 - t0, "eval": t2 - t1}
 
 
 def worker_start_seconds(cfg: ExperimentConfig, fed: Federation, workers: int, factory: FederationFactory,
@@ -52,19 +104,36 @@ def worker_start_seconds(cfg: ExperimentConfig, fed: Federation, workers: int, f
         return time.perf_counter() - t0
 
 
-def scale_report(configs: list[Path], rounds: int, overrides: list[str]) -> Iterator[Table | str]:
-    """``feddg bench scale``, each line or table as soon as it is measured: the load average, one row of
-    :func:`scale_run` per config, the load average."""
+def scale_report(configs: list[Path], rounds: int, overrides: list[str], repeats: int = 2
+                 ) -> Iterator[Table | str]:
+    """``feddg bench scale``, each line or table as soon as it is measured: per config, ``repeats`` interleaved
+    pairs (feddg's run, the plain loop of its last round), then the table; the load average before and after.
+
+    The ratio is feddg's last round (its clients, aggregation, checkpoint and evaluation) over the plain loop's
+    train + eval of the same clients and held-out images: per-client overhead shows here, build time does not."""
     from feddg.bench.w1 import load_average
 
     yield f"load average before: {load_average()}"
-    t = Table(title=f"{rounds} rounds each; peak RSS of this process / of its worker processes")
-    for col in ("config", "clients", "sampled/round", "build s", "s/round", "peak RSS MiB (self / workers)"):
+    t = Table(title=f"{rounds} rounds each (the last evaluates), {repeats} interleaved repeats: min (median)")
+    for col in ("config", "clients", "sampled/round", "build s", "last round s", "plain s (train + eval)",
+                "× plain", "wall / CPU s per run", "peak RSS MiB", "client-state budget MiB"):
         t.add_column(col, justify="left" if col == "config" else "right")
     for path in configs:
-        r = scale_run(path, rounds, overrides)
-        rss = r["peak_rss_mb"]
-        t.add_row(str(path), f"{r['clients']:,}", " ".join(map(str, r["sampled"])), f"{r['build_s']:.1f}",
-                  " ".join(f"{s:.1f}" for s in r["round_s"]), f"{rss['self']:,.0f} / {rss['children']:,.0f}")
+        cfg = load_config(path, [*overrides, f"federation.rounds={rounds}"])
+        if resolve_workers(cfg.federation.workers, torch.device("cpu"), cfg.partition.num_clients):
+            raise ValueError(f"{path}: the scale yardstick is sequential; set federation.workers: 1")
+        runs, plain = [], []
+        for _ in range(repeats):
+            runs.append(scale_run(cfg))
+            plain.append(yardstick(cfg))
+        last = [r["round_s"][-1] for r in runs]
+        base = [p["train"] + p["eval"] for p in plain]
+        best = min(base)
+        budget = cfg.federation.client_state_budget_mb
+        t.add_row(str(path), f"{runs[0]['clients']:,}", " ".join(map(str, runs[0]["sampled"])),
+                  f"{min(r['build_s'] for r in runs):.1f}", f"{min(last):.2f} ({statistics.median(last):.2f})",
+                  f"{best:.2f} ({min(p['train'] for p in plain):.2f} + {min(p['eval'] for p in plain):.2f})",
+                  f"{min(last) / best:.2f}", " / ".join(f"{min(r[k] for r in runs):.1f}" for k in ("total_s", "cpu_s")),
+                  f"{peak_rss_mb():,.0f}", "unlimited" if budget is None else f"{budget:,.0f}")
     yield t
     yield f"load average after: {load_average()}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -27,7 +28,7 @@ from feddg.algorithms.registry import create_method
 from feddg.config import ExperimentConfig, build_config
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.engines.inprocess import run_inprocess
-from feddg.engines.workers import can_fork, one_torch_thread, resolve_workers
+from feddg.engines.workers import can_fork, resolve_workers
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation, make_clients, make_split, make_topology, resolve_device
 from feddg.models import create_model
@@ -50,14 +51,16 @@ def w1_dataset(images: int = IMAGES, seed: int = 0) -> TensorDomainDataset:
                                           mean=[0.5] * 3, std=[0.25] * 3)
 
 
-def w1_config(workers: int | str, images: int = IMAGES, device: str = "cpu") -> ExperimentConfig:
+def w1_config(workers: int | str, images: int = IMAGES, device: str = "cpu", threads: int | str = "auto"
+              ) -> ExperimentConfig:
     """W1 as a config; ``data.max_per_domain`` carries the images per client (the dataset itself is built here)."""
     return build_config({
         "data": {"max_per_domain": images},
         "name": "w1", "model": {"name": "cnn4"}, "method": {"name": "fedavg"}, "device": device,
         "partition": {"kind": "by_domain", "num_clients": CLIENTS, "holdout": 0.0}, "split": {"target": "test"},
         "optim": {"name": "sgd", "lr": LR, "schedule": "constant"},
-        "federation": {"rounds": ROUNDS, "local_epochs": 1, "batch_size": BATCH, "workers": workers},
+        "federation": {"rounds": ROUNDS, "local_epochs": 1, "batch_size": BATCH, "workers": workers,
+                       "threads": threads},
         "eval": {"every": ROUNDS},
     })
 
@@ -74,20 +77,14 @@ def w1_federation(cfg: ExperimentConfig) -> Federation:
     return Federation(cfg, ds, split, clients, method, model, device, make_topology(cfg, clients, model))
 
 
-def run_feddg(workers: int | str, images: int = IMAGES, device: str = "cpu") -> float:
+def run_feddg(workers: int | str, images: int = IMAGES, device: str = "cpu", threads: int | str = "auto") -> float:
     """Wall seconds of W1 through feddg's in-process engine (pool start-up, 5 rounds, evaluation, files)."""
-    cfg = w1_config(workers, images, device)
+    cfg = w1_config(workers, images, device, threads)
     fed = w1_federation(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run_inprocess(Server(fed, Path(tmp) / "run"), factory=w1_federation)
         return time.perf_counter() - t0
-
-
-def run_feddg_one_thread(images: int = IMAGES) -> float:
-    """``run_feddg(1)`` with one torch thread, as each worker has (torch's default: one per core)."""
-    with one_torch_thread():
-        return run_feddg(1, images)
 
 
 def _plain_worker(images: torch.Tensor, labels: torch.Tensor, epochs: int, seed: int, device: str = "cpu") -> None:
@@ -144,25 +141,37 @@ def run_plain(images: int = IMAGES, processes: int = 2) -> float:
     return time.perf_counter() - t0
 
 
-def w1_table(repeats: int, images: int = IMAGES) -> dict[str, list[float]]:
-    """Seconds of each variant over ``repeats`` interleaved rounds (yardstick, workers 1, workers 2, ...)."""
+def w1_table(repeats: int, images: int = IMAGES) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of each variant over ``repeats`` interleaved rounds, the order rotated each round so
+    that no variant always runs after the same one (a fixed order made ``auto`` look 2 s slower than ``2``, the
+    same pool); the first variant is the yardstick."""
     auto = resolve_workers("auto", torch.device("cpu")) or 1
     variants = {"plain PyTorch, 2 × 1 thread": lambda: run_plain(images),
-                "feddg workers: 1": lambda: run_feddg(1, images),
-                "feddg workers: 1, one torch thread": lambda: run_feddg_one_thread(images),
+                "feddg workers: 1 (threads: auto = 1)": lambda: run_feddg(1, images),
+                "feddg workers: 1, threads: 2": lambda: run_feddg(1, images, threads=2),
                 "feddg workers: 2": lambda: run_feddg(2, images),
                 f"feddg workers: auto (= {auto})": lambda: run_feddg("auto", images)}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            times[name].append(fn())
+    names = list(variants)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            c0 = cpu_seconds()
+            wall = variants[name]()
+            times[name].append((wall, cpu_seconds() - c0))
     return times
 
 
-def summary(times: dict[str, list[float]]) -> list[tuple[str, float, float, float]]:
-    """(variant, min s, median s, min / yardstick's min) rows; the first variant is the yardstick."""
-    yard = min(next(iter(times.values())))
-    return [(n, min(t), statistics.median(t), min(t) / yard) for n, t in times.items()]
+def summary(times: dict[str, list[tuple[float, float]]]) -> list[tuple[str, float, float, float, float]]:
+    """(variant, min s, median s, min / yardstick's min, min CPU s) rows; the first variant is the yardstick."""
+    yard = min(w for w, _ in next(iter(times.values())))
+    return [(n, min(w for w, _ in t), statistics.median(w for w, _ in t), min(w for w, _ in t) / yard,
+             min(c for _, c in t)) for n, t in times.items()]
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its finished (joined) children so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def load_average() -> str:
@@ -175,9 +184,9 @@ def w1_report(repeats: int, images: int = IMAGES) -> Iterator[Table | str]:
     yield f"load average before: {load_average()}"
     t = Table(title=f"W1: FedAvg, 4 clients × {images} images 3×28×28, cnn4, batch 32, 5 rounds; "
               f"{repeats} interleaved")
-    for col in ("variant", "min s", "median s", "× yardstick (min)"):
+    for col in ("variant", "min s", "median s", "× yardstick (min)", "CPU s (min)"):
         t.add_column(col, justify="left" if col == "variant" else "right")
-    for name, lo, med, ratio in summary(w1_table(repeats, images)):
-        t.add_row(name, f"{lo:.1f}", f"{med:.1f}", f"{ratio:.2f}")
+    for name, lo, med, ratio, cpu in summary(w1_table(repeats, images)):
+        t.add_row(name, f"{lo:.1f}", f"{med:.1f}", f"{ratio:.2f}", f"{cpu:.1f}")
     yield t
     yield f"load average after: {load_average()}"

@@ -6,13 +6,14 @@ simulated clients cost data memory, not model copies.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 from feddg.algorithms.base import Reply
-from feddg.engines.workers import FederationFactory, WorkerPool, one_torch_thread, resolve_workers
+from feddg.engines.workers import FederationFactory, WorkerPool, resolve_workers, server_threads, torch_threads
 from feddg.federation.client import run_client_setup, try_client
 from feddg.federation.server import Server
 from feddg.federation.setup import build_federation
@@ -62,16 +63,17 @@ def run_inprocess(server: Server, on_round: RoundCallback | None = None, *,
 
     ``factory`` rebuilds the Federation in each worker process (``federation.workers``); with
     ``federation.client_timeout_s`` clients always run in workers (one, where ``auto`` finds one core).
-    Where ``auto`` finds one core on the CPU the clients run here with one torch thread, as in a worker,
-    so that ``auto`` gives the same bits on any number of cores."""
+    On the CPU this process runs with ``federation.threads`` torch threads (``auto``: one, as each worker),
+    so that every worker count gives the same bits and no default spins under load."""
+    importlib.import_module("torch._dynamo")  # the first optimiser imports it (seconds): the run's, not round 1's
     run_setup(server)
     fc, device = server.fed.cfg.federation, server.fed.device
     clients = server.fed.topology.num_clients
     workers = resolve_workers(fc.workers, device, clients) or (1 if fc.client_timeout_s is not None else 0)
     pool = WorkerPool(server.fed.cfg, workers, factory=factory, timeout_s=fc.client_timeout_s,
                       fed=server.fed) if workers else None
-    auto_sequential = fc.workers == "auto" and pool is None and device.type == "cpu"
-    with pool if pool is not None else nullcontext(), one_torch_thread() if auto_sequential else nullcontext():
+    threads = server_threads(fc.threads, device)
+    with pool if pool is not None else nullcontext(), torch_threads(threads) if threads else nullcontext():
         for r in range(server.round + 1, server.rounds + 1):
             row = run_round(server, r, pool)
             if on_round is not None:

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Self
 
@@ -100,14 +100,27 @@ def resolve_workers(requested: int | str, device: torch.device, clients: int | N
 
 
 @contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run the block with one torch thread, as a worker does (the count is restored after)."""
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` torch threads (the count is restored after)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def one_torch_thread() -> AbstractContextManager[None]:
+    """Run the block with one torch thread, as a worker does."""
+    return torch_threads(1)
+
+
+def server_threads(requested: int | str, device: torch.device) -> int | None:
+    """The server process's torch threads under ``federation.threads`` (``auto`` = 1 on the CPU); ``None``: leave
+    them (a CUDA run computes on the GPU)."""
+    if device.type != "cpu":
+        return None
+    return 1 if requested == "auto" else int(requested)
 
 
 def death(exitcode: int | None) -> str:

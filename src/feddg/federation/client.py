@@ -13,10 +13,18 @@ from feddg.messages import Message, validate_message
 from feddg.seeds import derived_seed
 
 
+def seed_torch(seed: int, device: torch.device) -> None:
+    """``torch.manual_seed(seed)`` for a run on ``device``: the same streams, without its ~1.4 ms per call of
+    seeding (lazily) every accelerator backend torch knows, which a CPU run never uses."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+
+
 def client_context(fed: Federation, client_id: int, round: int) -> ClientContext:
     """Context of ``client_id`` in ``round``; its random stream depends only on (seed, round, id)."""
     cfg = fed.cfg
-    torch.manual_seed(derived_seed(cfg.seed, round, client_id, 1))  # dropout, noise in the method
+    seed_torch(derived_seed(cfg.seed, round, client_id, 1), fed.device)  # dropout, noise in the method
     return ClientContext(
         client_id=client_id,
         round=round,
