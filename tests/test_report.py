@@ -98,6 +98,23 @@ def test_domain_bars_show_seed_spread_and_sample_counts():
     plt.close(fig)
 
 
+def test_thousands_of_domains_are_drawn_as_a_histogram_of_their_figures():
+    """Natural clients (writers) have thousands of domains: one bar and tick label each took a minute to draw;
+    past MAX_DOMAIN_BARS the figure is a histogram per role whose bars count the domains."""
+    from feddg.evaluation.plots import MAX_DOMAIN_BARS
+
+    ood = {f"ood_acc/w{i:04d}": [float(i % 10) * 10.0] for i in range(300)}  # 30 domains at each of 0, 10, ..., 90
+    ids = {f"id_acc/v{i:04d}": [95.0] for i in range(MAX_DOMAIN_BARS + 1)}
+    fig, ax = plt.subplots()
+    draw_domains(ax, {**ood, **ids}, ACC)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    counts = dict(zip(labels, (sum(p.get_height() for p in c.patches) for c in ax.containers), strict=True))
+    assert counts == {"ood: 300 domains": 300, f"id: {MAX_DOMAIN_BARS + 1} domains": MAX_DOMAIN_BARS + 1}
+    means = sorted(round(float(line.get_xdata()[0]), 6) for line in ax.get_lines())
+    assert means == [45.0, 95.0]
+    plt.close(fig)
+
+
 def test_method_diagnostics_are_grouped_by_key_prefix_layer_and_client():
     rows = [{"round": r, "lr": 0.1, "train_loss": 1.0, "ood_acc": 50.0, "ood_acc/b": 50.0, "fot/passes": 2,
              "fot/conv1/moved": 0.1 * r, "fot/fc/moved": 0.2 * r, "gradalign_theta/0": 0.4, "gradalign_theta/1": 0.6,

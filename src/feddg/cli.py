@@ -558,7 +558,8 @@ def bench_scale(
     clients and evaluation, wall and CPU seconds, peak RSS."""
     from feddg.bench.scale import scale_report
 
-    paths = configs or [Path("configs/scale/femnist-scale.yaml"), Path("configs/scale/iwildcam-scale.yaml")]
+    paths = configs or [Path("configs/scale/femnist-scale.yaml"), Path("configs/scale/writers-scale.yaml"),
+                        Path("configs/scale/iwildcam-scale.yaml")]
     with _user_errors():
         _print_all(scale_report(paths, rounds, list(overrides or []), repeats))
 

@@ -40,24 +40,25 @@ def scale_run(cfg: ExperimentConfig) -> dict[str, Any]:
         total, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         rows = read_metrics(Path(tmp) / "run")
     per_round = [float(r["time_round_s"]) for r in rows]
-    return {"clients": cfg.partition.num_clients, "sampled": [int(r["clients"]) for r in rows],
+    return {"sampled": [int(r["clients"]) for r in rows],
             "round_s": per_round, "total_s": total, "cpu_s": cpu, "build_s": total - sum(per_round)}
 
 
 def yardstick(cfg: ExperimentConfig) -> dict[str, float]:
     """:func:`plain_round_seconds` of the clients that ``cfg``'s last round samples, on one torch thread (as
-    feddg's sequential path), with that round's learning rate."""
+    feddg's sequential path), with that round's learning rate; and the federation's number of clients."""
     fed = build_federation(cfg)
     with tempfile.TemporaryDirectory() as tmp, torch_threads(1):
         server = Server(fed, Path(tmp) / "run")
         last = cfg.federation.rounds
-        return plain_round_seconds(fed, list(server.configure(last)), server.lr(last))
+        return {**plain_round_seconds(fed, list(server.configure(last)), server.lr(last)), "clients": len(fed.clients)}
 
 
 def plain_round_seconds(fed: Federation, clients: list[int], lr: float) -> dict[str, float]:
     """The pure compute of one round of ``clients`` in a plain PyTorch loop on this process's threads: each
     client's epochs of SGD from the same start (its batches read before the clock starts, batches of one
-    skipped as feddg skips them for BatchNorm) and one evaluation pass over the held-out domain(s); seconds of
+    skipped as feddg skips them for BatchNorm) and one evaluation pass over what feddg evaluates (held-out
+    domains, validation domain, the clients' holdouts); seconds of
     ``train`` and ``eval``. No messages, copies of state beyond ``load_state_dict``, aggregation or files."""
     cfg, ds, model = fed.cfg, fed.dataset, fed.model
     fc, opt_cfg = cfg.federation, cfg.optim
@@ -68,9 +69,10 @@ def plain_round_seconds(fed: Federation, clients: list[int], lr: float) -> dict[
             order = np.random.default_rng(cid).permutation(idx)
             batches.append([ds.get_batch(order[i:i + fc.batch_size], train=False)
                             for i in range(0, len(order), fc.batch_size) if len(order[i:i + fc.batch_size]) > 1])
-    test = fed.split.test_idx
-    evals = [ds.get_batch(test[i:i + cfg.eval.batch_size], train=False)
-             for i in range(0, len(test), cfg.eval.batch_size)]
+    # what feddg's evaluation reads: the held-out domains, the clients' holdouts and the validation domain
+    held = np.concatenate([fed.split.test_idx, fed.split.val_idx, *(c.holdout_idx for c in fed.clients)])
+    evals = [ds.get_batch(held[i:i + cfg.eval.batch_size], train=False)
+             for i in range(0, len(held), cfg.eval.batch_size)]
     start = {k: v.clone() for k, v in model.state_dict().items()}
     t0 = time.perf_counter()
     for client_batches in batches:
@@ -130,7 +132,7 @@ def scale_report(configs: list[Path], rounds: int, overrides: list[str], repeats
         base = [p["train"] + p["eval"] for p in plain]
         best = min(base)
         budget = cfg.federation.client_state_budget_mb
-        t.add_row(str(path), f"{runs[0]['clients']:,}", " ".join(map(str, runs[0]["sampled"])),
+        t.add_row(str(path), f"{plain[0]['clients']:,.0f}", " ".join(map(str, runs[0]["sampled"])),
                   f"{min(r['build_s'] for r in runs):.1f}", f"{min(last):.2f} ({statistics.median(last):.2f})",
                   f"{best:.2f} ({min(p['train'] for p in plain):.2f} + {min(p['eval'] for p in plain):.2f})",
                   f"{min(last) / best:.2f}", " / ".join(f"{min(r[k] for r in runs):.1f}" for k in ("total_s", "cpu_s")),

@@ -25,6 +25,8 @@ from matplotlib.ticker import MaxNLocator
 from feddg.tasks import TaskInfo, info_for_dataset
 
 ROLE_COLOURS = {"id": "tab:blue", "val": "tab:orange", "ood": "tab:red"}
+#: more domains than this get a histogram of their figures instead of a bar each (writers, camera traps)
+MAX_DOMAIN_BARS = 40
 #: role, line style, marker size, hollow: larger hollow markers behind smaller ones, so equal figures stay visible
 ROLE_STYLES = (("id", "-o", 8, True), ("val", "-s", 6, True), ("ood", "-^", 4, False), ("global_ood", "--", 3, False))
 
@@ -102,6 +104,9 @@ def draw_domains(ax: Axes, values: Mapping[str, float | Sequence[float]], task: 
     """One bar per domain (mean); error bar = sample std and a dot per value where there are several;
     ``counts`` (same keys) put ``n=`` under each domain name."""
     bars = domain_bars(values, task)
+    if len(bars) > MAX_DOMAIN_BARS:
+        draw_domain_spread(ax, bars, task, title)
+        return
     top = task.bounds[1]
     for i, (dom, kind, vals) in enumerate(bars):
         mean = float(np.mean(vals))
@@ -119,11 +124,27 @@ def draw_domains(ax: Axes, values: Mapping[str, float | Sequence[float]], task: 
     ax.set(ylabel=task.axis_label, ylim=(task.bounds[0], 1.08 * top), title=title or f"{task.label} per domain")
 
 
+def draw_domain_spread(ax: Axes, bars: list[tuple[str, str, list[float]]], task: TaskInfo, title: str = "") -> None:
+    """Too many domains for a bar each (natural clients: writers, cameras): per role, the histogram of the
+    domains' figures (each domain's mean over its values), with the mean over domains as a dashed line."""
+    roles: dict[str, list[float]] = {}
+    for _, kind, vals in bars:
+        roles.setdefault(kind, []).append(float(np.mean(vals)))
+    edges = np.linspace(*task.bounds, 26).tolist()
+    for kind, scores in roles.items():
+        colour = ROLE_COLOURS.get(kind, "grey")
+        ax.hist(scores, bins=edges, color=colour, alpha=0.6, label=f"{kind}: {len(scores):,} domains")
+        ax.axvline(float(np.mean(scores)), color=colour, linestyle="--", linewidth=1)
+    ax.legend(fontsize=8)
+    ax.set(xlabel=task.axis_label, ylabel="domains", xlim=task.bounds,
+           title=title or f"{task.label} per domain ({len(bars):,} domains; dashed: mean)")
+
+
 def plot_domains(final: Mapping[str, float | Sequence[float]], path: Path, task: TaskInfo, title: str = "",
                  counts: Mapping[str, int] | None = None) -> Path:
     """Per-domain figures: id for source domains, ood (and val) for held-out ones."""
     n = len(domain_bars(final, task))
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * n), 3.8))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * n) if n <= MAX_DOMAIN_BARS else 7.0, 3.8))
     draw_domains(ax, final, task, counts, title)
     return save(fig, path)
 
