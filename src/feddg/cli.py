@@ -447,7 +447,8 @@ def bench_all(
     quick: Annotated[bool, typer.Option(help="smaller sizes: a smoke run of every figure (minutes)")] = False,
     repeats: Annotated[int, typer.Option(help="interleaved repeats of every timed figure")] = 3,
 ) -> None:
-    """The headline figures in one table: W1, M1, server memory, `feddg methods`, worker start, with ratios."""
+    """The headline figures in one table: W1, M1, server memory, `feddg methods`, worker start, scale, with ratios
+    and CPU seconds."""
     from feddg.bench.summary import summary_report
 
     with out.status("benchmarking") as status:

@@ -46,7 +46,7 @@ def w1_rows(images: int, repeats: int) -> list[Row]:
 
     rows = []
     for name, lo, med, ratio, cpu in summary(w1_table(repeats, images))[1:]:
-        target = "≤ 1.1×" if "auto" in name else ""
+        target = "≤ 1.1×" if "workers: auto" in name else ""
         rows.append(Row(f"W1 {name} ({images} img/client)", f"{lo:.1f} / {med:.1f} s",
                         "plain PyTorch 2 × 1 thread", ratio, target, ratio <= 1.1 if target else None, f"{cpu:.1f}"))
     return rows
