@@ -102,3 +102,10 @@ def test_a_client_trains_against_the_bank_and_an_empty_bank_is_refused():
 def test_tasks_without_class_labels_are_refused_when_the_config_loads():
     with registered(), pytest.raises(ConfigError, match="method fedmix needs class_labels"):
         build_config({}, [f"data.dataset={NAME}", "model.name=pixelnet", "method.name=fedmix"])
+
+
+def test_a_client_with_fewer_samples_than_a_group_uploads_no_mean():
+    """A natural client (a writer with 3 digits) below M = 5 samples: no complete group, an empty upload of the
+    right trailing shapes (it used to crash reshaping 0 one-hot rows)."""
+    x_bar, y_bar = group_means(torch.ones(3, 1, 4, 4), torch.eye(10)[:3], 5)
+    assert x_bar.shape == (0, 1, 4, 4) and y_bar.shape == (0, 10)

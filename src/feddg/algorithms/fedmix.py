@@ -40,10 +40,11 @@ class FedMixParams(Params):
 
 
 def group_means(x: Tensor, onehot: Tensor, size: int) -> tuple[Tensor, Tensor]:
-    """The means of consecutive groups of ``size`` rows of ``x`` and ``onehot`` (an incomplete last group dropped)."""
+    """The means of consecutive groups of ``size`` rows of ``x`` and ``onehot`` (an incomplete last group dropped;
+    a client with fewer than ``size`` samples uploads none)."""
     g = len(x) // size
     return (x[: g * size].reshape(g, size, *x.shape[1:]).mean(1),
-            onehot[: g * size].reshape(g, size, -1).mean(1))
+            onehot[: g * size].reshape(g, size, *onehot.shape[1:]).mean(1))
 
 
 def fedmix_loss(model: nn.Module, task: Task, x: Tensor, y: Tensor, x_bar: Tensor, y_bar: Tensor,
