@@ -181,3 +181,14 @@ def test_a_reconstructed_method_is_named_so_in_tables_runs_and_the_report(sweep_
     assert json.loads((tmp_path / "out" / "sweep.json").read_text())["baseline"] == "FedRC (reconstructed)"
     (tmp_path / "out" / "runs.jsonl").unlink()  # a sweep still running: rows from the runs' results.json
     assert {r["variant"] for r in sweep_rows(tmp_path / "out")} == {"FedAvg", "FedRC (reconstructed)"}
+
+
+def test_a_sweep_over_natural_clients_holds_out_one_seeded_fraction_of_the_domains():
+    """``split.target_fraction`` (writers, cameras) is one cell per variant and seed, not one per domain: the
+    fraction is drawn from the seed inside the run, so the sweep adds no split override."""
+    from feddg.config import build_config
+    from feddg.sweep import SweepSpec, _cells
+
+    base = build_config({"data": {"dataset": "writers"}, "split": {"target_fraction": 0.1},
+                         "partition": {"kind": "natural"}})
+    assert _cells(SweepSpec(), base) == [("unseen 0.1", [])]

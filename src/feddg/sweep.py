@@ -115,9 +115,12 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
 
 
 def _cells(spec: SweepSpec, base: ExperimentConfig) -> list[tuple[str, list[str]]]:
-    """(label, split overrides) for every target (lodo) or (val, test) pair (ltdo); one cell (federated)."""
+    """(label, split overrides) for every target (lodo) or (val, test) pair (ltdo); one cell (federated, or a
+    held-out fraction of the domains: ``split.target_fraction``)."""
     if base.split.protocol == "federated":
         return [("all", [])]
+    if base.split.target_fraction is not None:  # natural clients: one seeded draw of held-out domains
+        return [(f"unseen {base.split.target_fraction:g}", [])]
     domains = base.data.domains or dataset_info(base.data.dataset)["domains"]
     if not domains:
         raise ConfigError(f"sweep over 'all' targets needs data.domains for {base.data.dataset}")
