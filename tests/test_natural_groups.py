@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 from toy import toy_federation
 
 from feddg.config import build_config
@@ -118,3 +119,17 @@ def test_train_min_keeps_at_least_that_many_training_samples_or_all():
         want = max(round(0.1 * len(a.train_idx)), min(floor, len(a.train_idx)))
         assert len(b.train_idx) == want and set(b.train_idx) <= set(a.train_idx)
     assert any(len(b.train_idx) == len(a.train_idx) for a, b in zip(full.clients, part.clients, strict=True))
+
+
+def test_a_natural_run_rebuilds_from_its_config_yaml_and_a_sweep_tree():
+    """A natural partition leaves the client count to the data; the written config (config.yaml, a sweep's cell
+    tree, a spawned worker's tree) must build the same federation again, not refuse the default count."""
+    from feddg.config import build_config, config_tree, dump_config
+
+    cfg = build_config({"data": {"dataset": "writers"}, "split": {"target_fraction": 0.1},
+                        "partition": {"kind": "natural"}})
+    again = build_config(yaml.safe_load(dump_config(cfg)))
+    assert "num_clients" not in again.partition.model_fields_set and again == cfg
+    assert "num_clients" not in config_tree(cfg)["partition"]
+    fixed = build_config({"partition": {"kind": "natural", "num_clients": 7}})
+    assert config_tree(fixed)["partition"]["num_clients"] == 7  # set by the user: kept, and checked at build

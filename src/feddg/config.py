@@ -245,6 +245,26 @@ class FlowerConfig(Strict):
     )
 
 
+
+class AdaptiveClipConfig(Strict):
+    """``dp_weights.adaptive``: the clip norm follows a quantile of the update norms (Andrew et al. 2021)."""
+
+    target_quantile: float = Field(0.5, ge=0, le=1, description="γ: the share of updates to leave unclipped")
+    clip_lr: float = Field(0.2, gt=0, description="η_C of the geometric update C <- C exp(-η_C (b/m - γ))")
+    count_std: float | None = Field(None, gt=0, description="σ_b: noise std of the unclipped count (default: "
+                                    "clients per round / 20)")
+
+
+class WeightDPConfig(Strict):
+    """DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights"): each update w_k - w_sent clipped to
+    norm ``clip`` on the server, Gaussian noise z·C·max_k p_k (z·C/m for equal weights) on the aggregate."""
+
+    noise_multiplier: float = Field(ge=0, description="z: noise std / (C x the largest client weight); 0: clip only")
+    clip: float = Field(gt=0, description="C: the L2 bound of a client's update (with adaptive: its first value)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="δ of the run's ε")
+    accountant: Literal["rdp", "pld"] = Field("rdp", description="rdp (Mironov 2017) or pld")
+    adaptive: AdaptiveClipConfig | None = Field(None, description="adaptive clipping; absent: the clip is fixed")
+
 class ExtraEvalConfig(Strict):
     """A further dataset with the training data's classes, evaluated like the held-out domain."""
 
@@ -303,6 +323,7 @@ class ExperimentConfig(Strict):
     optim: OptimConfig = OptimConfig()
     federation: FederationConfig = FederationConfig()
     hierarchy: HierarchyConfig | None = None
+    dp_weights: WeightDPConfig | None = None
     eval: EvalConfig = EvalConfig()
     flower: FlowerConfig = FlowerConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -383,6 +404,27 @@ class ExperimentConfig(Strict):
                              f"hierarchy.stations ({h.stations}) with hierarchy.assignment=contiguous")
         return self
 
+
+    @model_validator(mode="after")
+    def _dp_weights_fits(self) -> ExperimentConfig:
+        """DP-FedAvg needs a flat federation whose method averages the ``w/`` arrays by ``num_examples``."""
+        if self.dp_weights is None:
+            return self
+        from feddg.aggregation.mean import WeightedSum  # lazy: methods import torch
+        from feddg.algorithms.registry import create_method
+
+        method = create_method(self.method.name, self.method.params)
+        acc = method.start(7.0)
+        weighs_examples = isinstance(getattr(acc, "weights", None), WeightedSum) and acc.weights.scale == 7.0
+        fc = self.federation
+        problem = (f"{method.name} does not average weights by num_examples" if not weighs_examples
+                   else "a station topology (hierarchy)" if self.hierarchy is not None
+                   else f"federation.aggregation={fc.aggregation}" if fc.aggregation != "mean"
+                   else "federation.reject_outliers" if fc.reject_outliers is not None else None)
+        if problem is not None:
+            raise ValueError(f"dp_weights: DP-FedAvg is for flat federations whose method averages the weights by "
+                             f"num_examples (federation.aggregation=mean), not {problem}")
+        return self
 
 class ConfigError(ValueError):
     """A configuration problem, with the dotted key in the message."""
@@ -548,5 +590,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     return build_config(raw, overrides)
 
 
+def config_tree(cfg: ExperimentConfig) -> dict[str, Any]:
+    """``cfg`` as a plain tree that builds the same config again: every field, except a natural partition's
+    ``num_clients`` when the config left it to the data (set, it must match the groups: a rebuilt config would
+    then refuse the default count)."""
+    tree = cfg.model_dump(mode="json")
+    if cfg.partition.kind == "natural" and "num_clients" not in cfg.partition.model_fields_set:
+        del tree["partition"]["num_clients"]
+    return tree
+
+
 def dump_config(cfg: ExperimentConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(config_tree(cfg), sort_keys=False)

@@ -38,6 +38,7 @@ from feddg.config import (
     ExperimentConfig,
     Strict,
     build_config,
+    config_tree,
     format_errors,
     parse_overrides,
     read_yaml,
@@ -111,7 +112,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         spec = SweepSpec.model_validate(section)
     except ValidationError as err:
         raise ConfigError(format_errors(err, prefix="sweep")) from None
-    return spec, build_config(raw, overrides).model_dump(mode="json")
+    return spec, config_tree(build_config(raw, overrides))
 
 
 def _cells(spec: SweepSpec, base: ExperimentConfig) -> list[tuple[str, list[str]]]:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from feddg.config import ExperimentConfig
+from feddg.config import ExperimentConfig, config_tree
 from feddg.federation.client import Outcome, describe, try_client
 from feddg.federation.setup import Federation, build_federation, worker_device
 from feddg.federation.validation import RunStopped
@@ -175,7 +175,7 @@ class WorkerPool:
         inherit = fed if fed is not None and fed.device.type == "cpu" and can_fork() else None
         if inherit is not None:
             importlib.import_module("torch._dynamo")  # once here, inherited by every fork, not once per worker
-        tree = cfg.model_dump(mode="json")
+        tree = config_tree(cfg)
         # worker i on GPU i mod count when CUDA is asked for (round-robin), else the CPU
         self._spawn = lambda i: _Worker(factory, {**tree, "device": worker_device(cfg.device, i)}, inherit)
         self.timeout_s = timeout_s
