@@ -29,7 +29,7 @@ def test_every_paper_table_has_a_config():
             "pardon/paper-table5", "hfedatm/paper-fig2", "fedfa/paper-table4", "fedfa/paper-fig3",
             "fedfa/paper-table6-prostate", "hfedatm/paper-amazon", "hfedatm/paper-amazon-privacy",
             "fedfa/paper-table5-cifar10-dir0.6", "fedfa/paper-table5-cifar10-dir0.3", "fedfa/paper-table5-tinyimagenet-dir0.6",
-            "fedfa/paper-table5-tinyimagenet-dir0.3", "fedfa/paper-table5-femnist"} <= names
+            "fedfa/paper-table5-tinyimagenet-dir0.3", "fedfa/paper-table5-femnist", "fedfa/paper-table10-dac-sc"} <= names
     for path in CONFIGS:
         assert path.read_text().startswith("# ") and "Table" in path.read_text().splitlines()[0], path
 
@@ -90,6 +90,8 @@ def _tiny(cfg_raw: dict, root: Path, cache: Path) -> list[str]:
         over += ["model.name=tiny-roberta", "model.path=null", "data.max_length=16", "data.vocab_size=300"]
     elif cfg_raw["data"]["dataset"] == "prostate":  # a U-Net at 32 px on 2 cases a site, its fixed transforms
         over += ["data.image_size=32", "model.params={width: 4}", "partition.holdout=0.5", "partition.train_min=0"]
+    elif cfg_raw["model"].get("params", {}).get("normalization") == "dac_sc":  # DAC-SC is the ResNet: keep it, 8 px
+        over += ["data.image_size=8", "data.transforms=none"]
     else:
         over += ["data.image_size=28", "data.transforms=none", "model.name=lenet", "model.params={}"]
     if cfg_raw["partition"]["kind"] == "lambda":
@@ -120,7 +122,8 @@ def test_last_variant_runs_one_tiny_round(path, folders, tmp_path):
     variant, over = list(sweep["variants"].items())[-1]
     over = [f"{k}={json.dumps(v)}" for k, v in over.items()]
     cfg = build_config(raw, over + _tiny(raw, folders[raw["data"]["dataset"]], tmp_path / "cache"))
-    key = f"{cfg.method.name} {cfg.hierarchy is not None} {cfg.split.protocol} {cfg.data.dataset}"
+    key = (f"{cfg.method.name} {cfg.hierarchy is not None} {cfg.split.protocol} {cfg.data.dataset} "
+           f"{cfg.model.params.get('normalization')}")
     if key in _ran:  # one run per code path
         pytest.skip(f"{variant}: the same run as {_ran[key]}")
     _ran[key] = path.name

@@ -157,8 +157,9 @@ def load_weights(model: FedModel, path: str | Path) -> None:
         raise ValueError(f"{path}: not a state_dict (a dict of tensors), got {type(state).__name__}")
 
     own = model.state_dict()
-    # BatchNorm fills in ``num_batches_tracked`` for checkpoints that predate it (torchvision's).
-    optional = {k for k in own if k.endswith(".num_batches_tracked")}
+    # BatchNorm fills in ``num_batches_tracked`` for checkpoints that predate it (torchvision's); a variant's own
+    # additions (``model.added_keys``: DAC-SC's CCNorm / SCNorm parameters) keep their initialisation.
+    optional = {k for k in own if k.endswith(".num_batches_tracked")} | set(getattr(model, "added_keys", ()))
     missing = set(own) - set(state) - optional
     unexpected = set(state) - set(own)
     if missing or unexpected:

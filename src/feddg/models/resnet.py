@@ -8,6 +8,11 @@ stride sits on the 3×3 convolution of a bottleneck).
 ``small_input`` (default: ``image_size <= 64``) is the CIFAR-style stem: conv1 3×3 stride 1 and no
 max-pool, for 28/32 px inputs. Keys are unchanged; only ``conv1.weight``'s shape differs
 (``[64, C, 3, 3]`` instead of ``[64, C, 7, 7]``), so an ImageNet checkpoint needs ``small_input=False``.
+
+``normalization="dac_sc"`` is DAC-SC (Lee et al., CVPR 2023; models/dac.py, docs/methods/dac_sc.md): every
+shortcut BatchNorm (``layerK.0.downsample.1``) becomes a CCNorm (same keys, plus ``h``) and an SCNorm closes stages
+1–3 (the last module of ``layer1``–``layer3``, so a stage's output, where FFA layers and augmentations hook, is
+after it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from feddg.models.base import FedModel
+from feddg.models.dac import CCNorm, SCNorm
+
+#: ``normalization`` options: torchvision's BatchNorm everywhere, or DAC-SC's CCNorm / SCNorm placement
+NORMALIZATIONS = ("batchnorm", "dac_sc")
 
 
 def _conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
@@ -88,8 +97,12 @@ class ResNet(FedModel):
         in_channels: int = 3,
         image_size: int = 28,
         small_input: bool | None = None,
+        normalization: str = "batchnorm",
     ) -> None:
         super().__init__()
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"resnet normalization must be one of {', '.join(NORMALIZATIONS)}, got {normalization!r}")
+        self.normalization = normalization
         small = image_size <= 64 if small_input is None else small_input
         self._in_channels = 64
         if small:
@@ -112,6 +125,29 @@ class ResNet(FedModel):
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+        if normalization == "dac_sc":
+            self._dac_sc()
+
+    def _dac_sc(self) -> None:
+        """DAC-SC's placement: CCNorm on every downsampling shortcut, SCNorm after stages 1–3."""
+        for k in range(1, 5):
+            layer = getattr(self, f"layer{k}")
+            for block in layer:
+                if block.downsample is not None:
+                    block.downsample[1] = CCNorm(block.downsample[1].num_features)
+            if k < 4:
+                last = layer[-1]
+                layer.append(SCNorm((last.bn3 if isinstance(last, Bottleneck) else last.bn2).num_features))
+
+    @property
+    def added_keys(self) -> frozenset[str]:
+        """The state_dict keys a torchvision checkpoint lacks (``load_weights`` leaves them initialised): DAC-SC's
+        λ logits ``h`` and SCNorm's γ, β; none for the BatchNorm ResNet."""
+        keys = set()
+        for name, m in self.named_modules():
+            if isinstance(m, (CCNorm, SCNorm)):
+                keys |= {f"{name}.{k}" for k in (m.state_dict() if isinstance(m, SCNorm) else ("h",))}
+        return frozenset(keys)
 
     def _make_layer(self, block: type[BasicBlock | Bottleneck], width: int, blocks: int, stride: int) -> nn.Sequential:
         downsample = None
@@ -142,11 +178,13 @@ class ResNet(FedModel):
         return torch.flatten(self.avgpool(x), 1)
 
 
-def resnet18(num_classes: int, in_channels: int = 3, image_size: int = 28, small_input: bool | None = None) -> ResNet:
+def resnet18(num_classes: int, in_channels: int = 3, image_size: int = 28, small_input: bool | None = None,
+             normalization: str = "batchnorm") -> ResNet:
     """ResNet-18: basic blocks [2, 2, 2, 2], ``feature_dim`` 512."""
-    return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, in_channels, image_size, small_input)
+    return ResNet(BasicBlock, (2, 2, 2, 2), num_classes, in_channels, image_size, small_input, normalization)
 
 
-def resnet50(num_classes: int, in_channels: int = 3, image_size: int = 28, small_input: bool | None = None) -> ResNet:
+def resnet50(num_classes: int, in_channels: int = 3, image_size: int = 28, small_input: bool | None = None,
+             normalization: str = "batchnorm") -> ResNet:
     """ResNet-50 (v1.5): bottleneck blocks [3, 4, 6, 3], ``feature_dim`` 2048."""
-    return ResNet(Bottleneck, (3, 4, 6, 3), num_classes, in_channels, image_size, small_input)
+    return ResNet(Bottleneck, (3, 4, 6, 3), num_classes, in_channels, image_size, small_input, normalization)
