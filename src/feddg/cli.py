@@ -200,8 +200,9 @@ def run(
     out.print(results_table(results))
     out.print(communication_table(results))
     for what, rec in (("shared statistics", results.get("privacy")),
-                      ("Gram matrices", results.get("hierarchy", {}).get("privacy"))):
-        if rec:
+                      ("Gram matrices", results.get("hierarchy", {}).get("privacy")),
+                      ("weights (DP-FedAvg)", results.get("weights_privacy"))):
+        if rec and rec.get("epsilon") is not None:  # the weights' epsilon is null with noise_multiplier 0
             out.print(privacy_line(what, rec), soft_wrap=True, highlight=False)
     out.print(f"run directory: {results['run_dir']}")
 

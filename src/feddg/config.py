@@ -245,7 +245,6 @@ class FlowerConfig(Strict):
     )
 
 
-
 class AdaptiveClipConfig(Strict):
     """``dp_weights.adaptive``: the clip norm follows a quantile of the update norms (Andrew et al. 2021)."""
 
@@ -264,6 +263,7 @@ class WeightDPConfig(Strict):
     delta: float = Field(1e-5, gt=0, lt=1, description="δ of the run's ε")
     accountant: Literal["rdp", "pld"] = Field("rdp", description="rdp (Mironov 2017) or pld")
     adaptive: AdaptiveClipConfig | None = Field(None, description="adaptive clipping; absent: the clip is fixed")
+
 
 class ExtraEvalConfig(Strict):
     """A further dataset with the training data's classes, evaluated like the held-out domain."""
@@ -404,7 +404,6 @@ class ExperimentConfig(Strict):
                              f"hierarchy.stations ({h.stations}) with hierarchy.assignment=contiguous")
         return self
 
-
     @model_validator(mode="after")
     def _dp_weights_fits(self) -> ExperimentConfig:
         """DP-FedAvg needs a flat federation whose method averages the ``w/`` arrays by ``num_examples``."""
@@ -414,8 +413,8 @@ class ExperimentConfig(Strict):
         from feddg.algorithms.registry import create_method
 
         method = create_method(self.method.name, self.method.params)
-        acc = method.start(7.0)
-        weighs_examples = isinstance(getattr(acc, "weights", None), WeightedSum) and acc.weights.scale == 7.0
+        weights = getattr(method.start(7.0), "weights", None)  # a running sum normalised by the announced examples
+        weighs_examples = isinstance(weights, WeightedSum) and weights.scale == 7.0
         fc = self.federation
         problem = (f"{method.name} does not average weights by num_examples" if not weighs_examples
                    else "a station topology (hierarchy)" if self.hierarchy is not None
@@ -425,6 +424,7 @@ class ExperimentConfig(Strict):
             raise ValueError(f"dp_weights: DP-FedAvg is for flat federations whose method averages the weights by "
                              f"num_examples (federation.aggregation=mean), not {problem}")
         return self
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the dotted key in the message."""

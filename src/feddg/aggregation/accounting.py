@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dp_accounting import GaussianDpEvent
+from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.privacy_accountant import PrivacyAccountant
 from dp_accounting.rdp import RdpAccountant
@@ -40,6 +40,23 @@ def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float, accou
         return 0.0
     acc = _accountant(accountant)
     acc.compose(GaussianDpEvent(noise_multiplier), releases)
+    return float(acc.get_epsilon(delta))
+
+
+def sampled_gaussian_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
+                             accountant: Accountant = "rdp") -> float:
+    """ε at ``delta`` of ``steps`` Gaussian releases (multiplier ``σ/Δ``), each over a client sample of rate
+    ``q``: ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` composed ``steps`` times (amplification by sampling,
+    Mironov et al. 2019; at ``q = 1`` exactly :func:`gaussian_epsilon`). DP-FedAvg of the weight replies."""
+    if not 0 < sampling_rate <= 1:
+        raise ValueError(f"need 0 < sampling_rate <= 1; got {sampling_rate}")
+    if not (noise_multiplier > 0 and steps >= 0 and 0 < delta < 1):
+        raise ValueError(f"need noise_multiplier > 0, steps >= 0, 0 < delta < 1; got {noise_multiplier}, {steps}, "
+                         f"{delta}")
+    if steps == 0:
+        return 0.0
+    acc = _accountant(accountant)
+    acc.compose(PoissonSampledDpEvent(sampling_rate, GaussianDpEvent(noise_multiplier)), steps)
     return float(acc.get_epsilon(delta))
 
 

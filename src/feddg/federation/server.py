@@ -29,6 +29,7 @@ from feddg.federation.provenance import write_provenance
 from feddg.federation.rounds import learning_rate
 from feddg.federation.setup import Federation
 from feddg.federation.validation import RunStopped, check_reply, outliers, shapes_of, update_norm
+from feddg.federation.weight_privacy import WeightPrivacy
 from feddg.messages import Message, message_nbytes, weights_of
 from feddg.reproducibility import check_pinned
 
@@ -110,6 +111,9 @@ class Server:
             raise ValueError(f"federation.reject_outliers: {fed.method.name} does not average weights, so a "
                              "reply's update norm is not defined")
         check_aggregation(fed.cfg, fed.method)
+        dp = fed.cfg.dp_weights  # DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights")
+        self.dp = None if dp is None else WeightPrivacy(dp, len(fed.clients), fc.client_fraction, fed.cfg.seed,
+                                                        ckpt.get("dp_weights_clip") if ckpt is not None else None)
         self._rewrite_metrics()
 
     # --- setup exchange ----------------------------------------------------------------
@@ -155,6 +159,8 @@ class Server:
             raise RunStopped(f"a round samples {len(sent)} clients, fewer than federation.min_clients="
                              f"{fc.min_clients}: lower it or raise federation.client_fraction")
         expected = {cid: len(self.fed.clients[cid].train_idx) for cid in sent}  # = each client's num_examples
+        if self.dp is not None:
+            self.dp.begin()
         fold = RoundFold(sent, expected, bytes_down=int(sum(message_nbytes(m) for m in sent.values())))
         if fc.reject_outliers is None and fc.aggregation == "mean":
             fold.acc = self.fed.topology.start(self.fed.method, expected)
@@ -182,6 +188,8 @@ class Server:
                 fold.capped[cid] = claimed
             if client_state is not None:
                 fold.states[cid] = client_state
+            if self.dp is not None:
+                reply = self.dp.clip_reply(reply, sent)
             if fold.held is None:
                 self._fold(fold, reply)
             else:
@@ -233,6 +241,7 @@ class Server:
             log.warning("round %d: client %d dropped: %s", round, cid, reason)
         if len(fold.accepted) < fc.min_clients:
             raise RunStopped(self._stop_reason(round, fold, failed))
+        dp_metrics = {} if self.dp is None else self.dp.add_noise(fold.acc, round, fold.examples, len(fold.sent))
         state, method_metrics = self.fed.topology.finish(self.fed.method, self.state, fold.acc, round)
         rollback = non_finite(state)
         if rollback is None:  # a rolled-back round keeps the previous model, client states and norm reference
@@ -242,6 +251,8 @@ class Server:
                     self.client_states[cid] = fold.states[cid]
             if self.norm_bound is not None:
                 self.norm_bound.update([fold.norms[cid] for cid in fold.accepted if cid in fold.norms])
+            if self.dp is not None:
+                self.dp.commit()
         else:
             log.warning("round %d rolled back to the previous global model: NaN or Inf in %s", round, rollback)
         row: dict[str, Any] = {
@@ -254,6 +265,7 @@ class Server:
             **timings,
             "time_aggregate_s": fold.seconds + time.perf_counter() - t0,
             **method_metrics,
+            **dp_metrics,
         }
         if failed:  # absent: every sampled client's reply was folded in
             row["clients_failed"] = len(failed)
@@ -308,6 +320,7 @@ class Server:
                 "client_store": index,
                 "metrics": self.metrics,
                 "norm_reference": None if self.norm_bound is None else self.norm_bound.reference,
+                **({} if self.dp is None else {"dp_weights_clip": self.dp.clip}),
             },
         )
         self.stores.saved(index)
@@ -347,6 +360,7 @@ class Server:
         if fed.extra:  # what the extra/<name>_<metric> keys of "final" were measured on
             results["extra"] = {t.name: {"dataset": t.dataset.name, "domains": t.dataset.domains} for t in fed.extra}
         results.update({"privacy": p} if (p := fed.method.privacy(self.round)) is not None else {})
+        results.update({} if self.dp is None else {"weights_privacy": self.dp.record(self.round)})
         (self.run_dir / RESULTS).write_text(json.dumps(results, indent=2))
         return results
 

@@ -1,0 +1,106 @@
+"""DP-FedAvg on the weight replies as the server runs it (``dp_weights:``; docs/privacy.md, "DP on the weights"):
+every accepted reply's update is clipped before the method folds it in, Gaussian noise goes into the round's running
+weighted sum before the method finishes the round, and with adaptive clipping the clip norm moves after each round.
+Both engines share :class:`~feddg.federation.server.Server`, so both get it; the formulas are
+``feddg.aggregation.dp_weights``'s, the run's ε ``feddg.aggregation.accounting``'s."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from feddg.aggregation.accounting import sampled_gaussian_epsilon
+from feddg.aggregation.dp_weights import adaptive_noise, clip_update, gaussian_noise, next_clip, noise_std
+from feddg.aggregation.mean import WeightedSum
+from feddg.algorithms.base import Accumulator, Reply
+from feddg.config import WeightDPConfig
+from feddg.federation.rounds import round_half_up
+from feddg.messages import WEIGHT_PREFIX, Message
+from feddg.seeds import derived_seed
+
+log = logging.getLogger(__name__)
+
+#: the purpose key of a round's noise stream: ``derived_seed(seed, round, NOISE_STREAM)``
+NOISE_STREAM = 1_000_033
+#: reply keys that carry nothing of the client's data beyond what the clipped weights and the partition tell
+PLAIN_KEYS = frozenset({"num_examples", "train_loss"})
+
+
+class WeightPrivacy:
+    """The run's DP-FedAvg: the current clip norm (checkpointed), the round's unclipped count, and the reply
+    payloads the guarantee does not cover (anything but ``w/``, ``num_examples``, ``train_loss``)."""
+
+    def __init__(self, cfg: WeightDPConfig, num_clients: int, fraction: float, seed: int,
+                 clip: float | None = None) -> None:
+        self.cfg = cfg
+        self.num_clients = num_clients
+        self.sampled = num_clients if fraction >= 1 else max(1, round_half_up(fraction * num_clients))  # m, as sampled
+        self.seed = seed
+        self.clip = cfg.clip if clip is None else clip
+        count_std = None if cfg.adaptive is None else cfg.adaptive.count_std
+        self.count_std, self.z_weights = (adaptive_noise(cfg.noise_multiplier, self.sampled, count_std)
+                                          if cfg.adaptive is not None else (0.0, cfg.noise_multiplier))
+        self.unclipped = 0
+        self.next = self.clip
+        self.uncovered: set[str] = set()
+
+    def begin(self) -> None:
+        self.unclipped = 0
+
+    def clip_reply(self, reply: Reply, sent: Message) -> Reply:
+        """``reply`` with its update clipped to the current norm (counted when it was within it)."""
+        msg, norm = clip_update(reply.message, sent, self.clip)
+        self.unclipped += int(norm <= self.clip)
+        if extra := {k.split("/")[0] for k in msg if not k.startswith(WEIGHT_PREFIX) and k not in PLAIN_KEYS}:
+            if extra - self.uncovered:
+                log.warning("dp_weights covers the w/ arrays only: replies also carry %s in the clear",
+                            ", ".join(sorted(extra)))
+            self.uncovered |= extra
+        return Reply(reply.client_id, msg)
+
+    def add_noise(self, acc: Any, round: int, examples: list[int], sampled: int) -> dict[str, float]:
+        """Gaussian noise of std ``z_Δ · C · max_k p_k`` into the round's weighted sum (so that its mean gets exactly
+        the noise), then the adaptive clip's next value; returns the round's ``dp_weights/`` metrics."""
+        if not (isinstance(acc, Accumulator) and isinstance(acc.weights, WeightedSum)):
+            raise ValueError("dp_weights: the method's round has no running weighted sum of the weights to noise")
+        sums = acc.weights
+        std = noise_std(self.z_weights, self.clip, examples)
+        rng = np.random.default_rng(derived_seed(self.seed, round, NOISE_STREAM))
+        if std > 0:
+            floats = {k: s for k, s in sums.sums.items() if np.issubdtype(sums.dtypes[k], np.floating)}
+            factor = sums.total / sums.scale  # mean() multiplies by scale / total
+            for k, noise in gaussian_noise(floats, std, rng).items():
+                sums.sums[k] += noise if factor == 1.0 else noise * factor
+        metrics = {"dp_weights/clip": self.clip, "dp_weights/noise_std": std}
+        if (adaptive := self.cfg.adaptive) is not None:
+            count = self.unclipped + (rng.normal(0.0, self.count_std) if self.count_std > 0 else 0.0)
+            self.next = next_clip(self.clip, count, sampled, adaptive.target_quantile, adaptive.clip_lr)
+            metrics["dp_weights/unclipped_noised"] = count / sampled
+        return metrics
+
+    def commit(self) -> None:
+        """The round was kept (not rolled back): the adaptive clip moves to its next value."""
+        self.clip = self.next
+
+    def record(self, rounds_done: int) -> dict[str, Any]:
+        """results.json's ``weights_privacy``: ε at δ over ``rounds_done`` rounds with client sampling rate
+        ``m / K`` (``null`` with no noise), and what it was computed from."""
+        cfg, q = self.cfg, self.sampled / self.num_clients
+        z = cfg.noise_multiplier
+        return {
+            "epsilon": sampled_gaussian_epsilon(z, q, rounds_done, cfg.delta, cfg.accountant) if z > 0 else None,
+            "delta": cfg.delta,
+            "noise_multiplier": z,
+            "noise_multiplier_weights": self.z_weights,
+            "sigma": self.z_weights * cfg.clip / self.sampled,
+            "clip": cfg.clip,
+            "clip_final": self.clip,
+            "adaptive": cfg.adaptive is not None,
+            "sampling_rate": q,
+            "releases": rounds_done,
+            "accountant": cfg.accountant,
+            "unit": "client",
+            "not_covered": sorted(self.uncovered),
+        }
