@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent
+from dp_accounting import DpEvent, GaussianDpEvent, PoissonSampledDpEvent
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.privacy_accountant import PrivacyAccountant
 from dp_accounting.rdp import RdpAccountant
@@ -31,16 +31,21 @@ def _accountant(name: Accountant) -> PrivacyAccountant:
     raise ValueError(f"unknown accountant {name!r}; expected 'rdp' or 'pld'")
 
 
-def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float, accountant: Accountant = "rdp") -> float:
-    """ε at ``delta`` of ``releases`` adaptive Gaussian releases with noise multiplier ``σ/Δ``."""
+def _epsilon(event: DpEvent, noise_multiplier: float, releases: int, delta: float, accountant: Accountant) -> float:
+    """ε at ``delta`` of ``event`` composed ``releases`` times (arguments checked first)."""
     if not (noise_multiplier > 0 and releases >= 0 and 0 < delta < 1):
         raise ValueError(f"need noise_multiplier > 0, releases >= 0, 0 < delta < 1; got {noise_multiplier}, "
                          f"{releases}, {delta}")
     if releases == 0:
         return 0.0
     acc = _accountant(accountant)
-    acc.compose(GaussianDpEvent(noise_multiplier), releases)
+    acc.compose(event, releases)
     return float(acc.get_epsilon(delta))
+
+
+def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float, accountant: Accountant = "rdp") -> float:
+    """ε at ``delta`` of ``releases`` adaptive Gaussian releases with noise multiplier ``σ/Δ``."""
+    return _epsilon(GaussianDpEvent(noise_multiplier), noise_multiplier, releases, delta, accountant)
 
 
 def sampled_gaussian_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
@@ -50,14 +55,8 @@ def sampled_gaussian_epsilon(noise_multiplier: float, sampling_rate: float, step
     Mironov et al. 2019; at ``q = 1`` exactly :func:`gaussian_epsilon`). DP-FedAvg of the weight replies."""
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"need 0 < sampling_rate <= 1; got {sampling_rate}")
-    if not (noise_multiplier > 0 and steps >= 0 and 0 < delta < 1):
-        raise ValueError(f"need noise_multiplier > 0, steps >= 0, 0 < delta < 1; got {noise_multiplier}, {steps}, "
-                         f"{delta}")
-    if steps == 0:
-        return 0.0
-    acc = _accountant(accountant)
-    acc.compose(PoissonSampledDpEvent(sampling_rate, GaussianDpEvent(noise_multiplier)), steps)
-    return float(acc.get_epsilon(delta))
+    event = PoissonSampledDpEvent(sampling_rate, GaussianDpEvent(noise_multiplier))
+    return _epsilon(event, noise_multiplier, steps, delta, accountant)
 
 
 def privacy_record(
