@@ -190,6 +190,8 @@ PLACEMENTS = {
     "vgg11_bn": (["features.3", "features.7"], ["features.3"]),
     "efficientnet_lite0": (["_blocks.0", "_blocks.2"], ["_blocks.0"]),
     "unet": (["encoders.0", "encoders.1"], ["encoders.0"]),
+    "swin_t": (["stage_ends.0", "stage_ends.1"], ["stage_ends.0"]),  # token grids after stages 1, 2
+    "swin_tiny_test": (["stage_ends.0", "stage_ends.1"], ["stage_ends.0"]),
 }
 
 

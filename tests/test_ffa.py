@@ -189,7 +189,7 @@ def test_only_the_chosen_stages_get_ffa_and_the_tap_sees_the_last_stage():
         attach_ffa(_cnn(), conv_stages(model), {5: FFALayer()}, tap_stage=4)
 
 
-@pytest.mark.parametrize("name", ["lenet", "alexnet", "resnet18"])
+@pytest.mark.parametrize("name", ["lenet", "alexnet", "resnet18", "swin_tiny_test"])
 def test_ffa_runs_on_every_zoo_model(name):
     model = create_model(name, num_classes=10, in_channels=3, image_size=32).train()
     names = conv_stages(model)

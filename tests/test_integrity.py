@@ -19,7 +19,7 @@ from feddg.algorithms.registry import METHODS
 from feddg.config import build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.checkpoint import load_checkpoint
-from feddg.federation.integrity import NormBound, cap_examples, non_finite
+from feddg.federation.integrity import LossGuard, NormBound, cap_examples, non_finite
 from feddg.federation.server import Server
 from feddg.messages import Message
 
@@ -29,14 +29,15 @@ ATTACKER = 3
 
 
 class AttackParams(Params):
-    #: ``"round:client"`` -> x1000 | huge | claim | poison
+    #: ``"round:client"`` -> x1000 | huge | claim | poison | flip
     faults: dict[str, str] = Field(default_factory=dict)
 
 
 class Malicious(FedAvg):
     """FedAvg whose client misbehaves as an attacker would: ``x1000`` (weights × 1000), ``huge`` (every weight
     1e30), ``claim`` (``num_examples`` = 10⁹ and its biases + 1), ``poison`` (a finite reply that makes the
-    server's step non-finite, as a diverging server optimiser would). Like tests/support/faults.py's ``faulty``,
+    server's step non-finite, as a diverging server optimiser would), ``flip`` (its classifier weights × −3: within the
+    update-norm bound, but the mean's classifier is near 0). Like tests/support/faults.py's ``faulty``,
     registered for each test only, and run sequentially (``workers: 1``) so that no worker needs to import it."""
 
     name = "malicious"
@@ -56,6 +57,8 @@ class Malicious(FedAvg):
             reply.update({"num_examples": 10**9, **{k: reply[k] + 1 for k in floats if k.endswith(".bias")}})
         if fault == "poison":
             reply["poison"] = 1.0
+        if fault == "flip":
+            reply["w/classifier.weight"] = -3 * reply["w/classifier.weight"]
         return reply, state
 
     def keep(self, reply: Reply) -> Message | None:
@@ -146,6 +149,23 @@ def test_a_claim_beyond_the_clients_data_is_capped_and_others_pass():
     assert cap_examples(Reply(3, {"num_examples": 40}), 40) == (Reply(3, {"num_examples": 40}), None)
 
 
+def test_the_loss_guard_compares_with_the_best_applied_round():
+    guard = LossGuard(2.0)
+    assert guard.check(100.0) is None  # no applied round yet
+    guard.update(1.0)
+    guard.update(0.5)
+    guard.update(0.9)  # the best stays 0.5
+    assert guard.check(1.0) is None
+    assert guard.check(1.01) == "evaluated loss 1.01 > 2 x best 0.5 (federation.rollback_loss_factor)"
+    assert guard.check(float("nan")) == "evaluated loss nan"
+
+
+def test_the_holdout_loss_of_a_model_that_outputs_zero_logits_is_log_of_the_classes(tmp_path):
+    server = Server(toy_federation_of(build_config({**BASE, "method": {"name": "fedavg"}}, [])), tmp_path / "run")
+    zero = {k: np.zeros_like(v) for k, v in server.state["weights"].items()}  # every logit 0: uniform over 4
+    assert server.evaluator.holdout_loss({"weights": zero}) == pytest.approx(np.log(4), rel=1e-6)
+
+
 def test_non_finite_names_the_array():
     state = {"weights": {"w/a": np.ones(2), "w/b": np.array([1.0, np.inf])}, "count": np.array([1]), "t": [0.5]}
     assert non_finite(state) == "state/weights/w/b"
@@ -234,3 +254,25 @@ def test_a_non_finite_aggregate_is_rolled_back_never_checkpointed_and_resume_goe
     run_inprocess(resumed)
     for k, v in server.state["weights"].items():
         np.testing.assert_array_equal(resumed.state["weights"][k], v, err_msg=k)
+
+
+def test_a_reply_within_the_norm_bound_that_explodes_the_loss_is_rolled_back(tmp_path):
+    attacks = {"3:3": "flip"}
+    unguarded = run(tmp_path, "unguarded", attacks)  # passes the update-norm bound: folded in, loss up
+    assert all("clients_failed" not in r and "rolled_back" not in r for r in rows(unguarded))
+    server = run(tmp_path, "guarded", attacks, "federation.rollback_loss_factor=2")
+    got = rows(server)
+    best = min(got[0]["holdout_loss"], got[1]["holdout_loss"])
+    assert got[2]["rolled_back"] is True and got[2]["holdout_loss"] > 2 * best
+    assert got[2]["rollback_reason"] == (f"evaluated loss {got[2]['holdout_loss']:.4g} > 2 x best {best:.4g} "
+                                         "(federation.rollback_loss_factor)")
+    assert "rolled_back" not in got[0] and "rolled_back" not in got[1]
+    # the honest path is unchanged: the guarded run's rounds 1-2 are the unguarded run's, bit for bit; after the
+    # rolled-back round 3 the model (and the checkpoint) is round 2's
+    two = run(tmp_path, "two-rounds", attacks, "federation.rounds=2")
+    ckpt = load_checkpoint(server.run_dir)
+    assert ckpt["round"] == 3 and ckpt["loss_reference"] == best
+    for k, v in two.state["weights"].items():
+        np.testing.assert_array_equal(server.state["weights"][k], v, err_msg=k)
+        np.testing.assert_array_equal(ckpt["server_state"]["weights"][k], v, err_msg=k)
+    assert [r["ood_acc"] for r in got[:2]] == [r["ood_acc"] for r in rows(unguarded)[:2]]

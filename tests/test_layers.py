@@ -18,7 +18,7 @@ LAYERS = {
     "engines": 5,
     "tracking": 6, "experiment": 6,
     "sweep": 7, "bench": 7,
-    "reports": 8,
+    "reports": 8, "audit": 8,
     "cli": 9, "__main__": 9,
 }
 

@@ -197,6 +197,8 @@ SHAPE_CASES: list[tuple[str, int, int, dict[str, Any]]] = [
     ("vgg11_bn", 32, 1, {"reduced_head": True}),
     ("efficientnet_lite0", 28, 1, {}),
     ("efficientnet_lite0", 32, 3, {}),
+    ("swin_t", 32, 3, {}),  # more Swin cases: tests/test_swin.py
+    ("swin_tiny_test", 64, 1, {}),
 ]
 
 
@@ -207,7 +209,7 @@ TEXT_MODELS = {"mlp", "tiny-deberta", "tiny-roberta", "transformer"}
 def test_registry_lists_every_model() -> None:
     assert list_models() == [
         "alexnet", "cnn", "cnn4", "efficientnet_lite0", "hfedf-cnn", "lenet", "mlp", "resnet18", "resnet50",
-        "tiny-deberta", "tiny-roberta", "transformer", "unet", "vgg11", "vgg11_bn",
+        "swin_t", "swin_tiny_test", "tiny-deberta", "tiny-roberta", "transformer", "unet", "vgg11", "vgg11_bn",
     ]
     assert {name for name, *_ in SHAPE_CASES} | {"unet"} | TEXT_MODELS == set(list_models())  # dense outputs: tests/test_unet.py
 

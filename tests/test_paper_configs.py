@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from support.natural_fixtures import cifar_batches, leaf_blob, tiny_imagenet_tree, write_json
+from support.natural_fixtures import cifar_batches, iwildcam_tree, leaf_blob, tiny_imagenet_tree, write_json
 
 from feddg.config import build_config, read_yaml
 from feddg.data import load_dataset
@@ -29,7 +29,8 @@ def test_every_paper_table_has_a_config():
             "pardon/paper-table5", "hfedatm/paper-fig2", "fedfa/paper-table4", "fedfa/paper-fig3",
             "fedfa/paper-table6-prostate", "hfedatm/paper-amazon", "hfedatm/paper-amazon-privacy",
             "fedfa/paper-table5-cifar10-dir0.6", "fedfa/paper-table5-cifar10-dir0.3", "fedfa/paper-table5-tinyimagenet-dir0.6",
-            "fedfa/paper-table5-tinyimagenet-dir0.3", "fedfa/paper-table5-femnist", "fedfa/paper-table10-dac-sc"} <= names
+            "fedfa/paper-table5-tinyimagenet-dir0.3", "fedfa/paper-table5-femnist", "fedfa/paper-table10-dac-sc",
+            "pardon/paper-table3", "fedfa/paper-table5-cifar10-swin"} <= names
     for path in CONFIGS:
         assert path.read_text().startswith("# ") and "Table" in path.read_text().splitlines()[0], path
 
@@ -68,6 +69,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     for split, users in (("train", ("w1", "w2", "w3")), ("test", ("w1", "w2"))):  # LEAF's split files, 3 writers
         write_json(base / "femnist" / split / "all.json", leaf_blob({u: ([0.2, 0.7, 0.4], [1, 2, 3]) for u in users}))
     roots["femnist"] = base / "femnist"
+    roots["iwildcam"] = iwildcam_tree(base / "iwildcam")  # WILDS' metadata.csv and JPEGs: 4 training locations
     return roots
 
 
@@ -92,6 +94,8 @@ def _tiny(cfg_raw: dict, root: Path, cache: Path) -> list[str]:
         over += ["data.image_size=32", "model.params={width: 4}", "partition.holdout=0.5", "partition.train_min=0"]
     elif cfg_raw["model"].get("params", {}).get("normalization") == "dac_sc":  # DAC-SC is the ResNet: keep it, 8 px
         over += ["data.image_size=8", "data.transforms=none"]
+    elif cfg_raw["model"]["name"] == "swin_t":  # the small Swin at 32 px (patch 1, window 4)
+        over += ["data.image_size=32", "data.transforms=none", "model.name=swin_tiny_test"]
     else:
         over += ["data.image_size=28", "data.transforms=none", "model.name=lenet", "model.params={}"]
     if cfg_raw["partition"]["kind"] == "lambda":
@@ -102,7 +106,7 @@ def _tiny(cfg_raw: dict, root: Path, cache: Path) -> list[str]:
         over += ["federation.client_fraction=1.0"]
     if cfg_raw.get("hierarchy"):
         over += ["hierarchy.stations=2", "hierarchy.station_rounds=1"]
-    if cfg_raw.get("split", {}).get("protocol") == "ltdo":
+    if cfg_raw.get("split", {}).get("protocol") == "ltdo" and not cfg_raw["split"].get("val_domain"):
         domains = dataset_info(cfg_raw["data"]["dataset"])["domains"]
         over += [f"split.val_domain={domains[0]}", f"split.target={domains[1]}"]
     return over
@@ -122,7 +126,7 @@ def test_last_variant_runs_one_tiny_round(path, folders, tmp_path):
     variant, over = list(sweep["variants"].items())[-1]
     over = [f"{k}={json.dumps(v)}" for k, v in over.items()]
     cfg = build_config(raw, over + _tiny(raw, folders[raw["data"]["dataset"]], tmp_path / "cache"))
-    key = (f"{cfg.method.name} {cfg.hierarchy is not None} {cfg.split.protocol} {cfg.data.dataset} "
+    key = (f"{cfg.method.name} {cfg.hierarchy is not None} {cfg.split.protocol} {cfg.data.dataset} {cfg.model.name} "
            f"{cfg.model.params.get('normalization')}")
     if key in _ran:  # one run per code path
         pytest.skip(f"{variant}: the same run as {_ran[key]}")

@@ -4,7 +4,7 @@ import torch
 from feddg.models import create_model
 from feddg.models.stages import conv_stages
 
-MODELS = ["cnn", "lenet", "hfedf-cnn", "alexnet", "resnet18", "vgg11"]
+MODELS = ["cnn", "lenet", "hfedf-cnn", "alexnet", "resnet18", "vgg11", "swin_tiny_test"]
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -83,7 +83,7 @@ def test_a_local_pretrained_directory_loads_with_its_weights(tmp_path):
 @pytest.mark.parametrize(("name", "kwargs", "message"), [
     ("transformer", {"path": "/x", **TEXT}, "model.path /x: no such directory: put a Hugging Face model there"),
     ("transformer", TEXT, "model transformer needs model.path"),
-    ("cnn", {"path": "/x"}, "model.path is for transformer; model cnn takes none"),
+    ("cnn", {"path": "/x"}, "model.path is for swin_t, swin_tiny_test, transformer; model cnn takes none"),
     ("tiny-roberta", {"in_channels": 3, "image_size": 28, **TEXT}, "tiny-roberta takes tokens inputs, not images"),
     ("mlp", {"in_features": 0}, "mlp needs in_features and hidden >= 1"),
 ])

@@ -1,4 +1,4 @@
-"""``feddg`` command line: run | sweep | report | eval | datasets | methods | models."""
+"""``feddg`` command line: run | sweep | report | eval | datasets | methods | models | audit."""
 
 from __future__ import annotations
 
@@ -633,3 +633,47 @@ def flower_run(
         out.print(f"[red]error:[/red] {escape(one_line(failure))}", soft_wrap=True, highlight=False)
         raise typer.Exit(1)
     out.print(f"run directory: {run_dir}", highlight=False)
+
+
+audit_app = typer.Typer(no_args_is_help=True, help="Audits of a finished run (docs/privacy.md).")
+app.add_typer(audit_app, name="audit")
+
+
+@audit_app.command("privacy")
+def audit_privacy(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory (config.yaml; checkpoint.pt for the trained model)")],
+    attack: Annotated[list[str] | None, typer.Option(help="an attack (repeat; default: those on what the run's method "
+                                                      "shares, and update-dlg); 'all' for every one")] = None,
+    noise: Annotated[list[float] | None, typer.Option(help="a DP noise multiplier z (repeat; 0: no DP)")] = None,
+    per_client: Annotated[int, typer.Option(help="victim images per client")] = 32,
+    steps: Annotated[int, typer.Option(help="generator training steps")] = 300,
+    seed: Annotated[int, typer.Option(help="the audit's seed (images, generator, noise)")] = 0,
+    fid: Annotated[bool, typer.Option(help="compute FID (EfficientNet-Lite0 features)")] = True,
+    style_path: Annotated[str | None, typer.Option(help="the style attacks' path (pixel | feature | adain-vgg); "
+                                                   "default: the run's")] = None,
+) -> None:
+    """Reconstruct client data from what the run's clients share, at each DP noise level: RUN_DIR/audit/privacy.json."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from feddg.audit.privacy import ATTACKS, AuditSettings, attacks_for, check_attacks
+    from feddg.audit.privacy import audit_privacy as run_audit
+    from feddg.config import build_config
+
+    with _user_errors():
+        if not (run_dir / "config.yaml").is_file():
+            _fail(f"no config.yaml in {run_dir}: not a run directory")
+        chosen = ATTACKS if attack == ["all"] else tuple(attack) if attack else None
+        check_attacks(chosen or ())
+        settings = AuditSettings(per_client=per_client, generator_steps=steps, seed=seed, fid=fid, style_path=style_path,
+                                 noise_multipliers=tuple(noise) if noise else AuditSettings.noise_multipliers)
+        todo = chosen or attacks_for(build_config(read_yaml(run_dir / "config.yaml")))
+        total = 1 + sum(2 if a not in ("gram", "update-dlg") else 1 for a in todo)
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=out) as bar:
+            task = bar.add_task("audit", total=total)
+
+            def step(name: str) -> None:
+                bar.update(task, advance=0 if bar.tasks[0].description == "audit" else 1, description=name)
+
+            path = run_audit(run_dir, settings, chosen, step)
+            bar.update(task, completed=total)
+    out.print(f"wrote {path}")

@@ -47,6 +47,8 @@ class DataConfig(Strict):
     max_length: int = Field(128, ge=8, description="text datasets: tokens per text (longer ones are truncated)")
     vocab_size: int = Field(4000, ge=261, description="text datasets: the size of the BPE trained when no tokenizer "
                             "is given")
+    writers: int | None = Field(None, ge=1, description="the built-in writers dataset: how many synthetic writers "
+                                "(default 3,400, FEMNIST's count in FedScale); other datasets refuse it")
 
     @model_validator(mode="after")
     def _transforms_valid(self) -> DataConfig:
@@ -90,7 +92,7 @@ class ModelConfig(Strict):
     name: str = "cnn"
     weights: str | None = Field(None, description="local .pth state_dict to start from")
     path: str | None = Field(None, description="a local Hugging Face model directory (config.json, model.safetensors, "
-                             "tokenizer files) for model transformer; never downloaded")
+                             "tokenizer files) for model transformer, or a Swin directory for swin_t; never downloaded")
     params: dict[str, Any] = Field(default_factory=dict)
     channels_last: bool = Field(
         False, description="torch.channels_last memory format for the model's 4-d weights and the image batches "
@@ -172,6 +174,15 @@ class FederationConfig(Strict):
         10.0, gt=1, description="drop a reply whose update norm |w_k - w_sent| exceeds this factor x the median of "
         "the previous round's accepted norms (round 1: x |w_sent|); streams (O(model) memory); null: off"
     )
+    rollback_loss_factor: float | None = Field(
+        None, gt=1, description="roll a round back (previous model kept, not checkpointed) when the new global "
+        "model's mean task loss on the clients' holdouts exceeds this factor x the lowest such loss of an applied "
+        "round; one extra evaluation pass per round; null: off (a non-finite aggregate is always rolled back)"
+    )
+    max_reply_mb: float | None = Field(
+        None, gt=0, description="in-process worker pool: a client's reply (with its new client state) longer than "
+        "this is refused before it is read; null: 4 x (model + message sent + client state) + 64 MiB"
+    )
     aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = Field(
         "mean", description="how the w/ arrays of a round's replies are combined (methods that average weights): "
         "the num_examples-weighted mean (streams), or a robust rule that holds the round's replies "
@@ -231,6 +242,21 @@ class HierarchyConfig(Strict):
         return name
 
 
+class SecAggPlusConfig(Strict):
+    """Flower's SecAgg+ (``flwr.server.workflow.SecAggPlusWorkflow``; docs/flower.md, "Secure aggregation")."""
+
+    num_shares: int | float = Field(1.0, gt=0, description="key shares per client: an int > 2, or a fraction of "
+                                    "the round's clients (1.0: all)")
+    reconstruction_threshold: int | float = Field(0.7, gt=0, description="shares needed to rebuild a key: an int "
+                                                  "< num_shares, or a fraction of num_shares")
+    clipping_range: float = Field(8.0, gt=0, description="each weight x (num_examples / max_weight) is clipped to "
+                                  "[-c, c] before quantisation")
+    quantization_range: int = Field(2**22, gt=1, description="integer levels over [-c, c]")
+    modulus_range: int = Field(2**32, gt=1, description="the masks' modulus, a power of 2 above quantization_range")
+    max_weight: float | None = Field(None, gt=0, description="the largest num_examples (default: the largest "
+                                     "client's training examples, which the server knows)")
+
+
 class FlowerConfig(Strict):
     """Settings of the Flower engine (``federation.engine: flower``); see docs/flower.md."""
 
@@ -243,6 +269,12 @@ class FlowerConfig(Strict):
         None, description="deployment: YAML list of {client, name, public_key} read by the ServerApp; each node then "
         "proves its client's key (docs/flower.md, 'Secure deployment') and node-declared partition ids are ignored"
     )
+    secure_aggregation: Literal["none", "secaggplus"] = Field(
+        "none", description="secaggplus: the server receives only the num_examples-weighted mean of each round's "
+        "weights (Flower's SecAgg+; methods whose replies are weights + num_examples only; integrity checks then "
+        "apply to the aggregate only)"
+    )
+    secaggplus: SecAggPlusConfig = SecAggPlusConfig()
 
 
 class AdaptiveClipConfig(Strict):
@@ -281,6 +313,10 @@ class EvalConfig(Strict):
     per_domain: bool = Field(
         True, description="write every domain's figures to metrics.jsonl; false keeps the means only (readable with "
         "thousands of domains), and results.json holds the final per-domain figures"
+    )
+    metrics: list[str] = Field(
+        default_factory=list, description="further metrics reported beside the task's own, from the same tallies, as "
+        "<role>_<name>[/<domain>]: macro_f1 (classification: WILDS' IWildCam metric)"
     )
     extra: list[ExtraEvalConfig] = Field(
         default_factory=list, description="further evaluation targets: other datasets with the same classes, "
@@ -380,6 +416,10 @@ class ExperimentConfig(Strict):
                                  f"{', '.join(sorted(model)) or 'nothing more'}")
         if problem := cls.optim_problem(cls.Params(**self.method.params), self.optim.name, self.optim.momentum):
             raise ValueError(problem)
+        offers = task_class(info["task"]).offers
+        if unknown := [m for m in self.eval.metrics if m not in offers]:
+            raise ValueError(f"eval.metrics: the {info['task']} task of {self.data.dataset} reports no {unknown[0]!r}; "
+                             f"it offers {', '.join(offers) or 'none'}")
         if (mixing := label_mixing(specs)) and not cls.takes_soft_targets:
             raise ValueError(f"optim.augment: {cls.name}'s loss uses hard labels beyond the task's loss; use mixstyle "
                              f"with it, not {mixing[0]}")
@@ -423,6 +463,32 @@ class ExperimentConfig(Strict):
         if problem is not None:
             raise ValueError(f"dp_weights: DP-FedAvg is for flat federations whose method averages the weights by "
                              f"num_examples (federation.aggregation=mean), not {problem}")
+        return self
+
+
+    @model_validator(mode="after")
+    def _secure_aggregation_fits(self) -> ExperimentConfig:
+        """SecAgg+ sums weights: the method's server half must need nothing of a reply but its share of the
+        weighted mean, and nothing of the round may need a single reply."""
+        if self.flower.secure_aggregation == "none":
+            return self
+        from feddg.algorithms.base import Method  # lazy: methods import torch
+        from feddg.algorithms.registry import create_method
+
+        method = create_method(self.method.name, self.method.params)
+        own = [name for name in ("start", "accumulate", "keep", "client_config", "setup_request", "client_setup")
+               if getattr(type(method), name) is not getattr(Method, name)]
+        fc = self.federation
+        problem = ("federation.engine is not flower" if fc.engine != "flower"
+                   else f"{method.name}, which does not average weights" if not method.averages_weights
+                   else f"{method.name}, whose server uses more of a reply than its weights ({', '.join(own)})" if own
+                   else "a station topology (hierarchy)" if self.hierarchy is not None
+                   else f"federation.aggregation={fc.aggregation}" if fc.aggregation != "mean"
+                   else "federation.reject_outliers" if fc.reject_outliers is not None
+                   else "dp_weights (it clips each reply)" if self.dp_weights is not None else None)
+        if problem is not None:
+            raise ValueError(f"flower.secure_aggregation: secaggplus is for Flower runs of methods whose replies are "
+                             f"weights + num_examples, averaged by the mean, not {problem}")
         return self
 
 

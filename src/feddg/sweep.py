@@ -123,7 +123,8 @@ def _cells(spec: SweepSpec, base: ExperimentConfig) -> list[tuple[str, list[str]
     if base.split.target_fraction is not None:  # natural clients: one seeded draw of held-out domains
         return [(f"unseen {base.split.target_fraction:g}", [])]
     domains = base.data.domains or dataset_info(base.data.dataset)["domains"]
-    if not domains:
+    named = spec.pairs is not None if base.split.protocol == "ltdo" else spec.targets != "all"
+    if not domains and not named:  # discovered domains (natural clients): only named cells
         raise ConfigError(f"sweep over 'all' targets needs data.domains for {base.data.dataset}")
     if base.split.protocol == "ltdo":
         pairs = spec.pairs or list(itertools.permutations(domains, 2))

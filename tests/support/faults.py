@@ -24,9 +24,10 @@ from feddg.messages import Message
 
 
 class FaultyParams(Params):
-    #: ``"round:client"`` -> raise | nan | sleep | kill | scale
+    #: ``"round:client"`` -> raise | nan | sleep | kill | scale | oversized
     faults: dict[str, str] = Field(default_factory=dict)
     sleep_s: float = 60.0
+    blob_mb: float = 100.0  # oversized: the size of the extra array
 
 
 class Faulty(FedAvg):
@@ -52,6 +53,8 @@ class Faulty(FedAvg):
             reply[key] = np.full_like(reply[key], np.nan)
         if fault == "scale":
             reply = {k: v * 30 if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v for k, v in reply.items()}
+        if fault == "oversized":
+            reply["w/blob"] = np.zeros(int(self.params.blob_mb * 2**20) // 4, np.float32)
         return reply, state
 
 

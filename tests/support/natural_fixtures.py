@@ -49,3 +49,25 @@ def tiny_imagenet_tree(root):
         jpeg(root / "val" / "images" / f"val_{i}.JPEG", (200, 0, 0) if wnid == "n01" else (0, 0, 200))
     (root / "val" / "val_annotations.txt").write_text(
         "".join(f"val_{i}.JPEG\t{w}\t0\t0\t63\t63\n" for i, w in enumerate(["n01", "n02", "n01"])))
+
+
+# (split, location_remapped, y) of the IWildCam fixture: 4 training locations of 4 images, the ood val split
+# (2 locations) and test split (1 location), and id_val / id_test rows of training locations (left out).
+IWILDCAM_ROWS = [*(("train", loc, y) for loc in (7, 3, 12, 20) for y in (0, 5, 0, 181)),
+                 ("val", 30, 5), ("val", 31, 0), ("val", 30, 181), ("test", 40, 0), ("test", 40, 5),
+                 ("id_val", 3, 5), ("id_test", 7, 0)]
+IWILDCAM_COLOURS = {0: (200, 0, 0), 5: (0, 200, 0), 181: (0, 0, 200)}  # each class's constant colour
+
+
+def iwildcam_tree(root, rows=IWILDCAM_ROWS):
+    """``root/iwildcam_v2.0/metadata.csv`` in WILDS' column order and a 24 × 16 JPEG per row under ``train/``."""
+    folder = root / "iwildcam_v2.0"
+    lines = ["split,location_remapped,location,sequence_remapped,y,filename,datetime"]
+    for i, (split, loc, y) in enumerate(rows):
+        name = f"{i:04d}.jpg"
+        (folder / "train").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((16, 24, 3), IWILDCAM_COLOURS.get(y, (90, 90, 90)), dtype=np.uint8)).save(
+            folder / "train" / name, quality=100)
+        lines.append(f"{split},{loc},{loc + 100},{i},{y},{name},2013-06-0{1 + i % 9} 08:00:00")
+    (folder / "metadata.csv").write_text("\n".join(lines) + "\n")
+    return root

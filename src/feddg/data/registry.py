@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,6 +16,7 @@ from feddg.data import (
     digits,
     femnist,
     image_cache,
+    iwildcam,
     mnist_variants,
     natural,
     prostate,
@@ -165,9 +166,19 @@ def _natural_loader(name: str, source: natural.Source) -> Callable[..., DomainDa
 
 
 NATURAL_SOURCES = {femnist.NAME: femnist.SOURCE, cifar.NAME: cifar.SOURCE, tinyimagenet.NAME: tinyimagenet.SOURCE,
-                   writers.NAME: writers.SOURCE}
+                   writers.NAME: writers.SOURCE, iwildcam.NAME: iwildcam.SOURCE}
 PLUGINS.update({name: Plugin(_natural_loader(name, s), s.domains, s.classes, needs_root=s.needs_root,
                              image_size=s.image_size) for name, s in NATURAL_SOURCES.items()})
+
+
+def _load_writers(*, writer_count: int | None = None, **options: Any) -> DomainDataset:
+    """The built-in ``writers`` with ``writer_count`` writers (default :data:`writers.WRITERS`)."""
+    count = writers.WRITERS if writer_count is None else writer_count
+    source = replace(writers.SOURCE, read=lambda root, seed, cache_dir: writers.build_writers(seed, count))
+    return _natural_loader(writers.NAME, source)(**options)
+
+
+PLUGINS[writers.NAME] = replace(PLUGINS[writers.NAME], load=_load_writers)
 
 
 # Text classification (feddg.data.text_sets): token ids for transformers; amazon-bow: bag-of-words vectors.
@@ -372,6 +383,7 @@ def load_dataset(
     tokenizer: str | None = None,
     max_length: int | None = None,
     vocab_size: int | None = None,
+    writer_count: int | None = None,
 ) -> DomainDataset:
     """Dataset ``name``, restricted to ``domains`` (in that order) and to ``max_per_domain`` samples each.
 
@@ -382,6 +394,7 @@ def load_dataset(
     mapping, see :mod:`feddg.data.transform_spec`); ``loader_workers`` > 0 builds training batches
     in that many DataLoader processes. Text datasets take ``tokenizer`` (a local tokenizer directory; default: a
     byte-level BPE of ``vocab_size`` trained on the corpus) and ``max_length`` (tokens per text), others refuse them.
+    ``writer_count`` sets how many writers the built-in ``writers`` dataset has (others refuse it).
     """
     _check_name(name)
     if seed < 0:
@@ -392,12 +405,16 @@ def load_dataset(
         raise ValueError(f"image_size must be >= 1, got {image_size}")
     if loader_workers < 0:
         raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
-    text = _text_options(name, tokenizer, max_length, vocab_size)
+    options = _text_options(name, tokenizer, max_length, vocab_size)
+    if writer_count is not None:
+        if name != writers.NAME:
+            raise ValueError(f"{name} takes no writer count (data.writers is the built-in writers dataset's)")
+        options["writer_count"] = writer_count
     dataset: DomainDataset
     if name in PLUGINS or name in VOLUMES:
         plugin = PLUGINS.get(name) or VOLUMES[name]
         dataset = plugin.load(root=root, cache_dir=cache_dir, image_size=image_size, seed=seed, domains=domains,
-                              max_per_domain=max_per_domain, transforms=transforms, **text)
+                              max_per_domain=max_per_domain, transforms=transforms, **options)
     elif name in BUILTINS:
         if root is not None:
             raise ValueError(f"{name} is built in and takes no root (got {root!r})")

@@ -1,6 +1,6 @@
 """``writers``: a built-in FEMNIST-like dataset of synthetic writers, offline, built in about a second.
 
-Digits of the packaged MNIST 5k (:func:`feddg.data.digits.mnist5k`) are dealt to ``N`` writers (3,400 by default,
+Digits of the packaged MNIST 5k (:func:`feddg.data.digits.mnist5k`) go to ``N`` writers (``data.writers``, 3,400 by default:
 FEMNIST's count in FedScale; 5 to 15 digits each, drawn with replacement over writers) and redrawn in each
 writer's hand: a slant (horizontal shear ``x' = x - s·y``, ``s ~ U(-0.5, 0.5)``), a stroke width (3×3 erosion
 blended half-way, none, or 3×3 dilation: grey-scale morphology as max-pooling), a scale ``~ U(0.8, 1.15)`` and an

@@ -12,6 +12,10 @@ Faults stay with their client: an exception in a client update comes back as a f
 code) or runs a client past ``federation.client_timeout_s`` (it is SIGKILLed) fails that client and
 is replaced by a fresh worker, so the pool keeps its size.
 
+A reply is bounded before it is read (:func:`reply_limit`): ``Connection.recv_bytes(maxlength)`` reads the
+length header and refuses a longer message without reading its body; that client fails and its worker (blocked
+on the unread pipe) is replaced.
+
 Each client's randomness depends only on (seed, round, client), so results do not depend on
 which worker ran a client; they differ from the sequential path only by floating-point
 reduction order (one thread instead of several).
@@ -28,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
@@ -36,12 +41,24 @@ from feddg.config import ExperimentConfig, config_tree
 from feddg.federation.client import Outcome, describe, try_client
 from feddg.federation.setup import Federation, build_federation, worker_device
 from feddg.federation.validation import RunStopped
-from feddg.messages import Message
+from feddg.messages import Message, message_nbytes
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkContext, SpawnContext  # ForkContext: POSIX only
 
 FederationFactory = Callable[[ExperimentConfig], Federation]
+
+REPLY_MARGIN = 4  # a reply may be the model, a new client state of the same size, and payloads of that order
+REPLY_SLACK = 64 * 2**20  # pickling overhead and method payloads beyond the model (a Gram matrix, statistics)
+
+
+def reply_limit(model_bytes: int, msg: Message, state: Message, max_reply_mb: float | None) -> int:
+    """The most bytes a worker's reply to ``(msg, state)`` may take (docs/reliability.md, "Message size"):
+    ``federation.max_reply_mb`` where set, else ``REPLY_MARGIN × (model + message sent + client state) +
+    REPLY_SLACK``."""
+    if max_reply_mb is not None:
+        return int(max_reply_mb * 2**20)
+    return REPLY_MARGIN * (model_bytes + message_nbytes(msg) + message_nbytes(state)) + REPLY_SLACK
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -145,9 +162,11 @@ class _Worker:
         self.ready = False
         self.client: int | None = None
         self.deadline = float("inf")
+        self.limit = REPLY_SLACK  # the longest message read from it: its client's reply_limit while it runs one
 
-    def start(self, client_id: int, round: int, msg: Message, state: Message, timeout_s: float | None) -> None:
-        self.client = client_id
+    def start(self, client_id: int, round: int, msg: Message, state: Message, timeout_s: float | None,
+              limit: int) -> None:
+        self.client, self.limit = client_id, limit
         self.deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
         self.conn.send((client_id, round, msg, state))
 
@@ -179,6 +198,8 @@ class WorkerPool:
         # worker i on GPU i mod count when CUDA is asked for (round-robin), else the CPU
         self._spawn = lambda i: _Worker(factory, {**tree, "device": worker_device(cfg.device, i)}, inherit)
         self.timeout_s = timeout_s
+        self.max_reply_mb = cfg.federation.max_reply_mb
+        self.model_bytes = 0 if fed is None else sum(t.nbytes for t in fed.model.state_dict().values())
         self.workers = [self._spawn(i) for i in range(workers)]
 
     def run_clients(self, round: int, sent: dict[int, Message], states: Mapping[int, Message]
@@ -198,7 +219,8 @@ class WorkerPool:
     def _start(self, w: _Worker, cid: int, round: int, msg: Message, state: Message, done: dict[int, Outcome]
                ) -> None:
         try:
-            w.start(cid, round, msg, state, self.timeout_s)
+            w.start(cid, round, msg, state, self.timeout_s,
+                    reply_limit(self.model_bytes, msg, state, self.max_reply_mb))
         except OSError:  # the worker died since its last message: the pipe is broken
             self._replace(w, done, death(w.proc.exitcode))
 
@@ -220,7 +242,14 @@ class WorkerPool:
         """Read what worker ``w`` sent; a closed pipe means it died."""
         try:
             while w.conn.poll():
-                msg = w.conn.recv()
+                try:
+                    msg = ForkingPickler.loads(w.conn.recv_bytes(w.limit))
+                except OSError as err:
+                    if str(err) != "bad message length":
+                        raise
+                    self._replace(w, done, f"reply longer than {w.limit / 2**20:.1f} MiB, refused unread "
+                                  "(federation.max_reply_mb)")
+                    return
                 if msg[0] == "ready":
                     w.ready = True
                 elif msg[0] == "done":

@@ -4,9 +4,10 @@ Each evaluation computes the task's per-domain tallies (``feddg.evaluation.tally
 a personalised method, of every client's model — on the clients' holdouts (``id``), the held-out domains (``ood``,
 ``val``) and the extra targets (``eval.extra``), and turns them into the task's metric under its keys
 (``<role>_<metric>[/<domain>]``, :func:`feddg.tasks.metric_key`): ``ood_acc/uci`` for classification,
-``ood_dice/BIDMC`` for segmentation. Which keys a run writes, and how many samples stand behind each, follow from
-its split and clients alone (:meth:`Evaluator.keys`, :meth:`Evaluator.counts`), so results.json records both with
-the task's block (name, metric, bounds, chance) and every consumer reads that instead of sniffing key names.
+``ood_dice/BIDMC`` for segmentation (and ``eval.metrics``' further ones: ``ood_macro_f1``). Which keys a run
+writes, and how many samples stand behind each, follow from its split and clients alone (:meth:`Evaluator.keys`,
+:meth:`Evaluator.counts`), so results.json records both with the task's block (name, metric, bounds, chance) and
+every consumer reads that instead of sniffing key names.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
+from feddg.devices import autocast, to_device
 from feddg.evaluation.tally import domain_metrics, tally_by_domain
 from feddg.federation.setup import Federation
 from feddg.messages import load_weights
@@ -44,6 +47,23 @@ class Evaluator:
                                batch_size=cfg.eval.batch_size, device=fed.device, predict=fed.method.predict,
                                amp=cfg.optim.amp, channels_last=cfg.model.channels_last)
 
+    @torch.no_grad()
+    def holdout_loss(self, state: Any) -> float:
+        """The task's mean loss (``Task.loss``, per sample) of the global model of ``state`` on the clients'
+        holdouts, in eval mode: what ``federation.rollback_loss_factor`` compares."""
+        fed, cfg = self.fed, self.fed.cfg
+        self._load(state, None)
+        fed.model.eval()
+        total, count = 0.0, 0
+        for start in range(0, len(self.holdouts), cfg.eval.batch_size):
+            chunk = self.holdouts[start : start + cfg.eval.batch_size]
+            x, y = fed.dataset.get_batch(chunk, train=False)
+            with autocast(fed.device, cfg.optim.amp):
+                output = fed.method.predict(fed.model, to_device(x, fed.device, cfg.model.channels_last))
+            total += float(self.task.loss(output.float(), y.to(output.device))) * len(chunk)
+            count += len(chunk)
+        return total / count
+
     def _load(self, state: Any, client_id: int | None) -> None:
         load_weights(self.fed.model, self.fed.topology.eval_weights(self.fed.method, state, client_id))
 
@@ -51,7 +71,11 @@ class Evaluator:
         """The role's figures of a tally, keeping the task's per-class view of it."""
         if (view := self.task.class_view(tally.sum(0))) is not None:
             self.class_views[role] = view
-        return domain_metrics(self.task, tally, self.fed.dataset.domains, role)
+        return self._metrics(tally, self.fed.dataset.domains, role)
+
+    def _metrics(self, tally: np.ndarray, domains: list[str], role: str) -> dict[str, float]:
+        """The task's metric of each domain with samples and their mean, and so for each of ``eval.metrics``."""
+        return domain_metrics(self.task, tally, domains, role) | self.task.extra_figures(tally, domains, role)
 
     def _roles(self) -> dict[str, np.ndarray]:
         split = self.fed.split
@@ -60,7 +84,7 @@ class Evaluator:
 
     def evaluate(self, state: Any) -> dict[str, float]:
         """Every figure of one evaluation of ``state``: id, ood (val) and extra, per domain and averaged."""
-        fed, method, ds, task = self.fed, self.fed.method, self.fed.dataset, self.task
+        fed, method, ds = self.fed, self.fed.method, self.fed.dataset
         out: dict[str, float] = {}
         if not method.personalized:
             self._load(state, None)
@@ -72,9 +96,9 @@ class Evaluator:
                 self._load(state, cid)
                 t = self.tally(client.holdout_idx)
                 id_tally = t if id_tally is None else id_tally + t
-                ood_figures.append(domain_metrics(task, self.tally(fed.split.test_idx), ds.domains, "ood"))
+                ood_figures.append(self._metrics(self.tally(fed.split.test_idx), ds.domains, "ood"))
             assert id_tally is not None
-            out.update(domain_metrics(task, id_tally, ds.domains, "id"))
+            out.update(self._metrics(id_tally, ds.domains, "id"))
             out.update({k: float(np.mean([f[k] for f in ood_figures])) for k in ood_figures[0]})
             self._load(state, None)
             out.update(self._figures(self.tally(fed.split.test_idx), "global_ood"))
@@ -91,7 +115,7 @@ class Evaluator:
 
         def figures(client_id: int | None, key: str) -> dict[str, float]:
             self._load(state, client_id)
-            return domain_metrics(self.task, self.tally(every, ds), ds.domains, key)
+            return self._metrics(self.tally(every, ds), ds.domains, key)
 
         if not self.fed.method.personalized:
             return figures(None, role)
@@ -107,9 +131,10 @@ class Evaluator:
 
         def add(role: str, domain_ids: np.ndarray, domains: list[str]) -> None:
             per = np.bincount(domain_ids, minlength=len(domains))
-            out.update({metric_key(role, self.task.metric, domains[d]): int(n) for d, n in enumerate(per) if n})
-            if per.sum():
-                out[metric_key(role, self.task.metric)] = int(per.sum())
+            for metric in (self.task.metric, *self.task.extra_metrics):
+                out.update({metric_key(role, metric, domains[d]): int(n) for d, n in enumerate(per) if n})
+                if per.sum():
+                    out[metric_key(role, metric)] = int(per.sum())
 
         roles = self._roles()
         if fed.method.personalized:

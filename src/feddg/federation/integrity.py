@@ -1,6 +1,7 @@
 """What keeps one client from taking over the global model (docs/reliability.md, "A client cannot take over the
 model"): its example count is capped at what the server knows it holds, its update norm is bounded by the honest
-clients' recent norms, a robust rule may replace the mean, and a non-finite aggregate is rolled back."""
+clients' recent norms, a robust rule may replace the mean, and a non-finite aggregate (or, with
+``federation.rollback_loss_factor``, one whose evaluated loss explodes) is rolled back."""
 
 from __future__ import annotations
 
@@ -50,6 +51,29 @@ class NormBound:
         """After a completed round (not rolled back): the median of its accepted replies' norms."""
         if accepted_norms:
             self.reference = float(np.median(accepted_norms))
+
+
+@dataclass
+class LossGuard:
+    """``loss > factor × best``: the round's evaluated loss against the lowest evaluated loss of an applied round
+    (``None`` before the first: round 1 is never refused by it). The best, not the previous, so that a slow
+    climb of small steps is still measured from the model before it."""
+
+    factor: float
+    best: float | None = None
+
+    def check(self, loss: float) -> str | None:
+        """Why a round whose new model has evaluated loss ``loss`` is rolled back, or ``None``."""
+        if not math.isfinite(loss):
+            return f"evaluated loss {loss}"
+        if self.best is None or loss <= self.factor * self.best:
+            return None
+        return (f"evaluated loss {loss:.4g} > {self.factor:g} x best {self.best:.4g} "
+                "(federation.rollback_loss_factor)")
+
+    def update(self, loss: float) -> None:
+        """After an applied round."""
+        self.best = loss if self.best is None else min(self.best, loss)
 
 
 def cap_examples(reply: Reply, known: int) -> tuple[Reply, int | None]:

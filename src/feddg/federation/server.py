@@ -24,7 +24,14 @@ from feddg.config import ExperimentConfig, dump_config
 from feddg.federation.checkpoint import load_checkpoint, save_checkpoint
 from feddg.federation.client_store import STORE_DIR, ClientStore, ClientStores, restore
 from feddg.federation.evaluator import Evaluator
-from feddg.federation.integrity import NormBound, cap_examples, check_aggregation, non_finite, robust_replies
+from feddg.federation.integrity import (
+    LossGuard,
+    NormBound,
+    cap_examples,
+    check_aggregation,
+    non_finite,
+    robust_replies,
+)
 from feddg.federation.provenance import write_provenance
 from feddg.federation.rounds import learning_rate
 from feddg.federation.setup import Federation
@@ -36,6 +43,8 @@ from feddg.reproducibility import check_pinned
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+#: the client id under which a securely aggregated round's one reply (the clients' weighted mean) is checked
+AGGREGATE = -1
 RESULTS = "results.json"
 CONFIG = "config.yaml"
 
@@ -104,6 +113,8 @@ class Server:
         reference = ckpt.get("norm_reference") if ckpt is not None else None  # older checkpoints: none yet
         self.norm_bound = (NormBound(fc.update_norm_factor, reference)
                            if fc.update_norm_factor is not None and fed.method.averages_weights else None)
+        self.loss_guard = (None if fc.rollback_loss_factor is None
+                           else LossGuard(fc.rollback_loss_factor, ckpt.get("loss_reference") if ckpt else None))
         self.warned_caps: set[int] = set()
         self.declared = shapes_of(weights_of(fed.model))  # what a reply's w/ arrays may be
         self.evaluator = Evaluator(fed)
@@ -111,6 +122,8 @@ class Server:
             raise ValueError(f"federation.reject_outliers: {fed.method.name} does not average weights, so a "
                              "reply's update norm is not defined")
         check_aggregation(fed.cfg, fed.method)
+        if self.loss_guard is not None and not len(self.evaluator.holdouts):
+            raise ValueError("federation.rollback_loss_factor needs the clients' holdouts (partition.holdout > 0)")
         dp = fed.cfg.dp_weights  # DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights")
         self.dp = None if dp is None else WeightPrivacy(dp, len(fed.clients), fc.client_fraction, fed.cfg.seed,
                                                         ckpt.get("dp_weights_clip") if ckpt is not None else None)
@@ -198,6 +211,34 @@ class Server:
                 fold.norms[cid] = norm
         fold.seconds += time.perf_counter() - t0
 
+    def receive_aggregate(self, fold: RoundFold, weights: Message, examples: dict[int, int],
+                          losses: dict[int, float]) -> None:
+        """A securely aggregated round (Flower's SecAgg+, docs/flower.md "Secure aggregation"): only the
+        ``num_examples``-weighted mean ``weights`` of the clients in ``examples`` arrives, with each client's
+        claimed count and train loss in the clear. The mean is checked and folded as one reply (client
+        :data:`AGGREGATE`) weighing their total, so every integrity check sees the aggregate only; a claim above a
+        client's data refuses the aggregate (the weight inside a secure sum cannot be corrected)."""
+        first = next(iter(examples))
+        fold.sent[AGGREGATE], fold.expected[AGGREGATE] = fold.sent[first], sum(examples.values())
+        try:
+            over = [(cid, n) for cid, n in examples.items() if n > fold.expected[cid]]
+            if over:
+                cid, n = over[0]
+                self.fail(fold, AGGREGATE, f"client {cid} claimed num_examples={n} > its {fold.expected[cid]} training "
+                          "examples: a secure aggregate cannot be re-weighted")
+                return
+            fold.acc = self.fed.topology.start(self.fed.method, {AGGREGATE: fold.expected[AGGREGATE]})
+            loss = float(np.average([losses[c] for c in examples], weights=list(examples.values())))
+            self.receive(fold, Reply(AGGREGATE, {**weights, "num_examples": fold.expected[AGGREGATE],
+                                                 "train_loss": loss}))
+        finally:
+            del fold.sent[AGGREGATE], fold.expected[AGGREGATE]
+        if fold.accepted == [AGGREGATE]:  # the round's figures count the clients behind the aggregate
+            fold.accepted, fold.examples = list(examples), list(examples.values())
+            fold.losses = [losses[c] for c in examples]
+            if AGGREGATE in fold.norms:
+                fold.norms = dict.fromkeys(examples, fold.norms[AGGREGATE])
+
     def fail(self, fold: RoundFold, client_id: int, reason: str) -> None:
         """Client ``client_id`` gave no usable reply this round (raised, timed out, died, failed a check)."""
         fold.failed[client_id] = reason
@@ -243,7 +284,11 @@ class Server:
             raise RunStopped(self._stop_reason(round, fold, failed))
         dp_metrics = {} if self.dp is None else self.dp.add_noise(fold.acc, round, fold.examples, len(fold.sent))
         state, method_metrics = self.fed.topology.finish(self.fed.method, self.state, fold.acc, round)
-        rollback = non_finite(state)
+        rollback = None if (where := non_finite(state)) is None else f"NaN or Inf in {where}"
+        loss = None
+        if rollback is None and self.loss_guard is not None:
+            loss = self.evaluator.holdout_loss(state)
+            rollback = self.loss_guard.check(loss)
         if rollback is None:  # a rolled-back round keeps the previous model, client states and norm reference
             self.state = state
             for cid in fold.accepted:
@@ -253,8 +298,10 @@ class Server:
                 self.norm_bound.update([fold.norms[cid] for cid in fold.accepted if cid in fold.norms])
             if self.dp is not None:
                 self.dp.commit()
+            if self.loss_guard is not None and loss is not None:
+                self.loss_guard.update(loss)
         else:
-            log.warning("round %d rolled back to the previous global model: NaN or Inf in %s", round, rollback)
+            log.warning("round %d rolled back to the previous global model: %s", round, rollback)
         row: dict[str, Any] = {
             "round": round,
             "lr": self.lr(round),
@@ -280,7 +327,9 @@ class Server:
             self.warned_caps.update(fold.capped)
         if rollback is not None:
             row["rolled_back"] = True
-            row["rollback_reason"] = f"NaN or Inf in {rollback}"
+            row["rollback_reason"] = rollback
+        if loss is not None:
+            row["holdout_loss"] = loss
         if self.eval_due(round):
             t1 = time.perf_counter()
             figures = self.evaluator.evaluate(self.state)
@@ -320,6 +369,7 @@ class Server:
                 "client_store": index,
                 "metrics": self.metrics,
                 "norm_reference": None if self.norm_bound is None else self.norm_bound.reference,
+                **({} if self.loss_guard is None else {"loss_reference": self.loss_guard.best}),
                 **({} if self.dp is None else {"dp_weights_clip": self.dp.clip}),
             },
         )

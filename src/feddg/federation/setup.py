@@ -64,7 +64,7 @@ class Federation:
     task: Task = field(init=False)
 
     def __post_init__(self) -> None:
-        self.task = task_of(self.dataset)
+        self.task = task_of(self.dataset).with_metrics(self.cfg.eval.metrics)
 
     @property
     def optim(self) -> OptimSettings:
@@ -220,6 +220,7 @@ def load_data(cfg: ExperimentConfig) -> DomainDataset:
         max_per_domain=d.max_per_domain,
         transforms=d.transforms,
         loader_workers=d.loader_workers,
+        writer_count=d.writers,
         **text_options(cfg),
     )
 

@@ -18,6 +18,7 @@ from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
 from feddg.models.mlp import BagOfWordsMLP
 from feddg.models.resnet import resnet18, resnet50
+from feddg.models.swin import swin_t, swin_tiny_test
 from feddg.models.transformer import pretrained_transformer, tiny_deberta, tiny_roberta
 from feddg.models.unet import UNet
 from feddg.models.vgg import vgg11, vgg11_bn
@@ -36,6 +37,8 @@ MODELS: dict[str, Callable[..., FedModel]] = {
     "mlp": BagOfWordsMLP,  # bag-of-words [B, V] inputs; model.params.hidden (256)
     "resnet18": resnet18,
     "resnet50": resnet50,
+    "swin_t": swin_t,  # Swin-T via transformers (random init; model.path: a local HF Swin); models/swin.py: sizes
+    "swin_tiny_test": swin_tiny_test,  # a small random Swin (channels 16-128) for tests
     "tiny-deberta": tiny_deberta,  # random DeBERTa-v2 (hidden 64, 2 layers, 4 heads), disentangled attention
     "tiny-roberta": tiny_roberta,  # random RoBERTa (hidden 64, 2 layers, 4 heads)
     "transformer": pretrained_transformer,  # a local Hugging Face model directory (model.path): RoBERTa, DeBERTa
@@ -62,6 +65,8 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "mlp": _FEATURES,
     "resnet18": _BN_STAGES,
     "resnet50": _BN_STAGES,
+    "swin_t": _STAGES,  # LayerNorm only; stage ends are token grids [B, C, H, W]
+    "swin_tiny_test": _STAGES,
     "tiny-deberta": _TOKENS,
     "tiny-roberta": _TOKENS,
     "transformer": _TOKENS,
@@ -84,7 +89,7 @@ def list_models() -> list[str]:
 
 
 #: models that load a local directory (``model.path``)
-TAKES_PATH = frozenset({"transformer"})
+TAKES_PATH = frozenset({"transformer", "swin_t", "swin_tiny_test"})
 
 
 def create_model(

@@ -16,6 +16,7 @@ from feddg.models.efficientnet import EfficientNetLite, MBConv
 from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
 from feddg.models.resnet import ResNet
+from feddg.models.swin import SwinClassifier
 from feddg.models.unet import UNet
 from feddg.models.vgg import VGG
 
@@ -43,6 +44,8 @@ def conv_stages(model: nn.Module) -> list[str]:
         return [f"_blocks.{i}" for i in range(len(blocks)) if i + 1 == len(blocks) or _strided(blocks[i + 1])]
     if isinstance(model, VGG):
         return [f"features.{i}" for i, m in enumerate(model.trunk) if isinstance(m, nn.MaxPool2d)]
+    if isinstance(model, SwinClassifier):  # each stage's tokens as a grid, before the next patch merging
+        return [f"stage_ends.{i}" for i in range(len(model.stage_ends))]
     if isinstance(model, UNet):  # each encoder block (before its max-pool) and the bottleneck: FedFA's U-Net stages
         return [f"encoders.{i}" for i in range(len(model.encoders))] + ["bottleneck"]
     raise TypeError(f"no conv-stage map for {type(model).__name__}; add one in feddg/models/stages.py")

@@ -12,6 +12,7 @@ from feddg.config import read_yaml
 from feddg.evaluation.overlays import EXAMPLES, example_path
 from feddg.evaluation.plots import plot_run, read_metrics, run_title
 from feddg.reports import figures
+from feddg.reports.audit import audit_section
 from feddg.reports.counts import run_counts
 from feddg.reports.page import REPORT, file_uri, page_context, render
 from feddg.reports.style_grid import style_grid
@@ -145,6 +146,7 @@ def run_report(run_dir: Path) -> list[Path]:
         diagnostics=[{"title": name, "uri": figures.png_uri(figures.diagnostics(panels)), "caption": ""}
                      for name, panels in sorted(figures.diagnostic_panels(metrics, task).items())],
         method_figures=[{"title": p.name, "uri": file_uri(p), "caption": ""} for p in extra],
+        audit=audit_section(run_dir),
         per_class={"title": "per class (last evaluation)", "uri": figures.png_uri(figures.per_class(view)),
                    "caption": "bars: recall of each class; dots: the share of the predictions given to it"}
         if view else None,

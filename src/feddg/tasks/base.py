@@ -1,9 +1,10 @@
 """What a dataset asks of a model and how its predictions are scored: the task seam.
 
 A :class:`Task` owns, for a dataset, everything after the model's output: the training loss, an additive
-per-domain *tally* of sufficient statistics of the predictions (classification: correct and total;
-segmentation: twice the true positives and the predicted-plus-true pixels per class; a confusion matrix for
-macro-F1) and the metric computed from a tally, with its name, bounds, direction and chance level. Because tallies
+per-domain *tally* of sufficient statistics of the predictions (classification: correct and total, and per class
+the hits, samples and predictions, which give macro-F1; segmentation: twice the true positives and the
+predicted-plus-true pixels per class) and the metric computed from a tally, with its name, bounds, direction and
+chance level; further metrics of the same tally on request (``eval.metrics``: :meth:`Task.with_metrics`). Because tallies
 add, per-domain, id/ood and cross-client figures are sums however the evaluation is split (batches, worker
 processes, Flower replies), and the sample count behind every figure comes with it.
 
@@ -15,7 +16,7 @@ load. Metric keys are ``<role>_<metric>[/<domain>]`` (``ood_acc/uci``, ``id_dice
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -62,11 +63,36 @@ class Task(ABC):
     bounds: ClassVar[tuple[float, float]] = (0.0, 100.0)
     higher_is_better: ClassVar[bool] = True
     targets: ClassVar[frozenset[str]]  # the target kind (CLASS_LABELS, DENSE_MASKS)
+    offers: ClassVar[tuple[str, ...]] = ()  # further metrics it can report beside its own (eval.metrics)
 
     def __init__(self, num_classes: int, inputs: str = IMAGES) -> None:
         if inputs not in INPUT_KINDS:
             raise ValueError(f"unknown input kind {inputs!r}; expected one of {sorted(INPUT_KINDS)}")
         self.num_classes, self.inputs = int(num_classes), inputs
+        #: the further metrics reported beside :attr:`metric` (keys ``<role>_<name>[/<domain>]``), from the same tally
+        self.extra_metrics: tuple[str, ...] = ()
+
+    def with_metrics(self, names: Sequence[str]) -> Task:
+        """This task, also reporting the further metrics ``names`` (among :attr:`offers`); one line for others."""
+        if unknown := [n for n in names if n not in self.offers]:
+            raise ValueError(f"the {self.name} task reports no metric {unknown[0]!r} beside {self.metric}; it offers "
+                             f"{', '.join(self.offers) or 'none'}")
+        self.extra_metrics = tuple(dict.fromkeys(names))
+        return self
+
+    def extra_score(self, name: str, tally: np.ndarray) -> float:
+        """Further metric ``name`` (one of :attr:`offers`) of one tally row."""
+        raise ValueError(f"the {self.name} task reports no metric {name!r}")
+
+    def extra_figures(self, tally: np.ndarray, domains: list[str], role: str) -> dict[str, float]:
+        """``{<role>_<name>/<domain>: score, <role>_<name>: mean over the domains}`` of every further metric, for
+        the domains with samples (as the task's own metric is reported)."""
+        out: dict[str, float] = {}
+        present = [d for d in range(len(tally)) if self.count(tally[d]) > 0]
+        for name in self.extra_metrics:
+            per = {metric_key(role, name, domains[d]): self.extra_score(name, tally[d]) for d in present}
+            out.update(per | ({metric_key(role, name): float(np.mean(list(per.values())))} if per else {}))
+        return out
 
     @property
     def provides(self) -> frozenset[str]:
@@ -119,4 +145,5 @@ class Task(ABC):
         """results.json's ``task`` block: what every consumer of a run reads instead of sniffing key names."""
         return {"name": self.name, "metric": self.metric, "label": self.label, "unit": self.unit,
                 "bounds": list(self.bounds), "higher_is_better": self.higher_is_better, "chance": self.chance(),
-                "num_classes": self.num_classes, "inputs": self.inputs}
+                "num_classes": self.num_classes, "inputs": self.inputs} | (
+                    {"extra_metrics": list(self.extra_metrics)} if self.extra_metrics else {})

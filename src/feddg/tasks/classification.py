@@ -1,4 +1,5 @@
-"""Classification: cross-entropy, accuracy from per-domain (correct, total) tallies."""
+"""Classification: cross-entropy, accuracy from per-domain (correct, total) tallies; macro-F1 (WILDS' IWildCam
+metric) from the same tallies' per-class counts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class Classification(Task):
     metric = "acc"
     label = "accuracy"
     targets: ClassVar[frozenset[str]] = frozenset({CLASS_LABELS})
+    offers: ClassVar[tuple[str, ...]] = ("macro_f1",)
 
     def loss(self, output: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(output, target)
@@ -49,6 +51,17 @@ class Classification(Task):
 
     def chance(self) -> float:
         return 100.0 / self.num_classes
+
+    def extra_score(self, name: str, tally: np.ndarray) -> float:
+        """``macro_f1``: 100 · the mean over the classes with samples in the tally of F1_k = 2·TP_k / (T_k + P_k)
+        (T_k samples of class k, P_k predictions of it): scikit-learn's ``f1_score(average="macro",
+        labels=unique(y_true))``, as WILDS scores IWildCam (Koh et al. 2021)."""
+        if name != "macro_f1":
+            return super().extra_score(name, tally)
+        c = self.num_classes
+        hits, true, predicted = tally[2 : 2 + c], tally[2 + c : 2 + 2 * c], tally[2 + 2 * c :]
+        present = true > 0
+        return 100.0 * float(np.mean(2 * hits[present] / (true[present] + predicted[present])))
 
     def class_view(self, tally: np.ndarray) -> dict[str, list[float | None]]:
         """Each class's recall (``None`` without samples) and its share of the predictions, in %."""

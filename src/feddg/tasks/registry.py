@@ -3,6 +3,8 @@ loads. A new task is one file and one line here (docs/writing-a-method.md, "Addi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from feddg.tasks.base import IMAGES, Task
 from feddg.tasks.classification import Classification
 from feddg.tasks.segmentation import Segmentation
@@ -19,6 +21,7 @@ def task_class(name: str) -> type[Task]:
     return TASKS[name]
 
 
-def make_task(name: str, num_classes: int, inputs: str = IMAGES) -> Task:
-    """The task ``name`` for a dataset with ``num_classes`` target classes and inputs of kind ``inputs``."""
-    return task_class(name)(num_classes, inputs)
+def make_task(name: str, num_classes: int, inputs: str = IMAGES, metrics: Sequence[str] = ()) -> Task:
+    """The task ``name`` for a dataset with ``num_classes`` target classes and inputs of kind ``inputs``, also
+    reporting the further ``metrics`` (``eval.metrics``)."""
+    return task_class(name)(num_classes, inputs).with_metrics(metrics)

@@ -15,7 +15,9 @@ Message types (the ServerApp sends them, see :mod:`feddg.engines.flower.server`)
                     (``flower.roster``) the server's ``challenge`` comes back signed with the node's key
                     (``--node-config "auth-key='KEY'"``), and the roster, not partition-id, says which client it is
 ``query.setup``     the method's one-time setup exchange (``client_setup``)
-``train``           one round of ``client_update``
+``train``           one round of ``client_update``; under ``flower.secure_aggregation: secaggplus`` the SecAgg+
+                    workflow's train messages go through ``secaggplus_mod`` and its stage-2 ``FitIns`` is
+                    answered as a ``FitRes`` (:mod:`feddg.engines.flower.secagg`)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from flwr.supercore.logger import update_console_handler
 
 from feddg.config import ExperimentConfig, build_config, dump_config
 from feddg.engines.flower.records import get_message, put_message, record_int
+from feddg.engines.flower.secagg import fitres_content, from_fitins, is_fitins, secure_mod
 from feddg.engines.flower.security import identity_statement, load_private_key, public_key_text, sign
 from feddg.federation.client import describe, run_client, run_client_setup
 from feddg.federation.setup import Federation, build_federation
@@ -131,7 +134,7 @@ def committed_state(state: RecordDict, client_id: int, commit: int) -> FeddgMess
 
 def make_client_app(config_text: str | None = None, factory: FederationFactory = client_federation) -> ClientApp:
     """A ClientApp for the experiment ``config_text`` (YAML); ``None`` reads the run config key ``config``."""
-    app = ClientApp()
+    app = ClientApp(mods=[secure_mod])
 
     def federation(context: Context) -> Federation:
         text = config_text if config_text is not None else str(context.run_config.get("config", ""))
@@ -139,8 +142,9 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
             raise ValueError("no experiment config: pass the YAML text as run config 'config' (see docs/flower.md)")
         return node_federation(text, factory)
 
-    def client_id(msg: Message, context: Context) -> int:
-        cid = record_int(msg.content.config_records[ROUTE]["client-id"])
+    def client_id(msg: Message, context: Context, cid: int | None = None) -> int:
+        """The client a message is for (its route's, or ``cid``), checked against this node's partition."""
+        cid = record_int(msg.content.config_records[ROUTE]["client-id"]) if cid is None else cid
         if AUTH_KEY in context.node_config:  # the server bound this node to its client by the node's key (roster)
             return cid
         partition = node_partition(context)[0]
@@ -174,17 +178,25 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        fed, cid = federation(context), client_id(msg, context)
-        payload = get_message(msg.content)
+        secure = is_fitins(msg.content)  # SecAgg+'s stage 2: the route travels in the FitIns config
+        if secure:
+            payload, route = from_fitins(msg.content)
+            cid, commit = client_id(msg, context, route["client-id"]), route[COMMIT]
+        else:
+            payload = get_message(msg.content)
+            cid, commit = client_id(msg, context), record_int(msg.content.config_records[ROUTE][COMMIT])
+        fed = federation(context)
         round = int(payload["round"])
-        state = committed_state(context.state, cid, record_int(msg.content.config_records[ROUTE][COMMIT]))
+        state = committed_state(context.state, cid, commit)
         try:
             answer, state = run_client(fed, cid, round, payload, state)
+            if secure:
+                content = fitres_content(payload, answer)
         except Exception as err:
             log(ERROR, "feddg client %d, round %d failed:\n%s", cid, round, traceback.format_exc())
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, describe(err)), reply_to=msg)
         put_message(context.state, state, pending_prefix(cid))  # kept once the server accepts the reply
         context.state[pending_prefix(cid) + "round"] = MetricRecord({"round": round})
-        return reply(msg, answer, cid)
+        return Message(content, reply_to=msg) if secure else reply(msg, answer, cid)
 
     return app

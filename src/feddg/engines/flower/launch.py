@@ -10,11 +10,20 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
+import tomllib
 from pathlib import Path
+
+from flwr.supercore.utils import get_flwr_home
 
 from feddg.config import ExperimentConfig
 from feddg.engines.flower.app import STATUS, run_config_toml
+
+#: how long to wait, after ``flwr run`` returned, for a ServerApp still marked ``running`` to write its end: on
+#: ``flwr stop`` the stream ends before the ServerApp has handled its SIGINT (measured on a loaded 2-core machine)
+MARK_WAIT_S = 30.0
 
 
 def outcome(run_dir: Path) -> str | None:
@@ -31,15 +40,41 @@ def outcome(run_dir: Path) -> str | None:
     return f"{run_dir}: run {state}: {status.get('error', '')}".rstrip(": ")
 
 
+def insecure_warning(connection: str) -> str | None:
+    """A warning when ``connection`` in ``$FLWR_HOME/config.toml`` says ``insecure = true`` (no TLS to the
+    SuperLink, so no node authentication either), else ``None``."""
+    try:
+        conf = tomllib.loads((get_flwr_home() / "config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    if conf.get("superlink", {}).get(connection, {}).get("insecure") is True:
+        return (f"feddg: warning: connection {connection!r} is insecure (no TLS): any process that reaches the "
+                "SuperLink may join as a client; use it on one trusted machine only (docs/flower.md, "
+                "\"Insecure trial\")")
+    return None
+
+
 def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path) -> str | None:
     """``flwr run app_dir connection --run-config <cfg> --stream`` (its output goes to this terminal); returns
     :func:`outcome` of ``run_dir``, or why ``flwr run`` itself failed."""
     flwr = shutil.which("flwr")
     if flwr is None:
         return "no `flwr` on PATH: install feddg with the [flower] extra"
+    if (warning := insecure_warning(connection)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     (run_dir / STATUS).unlink(missing_ok=True)  # an earlier run's mark must not answer for this one
     with tempfile.TemporaryDirectory() as tmp:
         toml = Path(tmp) / "run.toml"
         toml.write_text(run_config_toml(cfg, run_dir))
         code = subprocess.run([flwr, "run", str(app_dir), connection, "--run-config", str(toml), "--stream"]).returncode
-    return f"`flwr run` exited with {code}" if code != 0 else outcome(run_dir.resolve())
+    if code != 0:
+        return f"`flwr run` exited with {code}"
+    return settled_outcome(run_dir.resolve())
+
+
+def settled_outcome(run_dir: Path, wait_s: float = MARK_WAIT_S) -> str | None:
+    """:func:`outcome` once the run directory's mark has left ``running`` (or after ``wait_s`` seconds)."""
+    deadline = time.monotonic() + wait_s
+    while (why := outcome(run_dir)) is not None and "without a mark" in why and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return why

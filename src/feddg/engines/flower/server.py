@@ -15,7 +15,9 @@ SuperLink):
    (aggregation, evaluation, metrics.jsonl, checkpoint). A client's Error reply or a reply missing
    after ``flower.round_timeout_s`` is dropped (``Server.fail``), like a reply that fails the checks;
    each train message tells the client's node the last round whose reply was folded in
-   (``commit-round``), so the node keeps only accepted updates' client state.
+   (``commit-round``), so the node keeps only accepted updates' client state. With
+   ``flower.secure_aggregation: secaggplus`` each round is one call of Flower's SecAgg+ workflow instead
+   (:mod:`feddg.engines.flower.secagg_server`): the server receives the round's weighted mean only.
 
 Flower's built-in strategies check that a reply holds exactly one ArrayRecord; feddg replies
 carry arrays *and* numbers and text (weights, statistics, Grams, histograms), hence the
@@ -43,6 +45,7 @@ from feddg.algorithms.base import Reply
 from feddg.config import one_line
 from feddg.engines.flower.client import COMMIT, IDENTIFY, ROUTE, SETUP, TRAIN, fingerprint
 from feddg.engines.flower.records import get_message, put_message, record_int
+from feddg.engines.flower.secagg_server import run_secure_rounds
 from feddg.engines.flower.security import (
     Roster,
     RosterEntry,
@@ -291,7 +294,9 @@ def run_on_grid(server: Server, grid: Grid, on_round: RoundCallback | None = Non
     fc = server.fed.cfg.flower
     nodes = discover_clients(grid, server, fc.node_wait_s)
     run_setup(server, grid, nodes, fc.round_timeout_s)
-    if server.round < server.rounds:
+    if fc.secure_aggregation == "secaggplus":  # Flower's legacy SecAgg+ workflow, one call per round
+        run_secure_rounds(server, grid, nodes, on_round)
+    elif server.round < server.rounds:
         FeddgStrategy(server, nodes, on_round).start(
             grid, ArrayRecord(), num_rounds=server.rounds - server.round, timeout=fc.round_timeout_s
         )

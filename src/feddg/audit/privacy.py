@@ -1,0 +1,247 @@
+"""``feddg audit privacy RUN_DIR``: rebuild a run's federation (config.yaml + checkpoint), recompute what its
+clients share, run every attack that applies (and, on request, all of them), each at a sweep of DP noise
+multipliers, and write ``RUN_DIR/audit/privacy.json`` with true-vs-reconstructed grids.
+
+An offline analysis with the experimenter's copy of the data, like ``reports/style_grid.py``: the victims
+are ``per_client`` random training images of every client; the attackers are (i) ``third-party``: held-out
+public data (the run's target-domain images) and (ii) ``inter-client``: client 0 with its own training
+images, attacking the others. docs/privacy.md, "Auditing what leaves a client".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from feddg.aggregation.accounting import gaussian_epsilon, sampled_gaussian_epsilon
+from feddg.aggregation.dp import clip_rows, symmetric_noise
+from feddg.algorithms.components.style import StyleParams, make_codec
+from feddg.audit.gradient import TinyNet, dlg, dp_update, one_step_update, update_norm
+from feddg.audit.gram import gram_audit
+from feddg.audit.grids import draw_grid
+from feddg.audit.inversion import Victims, nearest_true, scores, vector_inversion
+from feddg.audit.metrics import FID_NAME, to_unit
+from feddg.audit.shares import Share, moments_share, prototype_share, stage_encoder, style_share
+from feddg.config import ExperimentConfig, build_config, read_yaml
+from feddg.devices import images
+from feddg.federation.client_store import open_checkpoint
+from feddg.federation.setup import Federation, build_federation
+from feddg.messages import load_weights
+from feddg.models.base import FedModel
+
+AUDIT_DIR, PRIVACY_JSON = "audit", "privacy.json"
+VECTOR_ATTACKS = ("sample-style", "client-style", "fedfa-moments", "fpl-prototypes")
+ATTACKS = (*VECTOR_ATTACKS, "gram", "update-dlg")
+METHOD_ATTACKS = {"ccst": "sample-style", "pardon": "client-style", "fedfa": "fedfa-moments", "fpl": "fpl-prototypes"}
+ATTACKERS = ("third-party", "inter-client")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    """How much of the run the audit replays, and the DP sweep."""
+
+    per_client: int = 32
+    attacker_size: int = 256
+    noise_multipliers: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0)
+    delta: float = 1e-5
+    generator_steps: int = 300
+    dlg_victims: int = 4
+    dlg_iterations: int = 20
+    fid: bool = True
+    seed: int = 0
+    style_path: str | None = None  # the style attacks' path; None: the run's (pixel unless the run's method says)
+
+    def __post_init__(self) -> None:
+        if any(z < 0 for z in self.noise_multipliers) or not self.noise_multipliers:
+            raise ValueError(f"noise multipliers must be >= 0 (0: no DP); got {self.noise_multipliers}")
+        if min(self.per_client, self.attacker_size, self.generator_steps, self.dlg_victims) < 1:
+            raise ValueError("per_client, attacker_size, generator_steps and dlg_victims must be >= 1")
+
+
+def attacks_for(cfg: ExperimentConfig) -> tuple[str, ...]:
+    """The attacks on what the run's method shares: its statistic's, the Gram's under a hierarchy, and
+    always the inversion of a weights update."""
+    own = (METHOD_ATTACKS[cfg.method.name],) if cfg.method.name in METHOD_ATTACKS else ()
+    return (*own, *(("gram",) if cfg.hierarchy is not None else ()), "update-dlg")
+
+
+@dataclass
+class Replay:
+    """The rebuilt run: the federation, its trained model, the victims' images (normalised) and labels."""
+
+    cfg: ExperimentConfig
+    fed: Federation
+    model: FedModel
+    weights: str
+    x: list[torch.Tensor]
+    y: list[np.ndarray]
+    attacker_x: torch.Tensor
+    lo: float
+    hi: float
+
+    def unit(self, x: torch.Tensor | np.ndarray) -> np.ndarray:
+        return to_unit(np.asarray(x), self.lo, self.hi)
+
+    def victims(self, vectors: list[np.ndarray], ids: list[int], attacker: int | None = None) -> Victims:
+        """The victims' rows; the pool is every client's images but the attacking client's (it knows its own)."""
+        keep = [c for c in range(len(self.x)) if c != attacker]
+        pool = self.unit(torch.cat([self.x[c] for c in keep]))
+        owners = np.concatenate([np.full(len(self.x[c]), c) for c in keep])
+        row_owner = np.concatenate([np.full(len(v), c) for v, c in zip(vectors, ids, strict=True)])
+        return Victims(np.concatenate(vectors).astype(np.float32), row_owner, pool, owners)
+
+
+def replay(run_dir: Path, settings: AuditSettings) -> Replay:
+    """The run's federation from config.yaml, the final global weights from its checkpoint (else the initial
+    ones), ``per_client`` training images of every client and the third-party attacker's public images."""
+    cfg = build_config(read_yaml(run_dir / "config.yaml"))
+    fed = build_federation(cfg.model_copy(update={"device": "cpu"}))
+    model = cast(FedModel, copy.deepcopy(fed.model).eval())
+    ckpt = open_checkpoint(run_dir)
+    weights = ckpt["server_state"].get("weights") if ckpt is not None else None
+    if weights is not None:
+        load_weights(model, weights)
+    rng = np.random.default_rng(settings.seed)
+    xs, ys = [], []
+    for client in fed.clients:
+        idx = np.sort(rng.choice(client.train_idx, size=min(settings.per_client, len(client.train_idx)), replace=False))
+        inputs, y = fed.dataset.get_batch(idx, train=False)
+        xs.append(images(inputs).float())
+        ys.append(np.asarray(y))
+    public = fed.split.test_idx if len(fed.split.test_idx) else fed.split.val_idx
+    if len(public) == 0:
+        raise ValueError("the third-party attacker needs held-out public data: the run has no target domain")
+    pick = np.sort(rng.choice(public, size=min(settings.attacker_size, len(public)), replace=False))
+    attacker_x = images(fed.dataset.get_batch(pick, train=False)[0]).float()
+    both = torch.cat([*xs, attacker_x])
+    return Replay(cfg, fed, model, "checkpoint" if weights is not None else "initial (no checkpoint)", xs, ys,
+                  attacker_x, float(both.min()), float(both.max()))
+
+
+def _share(rp: Replay, attack: str, s: AuditSettings) -> Share:
+    own = dict(rp.cfg.method.params) if rp.cfg.method.name in ("pardon", "ccst") else {}
+    style = StyleParams(**{k: v for k, v in own.items() if k in StyleParams.model_fields})
+    if s.style_path is not None:
+        style = StyleParams.model_validate({**style.model_dump(), "style_path": s.style_path})
+    if attack in ("sample-style", "client-style"):
+        codec = make_codec(style, rp.fed.model)  # the initial model: the feature path's frozen encoder
+        return style_share(codec, "sample" if attack == "sample-style" else "client", str(own.get("client_average", "styles")))
+    if attack == "fedfa-moments":
+        return moments_share(stage_encoder(rp.model))
+    return prototype_share(rp.model)
+
+
+def _releases(rp: Replay, attack: str) -> int:
+    """Releases of the statistic over the run (styles once, at setup; FedFA's and FPL's every round)."""
+    return 1 if attack in ("sample-style", "client-style") else rp.cfg.federation.rounds
+
+
+def vector_attack(rp: Replay, attack: str, attacker: str, s: AuditSettings, out: Path) -> list[dict[str, Any]]:
+    """One vector inversion (``attack`` by ``attacker``) over the noise sweep; its grid under ``out``."""
+    per_sample, release = _share(rp, attack, s)
+    own_x = rp.attacker_x if attacker == "third-party" else rp.x[0]
+    ids = list(range(len(rp.x))) if attacker == "third-party" else list(range(1, len(rp.x)))
+    victims = rp.victims([release(rp.x[c], rp.y[c]) for c in ids], ids, None if attacker == "third-party" else 0)
+    rows, recons = vector_inversion(rp.unit(own_x), per_sample(own_x), victims, noise_multipliers=s.noise_multipliers,
+                                    delta=s.delta, releases=_releases(rp, attack), steps=s.generator_steps, seed=s.seed,
+                                    fid=s.fid)
+    top = max(s.noise_multipliers)
+    grid = [("true (nearest)", nearest_true(recons[0.0] if 0.0 in recons else recons[top], victims)),
+            *[(f"z = {z:g}", recons[z]) for z in sorted(recons)]]
+    path = draw_grid(grid, f"{attack}, {attacker} attacker", out / f"{attack}-{attacker}.png")
+    return [{"attack": attack, "attacker": attacker, "grid": path.name, **r} for r in rows]
+
+
+def update_attack(rp: Replay, s: AuditSettings, out: Path) -> list[dict[str, Any]]:
+    """DLG/iDLG on one-step batch-1 updates of a tiny model, one image of each of ``dlg_victims`` clients."""
+    ids = list(range(min(s.dlg_victims, len(rp.x))))
+    shape = tuple(rp.x[0].shape[1:])
+    torch.manual_seed(s.seed)
+    net = TinyNet(shape[0], shape[1], shape[2], rp.fed.dataset.num_classes)
+    lr = rp.cfg.optim.lr
+    updates = [one_step_update(net, rp.x[c][:1], torch.as_tensor(rp.y[c][:1]), lr) for c in ids]
+    clip = float(np.median([update_norm(up) for up in updates]))
+    q = rp.cfg.federation.client_fraction
+    rows, grid = [], [("true", rp.unit(torch.cat([rp.x[c][:1] for c in ids])))]
+    for z in s.noise_multipliers:
+        found = [dlg(net, dp_update(up, z, clip, s.seed + c), lr, shape, iterations=s.dlg_iterations, seed=s.seed)
+                 for c, up in zip(ids, updates, strict=True)]
+        recon = rp.unit(torch.cat([x for x, _ in found]))
+        labels = np.mean([lab == int(rp.y[c][0]) for (_, lab), c in zip(found, ids, strict=True)])
+        victims = rp.victims([np.zeros((1, 1)) for _ in ids], ids)
+        eps = sampled_gaussian_epsilon(z, q, rp.cfg.federation.rounds, s.delta) if z > 0 else None
+        rows.append({"attack": "update-dlg", "attacker": "server", "noise_multiplier": z, "epsilon": eps, "delta": s.delta,
+                     "clip": clip, "label_acc": float(labels), **scores(recon, victims, fid=s.fid)})
+        grid.append((f"z = {z:g}", recon))
+    path = draw_grid(grid, "update-dlg (tiny sigmoid CNN, one SGD step, batch 1)", out / "update-dlg.png")
+    return [{**r, "grid": path.name} for r in rows]
+
+
+def gram_attack(rp: Replay, s: AuditSettings) -> list[dict[str, Any]]:
+    """Gram inversion of every client's ``G = AᵀA`` of the classifier's inputs (per-sample DP: rows clipped to
+    ``C``, symmetric ``N(0, (z·C²)²)``), averaged over clients."""
+    feats = []
+    with torch.no_grad():
+        for x in rp.x:
+            feats.append(rp.model.features(x).double())
+    clip = float(torch.cat(feats).norm(dim=1).median())
+    rows = []
+    for z in s.noise_multipliers:
+        per_client = []
+        for c, a in enumerate(feats):
+            if z == 0:
+                per_client.append(gram_audit(a.numpy(), seed=s.seed + c))
+                continue
+            ac = clip_rows(a, clip)
+            g = ac.T @ ac + symmetric_noise(ac.shape[1], z * clip * clip, torch.Generator().manual_seed(s.seed + c))
+            per_client.append(gram_audit(ac.numpy(), g.numpy(), seed=s.seed + c))
+        mean = {k: float(np.mean([r[k] for r in per_client])) for k in per_client[0]}
+        eps = gaussian_epsilon(z, 1, s.delta) if z > 0 else None
+        rows.append({"attack": "gram", "attacker": "station", "noise_multiplier": z, "epsilon": eps, "delta": s.delta,
+                     "clip": clip, **mean})
+    return rows
+
+
+def check_attacks(attacks: tuple[str, ...]) -> None:
+    """A one-line error naming any attack that does not exist."""
+    if unknown := sorted(set(attacks) - set(ATTACKS)):
+        raise ValueError(f"unknown attack(s) {unknown}; expected some of {list(ATTACKS)}")
+
+
+def audit_privacy(run_dir: str | Path, settings: AuditSettings | None = None, attacks: tuple[str, ...] | None = None,
+                  progress: Progress | None = None) -> Path:
+    """Run the audit and write ``RUN_DIR/audit/privacy.json`` (and the grids); ``attacks`` defaults to
+    :func:`attacks_for` the run; ``progress`` is called with each step's name before it runs."""
+    run_dir, s = Path(run_dir), settings or AuditSettings()
+    check_attacks(attacks or ())
+    step = progress or (lambda _: None)
+    step("rebuilding the run")
+    rp = replay(run_dir, s)
+    chosen = attacks or attacks_for(rp.cfg)
+    out = run_dir / AUDIT_DIR
+    out.mkdir(exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for attack in chosen:
+        if attack in VECTOR_ATTACKS:
+            for attacker in ATTACKERS:
+                step(f"{attack} ({attacker})")
+                rows += vector_attack(rp, attack, attacker, s, out)
+        elif attack == "update-dlg":
+            step("update-dlg")
+            rows += update_attack(rp, s, out)
+        else:
+            step("gram")
+            rows += gram_attack(rp, s)
+    record = {"run": run_dir.name, "method": rp.cfg.method.name, "weights": rp.weights, "fid_name": FID_NAME,
+              "clients": len(rp.x), "settings": asdict(s), "attacks": list(chosen), "rows": rows}
+    path = out / PRIVACY_JSON
+    path.write_text(json.dumps(record, indent=1))
+    return path

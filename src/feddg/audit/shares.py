@@ -1,0 +1,96 @@
+"""What each method shares, recomputed from a rebuilt federation: per-sample vectors of a batch of images
+(the attacker's training pairs) and a client's released rows (what the victim sends).
+
+* ``sample-style`` — CCST's single image styles: each image's ``[μ ‖ σ]`` of ``E(x)`` (the run's style path);
+* ``client-style`` — PARDON's client style: the mean over the client's FINCH clusters' styles (eq. 1–2);
+* ``fedfa-moments`` — FedFA's feature statistics: the client's channel ``[μ ‖ σ]`` at the end of conv stage 1
+  of the trained model (recomputed over the client's images, not the run's momentum averages);
+* ``fpl-prototypes`` — FPL's class prototypes: the mean ``features(x)`` of the trained model per class held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from feddg.algorithms.components.style import (
+    StyleCodec,
+    StyleParams,
+    channel_moments,
+    finch_labels,
+    make_codec,
+    pooled_style,
+    std_from_moments,
+    style_vectors,
+)
+from feddg.algorithms.pardon import client_style
+from feddg.models.base import FedModel
+
+VectorAttack = Literal["sample-style", "client-style", "fedfa-moments", "fpl-prototypes"]
+#: per-sample vectors of a batch, and a client's released rows from its images and labels
+Share = tuple[Callable[[Tensor], np.ndarray], Callable[[Tensor, np.ndarray], np.ndarray]]
+
+
+def _moments(codec: StyleCodec, x: Tensor) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return codec.moments(x)
+
+
+def style_share(codec: StyleCodec, level: Literal["sample", "client"], client_average: str = "styles") -> Share:
+    """Per-image styles; the released rows per image (``sample``) or PARDON's one client style (``client``)."""
+
+    def per_sample(x: Tensor) -> np.ndarray:
+        m, s = _moments(codec, x)
+        return style_vectors(m.numpy(), std_from_moments(m, s).numpy())
+
+    def release(x: Tensor, y: np.ndarray) -> np.ndarray:
+        if level == "sample":
+            return per_sample(x)
+        m, s = _moments(codec, x)
+        labels = finch_labels(style_vectors(m.numpy(), std_from_moments(m, s).numpy()), "coarsest")
+        mu, sigma = client_style(m, s, labels, "moments" if client_average == "moments" else "styles")
+        return style_vectors(mu.numpy(), sigma.numpy())[None]
+
+    return per_sample, release
+
+
+def moments_share(encoder: Callable[[Tensor], Tensor]) -> Share:
+    """FedFA: per-image channel ``[μ ‖ σ]`` of ``encoder(x)``; released: the client's pooled ones (one row)."""
+
+    def moments(x: Tensor) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            return channel_moments(encoder(x))
+
+    def per_sample(x: Tensor) -> np.ndarray:
+        m, s = moments(x)
+        return style_vectors(m.numpy(), std_from_moments(m, s).numpy())
+
+    def release(x: Tensor, y: np.ndarray) -> np.ndarray:
+        mu, sigma = pooled_style(*moments(x))
+        return style_vectors(mu.numpy(), sigma.numpy())[None]
+
+    return per_sample, release
+
+
+def prototype_share(model: FedModel) -> Share:
+    """FPL: per-image ``features(x)``; released: the client's class means (one row per class it holds)."""
+
+    def per_sample(x: Tensor) -> np.ndarray:
+        with torch.no_grad():
+            return model.features(x).double().numpy()
+
+    def release(x: Tensor, y: np.ndarray) -> np.ndarray:
+        f = per_sample(x)
+        return np.stack([f[y == c].mean(0) for c in np.unique(y)])
+
+    return per_sample, release
+
+
+def stage_encoder(model: nn.Module) -> Callable[[Tensor], Tensor]:
+    """The trained model up to the end of its first conv stage (FedFA's first FFA layer)."""
+    codec = make_codec(StyleParams(style_path="feature", style_stage=1), model)
+    return codec.encode

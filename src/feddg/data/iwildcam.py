@@ -1,0 +1,122 @@
+"""IWildCam (WILDS v2.0, Beery et al. 2021; Koh et al. 2021): camera-trap photos, 182 classes, a camera location
+per image.
+
+Layout: ``root/iwildcam_v2.0/metadata.csv`` (or ``root/metadata.csv``) and every image under ``train/`` beside it
+(WILDS' 448 px high JPEGs). The columns read are WILDS' ``split``, ``location_remapped``, ``y`` and ``filename``;
+``split`` holds WILDS' names or codes: train 0, val 1 (ood), test 2 (ood), id_val 3, id_test 4.
+
+Domains, as PARDON (Table III, after Bai et al.'s framework) uses them: each **training location** is a domain
+(``location_<n>``: 243 of them), so the λ partition (``partition.kind: lambda``, ``num_clients: 243``) forms the
+clients from locations; the ood splits are two pooled domains, ``val`` (32 locations) and ``test`` (48), so that
+``split: {protocol: ltdo, val_domain: val, target: test}`` reports WILDS' pooled figures of each as ``val_*`` and
+``ood_*``. The id splits (id_val, id_test) are left out: the id figures are each client's holdout. Every image's
+location is its natural group (``partition.kind: natural``: one client per training location). Class names are
+WILDS' ``y`` codes.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from feddg.data.natural import Samples, Source
+from feddg.data.transform_spec import TransformSpec
+
+NAME = "iwildcam"
+FOLDER = "iwildcam_v2.0"
+NUM_CLASSES = 182
+CLASSES = [str(y) for y in range(NUM_CLASSES)]
+SIZE = 448  # WILDS' resolution (its transform resizes to 448 × 448); the image cache holds one size per config
+COLUMNS = ("split", "location_remapped", "y", "filename")
+SPLITS = {"train": 0, "val": 1, "test": 2, "id_val": 3, "id_test": 4}
+POOLED = {1: "val", 2: "test"}  # the ood splits, each one domain
+LAYOUT = (f"root/{FOLDER}/metadata.csv (columns {', '.join(COLUMNS)}) and root/{FOLDER}/train/<filename> "
+          "(or those in root itself)")
+# ImageNet statistics and a flip, WILDS' training transform for IWildCam besides the resize.
+TRANSFORMS = TransformSpec(flip=0.5, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+def split_code(value: str) -> int:
+    """WILDS' split of a row, given by name (``val``) or code (``1``); ``ValueError`` for any other value."""
+    value = value.strip()
+    if value in SPLITS:
+        return SPLITS[value]
+    if value.isdigit() and int(value) in SPLITS.values():
+        return int(value)
+    raise ValueError(f"unknown split {value!r}; expected one of {', '.join(f'{n} ({c})' for n, c in SPLITS.items())}")
+
+
+def _integer(column: str, value: str, high: int | None = None) -> int:
+    """``value`` of ``column`` as an integer >= 0 (and < ``high``), else ``ValueError``."""
+    text = value.strip()
+    if not text.isdigit() or (high is not None and int(text) >= high):
+        bound = f" in 0..{high - 1}" if high is not None else " >= 0"
+        raise ValueError(f"{column} {value!r} is not an integer{bound}")
+    return int(text)
+
+
+def read_rows(table: Path) -> list[dict[str, str]]:
+    """The rows of ``metadata.csv``; one line naming it when unreadable or missing a column."""
+    try:
+        with table.open(newline="") as f:
+            reader = csv.DictReader(f)
+            rows, header = list(reader), reader.fieldnames or []
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"{table}: not a readable CSV ({' '.join(str(err).split())})") from None
+    if missing := [c for c in COLUMNS if c not in header]:
+        raise ValueError(f"{table}: no column {', '.join(missing)}; expected WILDS' header with {', '.join(COLUMNS)}")
+    if not rows:
+        raise ValueError(f"{table}: no rows")
+    return rows
+
+
+def read_iwildcam(root: Path | None, seed: int, cache_dir: Path) -> Samples:
+    """IWildCam's train, val and test splits from ``metadata.csv`` (``seed`` and ``cache_dir`` are unused: the
+    images are decoded later, once, into the image cache)."""
+    assert root is not None
+    folder = root / FOLDER if (root / FOLDER).is_dir() else root
+    table = folder / "metadata.csv"
+    if not table.is_file():
+        raise ValueError(f"{root}: no {FOLDER}/metadata.csv; expected {LAYOUT}")
+    files, labels, splits, locations = [], [], [], []
+    for line, row in enumerate(read_rows(table), start=2):
+        try:
+            split = split_code(row["split"] or "")
+            location = _integer("location_remapped", row["location_remapped"] or "")
+            label = _integer("y", row["y"] or "", NUM_CLASSES)
+            file = folder / "train" / (row["filename"] or "").strip()
+            if not file.is_file():
+                raise ValueError(f"no image {file}")
+        except ValueError as err:
+            raise ValueError(f"{table}: line {line}: {err}") from None
+        if split in (SPLITS["id_val"], SPLITS["id_test"]):
+            continue
+        files.append(file)
+        labels.append(label)
+        splits.append(split)
+        locations.append(location)
+    if SPLITS["train"] not in splits:
+        raise ValueError(f"{table}: no row of the train split")
+    return _samples(folder, files, np.array(labels, dtype=np.int64), np.array(splits), np.array(locations))
+
+
+def _samples(folder: Path, files: list[Path], labels: np.ndarray, splits: np.ndarray,
+             locations: np.ndarray) -> Samples:
+    """Domains ``test``, ``val`` (those present), then each training location; every location a natural group."""
+    train = splits == SPLITS["train"]
+    pooled = [(code, name) for code, name in sorted(POOLED.items(), key=lambda kv: kv[1] != "test")
+              if np.any(splits == code)]
+    train_locations = np.unique(locations[train])
+    domains = [name for _, name in pooled] + [f"location_{n}" for n in train_locations]
+    domain_ids = np.empty(len(labels), dtype=np.int64)
+    for d, (code, _) in enumerate(pooled):
+        domain_ids[splits == code] = d
+    domain_ids[train] = len(pooled) + np.searchsorted(train_locations, locations[train])
+    names, groups = np.unique(locations, return_inverse=True)
+    return Samples(domains, CLASSES, labels, domain_ids, SIZE, 3, groups.astype(np.int64),
+                   [f"location_{n}" for n in names], files=files, root=folder)
+
+
+SOURCE = Source(read_iwildcam, [], CLASSES, SIZE, TRANSFORMS, layout=LAYOUT)

@@ -1,0 +1,40 @@
+"""The privacy audit's section of a run's page (``RUN_DIR/audit/privacy.json`` and its grids, written by
+``feddg audit privacy``): one table row per attack, attacker and noise multiplier, and the grids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from feddg.audit.metrics import FID_NAME
+from feddg.audit.privacy import AUDIT_DIR, PRIVACY_JSON
+from feddg.reports.page import file_uri
+
+COLUMNS = ("attack", "attacker", "z", "ε", "PSNR", "SSIM", FID_NAME, "re-id (chance)")
+
+
+def _num(value: Any, fmt: str = ".3g") -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def audit_section(run_dir: Path) -> dict[str, Any] | None:
+    """The table and grids of the run's audit, or ``None`` when it has none."""
+    path = run_dir / AUDIT_DIR / PRIVACY_JSON
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    rows = []
+    for r in record["rows"]:
+        if r["attack"] == "gram":
+            quality = (f"Procrustes err {_num(r['procrustes_rel_err'])}", "—", "—",
+                       f"row |cos| {_num(r['row_cosine'], '.2f')} (top eigenvector {_num(r['row_cosine_top'], '.2f')}, "
+                       f"random {_num(r['row_cosine_random'], '.2f')})")
+        else:
+            quality = (_num(r["psnr"], ".1f"), _num(r["ssim"], ".2f"), _num(r[FID_NAME], ".1f"),
+                       f"{r['reid']:.2f} ({r['reid_chance']:.2f})")
+        rows.append((r["attack"], r["attacker"], _num(r["noise_multiplier"], "g"), _num(r["epsilon"], ".3g"), *quality))
+    grids = sorted({r["grid"] for r in record["rows"] if "grid" in r})
+    caption = "top row: the true image nearest to each reconstruction at the smallest z; below: the reconstructions at each z"
+    return {"columns": COLUMNS, "rows": rows, "weights": record["weights"],
+            "grids": [{"title": g, "uri": file_uri(run_dir / AUDIT_DIR / g), "caption": caption} for g in grids]}

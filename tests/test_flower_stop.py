@@ -1,0 +1,96 @@
+"""Issue 27: a deployed run stopped from outside (`flwr stop`, through the Control API) is marked ``stopped`` in its
+run directory, holds no results.json, and ``feddg flower run`` exits 1 with one line (docs/flower.md, "Failures are
+reported as failures"). One loopback deployment (tests/support/flower_local.py), two SuperNodes, bounded in time."""
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from support.flower_local import APP_DIR, CONNECTION, LocalDeployment
+
+from feddg.config import build_config, dump_config
+from feddg.engines.flower.app import mark
+from feddg.engines.flower.launch import insecure_warning, settled_outcome
+
+BIN = Path(sys.executable).parent
+
+
+def wait_until(what: str, ready, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout:g} s")
+        time.sleep(0.5)
+
+
+def test_the_launcher_waits_for_a_running_mark_to_settle(tmp_path):
+    """`flwr run --stream` returns on `flwr stop` before the ServerApp has marked its run directory."""
+    mark(tmp_path, "running")
+    threading.Timer(0.3, mark, (tmp_path, "stopped", "stopped from outside (KeyboardInterrupt)")).start()
+    assert settled_outcome(tmp_path, wait_s=20).endswith("run stopped: stopped from outside (KeyboardInterrupt)")
+    mark(tmp_path, "running")  # a ServerApp killed without a word: reported once the wait is over
+    t0 = time.monotonic()
+    assert "without a mark" in settled_outcome(tmp_path, wait_s=0.5)
+    assert time.monotonic() - t0 >= 0.5
+
+
+def test_an_insecure_connection_is_warned_about(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    assert insecure_warning("local") is None  # no config.toml
+    (tmp_path / "config.toml").write_text('[superlink.local]\naddress = "127.0.0.1:9093"\ninsecure = true\n'
+                                          '[superlink.tls]\naddress = "h:9093"\nroot-certificates = "ca.pem"\n')
+    assert insecure_warning("local").startswith("feddg: warning: connection 'local' is insecure (no TLS)")
+    assert insecure_warning("tls") is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalDeployment reads /proc")
+def test_a_run_stopped_with_flwr_stop_is_marked_stopped_and_the_launcher_fails(tmp_path, cache_dir):
+    if not all((BIN / b).exists() for b in ("flower-superlink", "flower-supernode", "flwr", "feddg")):
+        pytest.skip("Flower's binaries (or feddg's) are not installed beside this Python")
+    cfg = build_config(
+        {"name": "stopped", "seed": 1, "device": "cpu",
+         "data": {"dataset": "digits-dg", "max_per_domain": 20, "cache_dir": str(cache_dir)},
+         "split": {"target": "synth"}, "partition": {"kind": "iid", "num_clients": 2},
+         "model": {"name": "cnn"}, "federation": {"rounds": 500, "batch_size": 32}})  # far more than it will run
+    config = tmp_path / "stopped.yaml"
+    config.write_text(dump_config(cfg))
+    dep = LocalDeployment(tmp_path / "deployment", 2, env={"OMP_NUM_THREADS": "1"})
+    try:
+        dep.start(timeout=60)
+    except (OSError, TimeoutError) as err:
+        dep.stop()
+        pytest.skip(f"no loopback deployment here: {err}")
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [str(BIN / "feddg"), "flower", "run", str(config), "--run-dir", str(run_dir), "--connection", CONNECTION,
+         "--app-dir", str(APP_DIR)], cwd=dep.workdir, env=dep.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout or []), daemon=True)
+    reader.start()
+    try:
+        status = run_dir / "status.json"
+        wait_until("the ServerApp did not start", lambda: status.is_file(), 120)
+        run_id = next(m[1] for line in lines if (m := re.search(r"Successfully started run (\d+)", line)))
+        subprocess.run([str(BIN / "flwr"), "stop", run_id, CONNECTION], cwd=dep.workdir, env=dep.env,
+                       capture_output=True, text=True, timeout=60, check=True)
+        launcher.wait(timeout=90)
+        reader.join(10)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        left = dep.stop()
+    output = "".join(lines)
+    assert launcher.returncode == 1, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"error: {run_dir}: run stopped: stopped from outside"), output[-3000:]
+    assert yaml.safe_load((run_dir / "status.json").read_text())["status"] == "stopped"
+    assert not (run_dir / "results.json").exists()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) < cfg.federation.rounds
+    assert left == set(), f"processes outlived the deployment: {left}"
