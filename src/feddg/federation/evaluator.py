@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from feddg.devices import autocast, to_device
-from feddg.evaluation.tally import domain_metrics, tally_by_domain
+from feddg.evaluation.tally import batch_outputs, domain_metrics, tally_by_domain
 from feddg.federation.setup import Federation
 from feddg.messages import load_weights
 from feddg.tasks import metric_key
@@ -53,13 +52,10 @@ class Evaluator:
         holdouts, in eval mode: what ``federation.rollback_loss_factor`` compares."""
         fed, cfg = self.fed, self.fed.cfg
         self._load(state, None)
-        fed.model.eval()
         total, count = 0.0, 0
-        for start in range(0, len(self.holdouts), cfg.eval.batch_size):
-            chunk = self.holdouts[start : start + cfg.eval.batch_size]
-            x, y = fed.dataset.get_batch(chunk, train=False)
-            with autocast(fed.device, cfg.optim.amp):
-                output = fed.method.predict(fed.model, to_device(x, fed.device, cfg.model.channels_last))
+        for output, y, chunk in batch_outputs(fed.model, fed.dataset, self.holdouts, batch_size=cfg.eval.batch_size,
+                                              device=fed.device, predict=fed.method.predict, amp=cfg.optim.amp,
+                                              channels_last=cfg.model.channels_last):
             total += float(self.task.loss(output.float(), y.to(output.device))) * len(chunk)
             count += len(chunk)
         return total / count
