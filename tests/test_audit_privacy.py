@@ -2,12 +2,14 @@
 generator's inversion in a planted case and on pure noise, DLG, the Gram's rotation ambiguity, DP
 degrading each attack as ε falls, and ``feddg audit privacy`` on a tiny run."""
 
+import csv
 import json
 import math
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from scipy import linalg
 from typer.testing import CliRunner
 
@@ -25,9 +27,9 @@ from feddg.audit.metrics import (
     ssim,
     to_unit,
 )
-from feddg.audit.privacy import AuditSettings, attacks_for
+from feddg.audit.privacy import attacks_for
 from feddg.cli import app
-from feddg.config import build_config
+from feddg.config import AuditConfig, ConfigError, build_config
 from feddg.experiment import run_experiment
 from feddg.reports.run import report
 
@@ -204,4 +206,57 @@ def test_cli_writes_privacy_json_and_grids_on_a_tiny_run(tmp_path, cache_dir, mo
     bad = CliRunner().invoke(app, ["audit", "privacy", str(tmp_path / "r"), "--attack", "nope"])
     assert bad.exit_code == 2 and "unknown attack" in bad.output
     with pytest.raises(ValueError, match="noise multipliers must be >= 0"):
-        AuditSettings(noise_multipliers=(-1.0,))
+        AuditConfig(noise_multipliers=[-1.0])
+
+
+AUDIT = {"attacks": ["sample-style"], "per_client": 4, "noise_multipliers": [0.0, 1.0], "generator_steps": 20,
+         "fid": False}
+
+
+def test_a_sweep_with_an_audit_section_audits_each_cell_and_tables_the_seeds(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    config = tmp_path / "sweep.yaml"
+    sweep = {"targets": ["uci"], "seeds": [0, 1], "variants": {"CCST": {}}}
+    config.write_text(yaml.safe_dump({**TINY, "audit": AUDIT, "sweep": sweep}))
+    res = CliRunner().invoke(app, ["sweep", str(config), "--out-dir", str(tmp_path / "s"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    cells = [tmp_path / "s" / "CCST" / "uci" / f"seed{k}" for k in (0, 1)]
+    records = [json.loads((c / "audit" / "privacy.json").read_text()) for c in cells]
+    with (tmp_path / "s" / "audit.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [(r["attacker"], float(r["z"]), int(r["seeds"])) for r in table] == [
+        ("third-party", 0.0, 2), ("third-party", 1.0, 2), ("inter-client", 0.0, 2), ("inter-client", 1.0, 2)]
+    for i, row in enumerate(table):  # mean and sample std of the two cells' rows
+        psnr = [rec["rows"][i]["psnr"] for rec in records]
+        assert float(row["psnr_mean"]) == pytest.approx(np.mean(psnr))
+        assert float(row["psnr_std"]) == pytest.approx(np.std(psnr, ddof=1))
+        assert row[f"{FID_NAME}_mean"] == ""  # fid: false
+    assert "sample-style" in (tmp_path / "s" / "audit.md").read_text()
+    stamps = [(c / "results.json").stat().st_mtime_ns for c in cells]
+    audits = [(c / "audit" / "privacy.json").stat().st_mtime_ns for c in cells]
+    again = CliRunner().invoke(app, ["sweep", str(config), "--out-dir", str(tmp_path / "s"), "--quiet"])
+    assert again.exit_code == 0, again.output
+    assert [(c / "audit" / "privacy.json").stat().st_mtime_ns for c in cells] == audits  # current: reused
+    more = CliRunner().invoke(app, ["sweep", str(config), "--out-dir", str(tmp_path / "s"), "--quiet",
+                                    "-o", "audit.noise_multipliers=[0.0, 0.1]"])
+    assert more.exit_code == 0, more.output
+    assert [(c / "results.json").stat().st_mtime_ns for c in cells] == stamps  # audit settings never retrain
+    assert [json.loads((c / "audit" / "privacy.json").read_text())["settings"]["noise_multipliers"]
+            for c in cells] == [[0.0, 0.1]] * 2
+
+
+def test_the_runs_audit_section_is_the_commands_default_and_its_options_override_it(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "audit": {**AUDIT, "seed": 3}}))
+    ran = CliRunner().invoke(app, ["run", str(config), "--run-dir", str(tmp_path / "r"), "--quiet"])
+    assert ran.exit_code == 0 and "privacy audit: wrote" in ran.output, ran.output  # feddg run audits after training
+    first = json.loads((tmp_path / "r" / "audit" / "privacy.json").read_text())
+    assert first["settings"] == AuditConfig(**{**AUDIT, "seed": 3}).model_dump(mode="json")
+    res = CliRunner().invoke(app, ["audit", "privacy", str(tmp_path / "r"), "--noise", "0.5"])
+    assert res.exit_code == 0, res.output
+    record = json.loads((tmp_path / "r" / "audit" / "privacy.json").read_text())
+    assert record["settings"] == AuditConfig(**{**AUDIT, "seed": 3, "noise_multipliers": [0.5]}).model_dump(mode="json")
+    assert [r["noise_multiplier"] for r in record["rows"]] == [0.5, 0.5]
+    with pytest.raises(ConfigError, match="audit.attacks"):
+        build_config({**TINY, "audit": {**AUDIT, "attacks": ["nope"]}})

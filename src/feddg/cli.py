@@ -17,7 +17,7 @@ from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
-from feddg.config import ConfigError, load_config, one_line, parse_overrides, read_yaml
+from feddg.config import AuditConfig, ConfigError, load_config, one_line, parse_overrides, read_yaml
 
 
 def _keep_argument_help() -> None:
@@ -165,6 +165,7 @@ def run(
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
     """Train one experiment and print its per-domain figures."""
+    from feddg.audit.privacy import run_settings
     from feddg.experiment import resume_experiment, run_experiment
     from feddg.reports.run import method_figures
 
@@ -197,6 +198,7 @@ def run(
             _pin_kernels(cfg.reproducibility)
             results = run_experiment(cfg, run_dir, overwrite=overwrite, progress=not quiet)
         method_figures(results["run_dir"])
+        audit = run_settings(Path(results["run_dir"])) if resume is not None else cfg.audit
     out.print(results_table(results))
     out.print(communication_table(results))
     for what, rec in (("shared statistics", results.get("privacy")),
@@ -204,6 +206,9 @@ def run(
                       ("weights (DP-FedAvg)", results.get("weights_privacy"))):
         if rec and rec.get("epsilon") is not None:  # the weights' epsilon is null with noise_multiplier 0
             out.print(privacy_line(what, rec), soft_wrap=True, highlight=False)
+    if audit is not None:  # the config's audit: section
+        with _user_errors():
+            out.print(f"privacy audit: wrote {_audit_with_bar(Path(results['run_dir']), audit, quiet)}")
     out.print(f"run directory: {results['run_dir']}")
 
 
@@ -216,12 +221,18 @@ def sweep(
     jobs: Annotated[int, typer.Option(help="runs at once, one torch thread each")] = 1,
 ) -> None:
     """Run variants × target domains × seeds and write a mean ± std table with 95 % CIs (Markdown and CSV)."""
+    from feddg.audit.sweep import audit_cells, markdown, summarise, write_tables
     from feddg.sweep import load_sweep, run_sweep
 
     with _user_errors():
         _pin_kernels(load_sweep(config, overrides)[1]["reproducibility"])
         res = run_sweep(config, overrides, out_dir, progress=not quiet, jobs=jobs)
+        audits = [cfg.audit for cfg in res["configs"]]
+        summary = summarise(audit_cells(res["rows"], audits, lambda d, s: _audit_with_bar(d, s, quiet)))
     out.print(res["markdown"])
+    if summary:
+        write_tables(Path(res["out_dir"]), summary, res["configs"][0].name)
+        out.print(markdown(summary))
     out.print(f"tables and runs in: {res['out_dir']}")
 
 
@@ -639,41 +650,58 @@ audit_app = typer.Typer(no_args_is_help=True, help="Audits of a finished run (do
 app.add_typer(audit_app, name="audit")
 
 
+def _audit_with_bar(run_dir: Path, settings: AuditConfig, quiet: bool = False) -> Path:
+    """The privacy audit of one run (``settings``), one progress step per attack and attacker."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from feddg.audit.privacy import attacks_for
+    from feddg.audit.privacy import audit_privacy as run_audit
+    from feddg.config import build_config
+
+    todo = settings.attacks or attacks_for(build_config(read_yaml(run_dir / "config.yaml")))
+    total = 1 + sum(2 if a not in ("gram", "update-dlg") else 1 for a in todo)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=out,
+                  disable=quiet) as bar:
+        task = bar.add_task(f"audit {run_dir.name}", total=total)
+
+        def step(name: str) -> None:
+            bar.update(task, advance=0 if name == "rebuilding the run" else 1, description=name)
+
+        path = run_audit(run_dir, settings, step)
+        bar.update(task, completed=total)
+    return path
+
+
 @audit_app.command("privacy")
 def audit_privacy(
     run_dir: Annotated[Path, typer.Argument(help="a run directory (config.yaml; checkpoint.pt for the trained model)")],
-    attack: Annotated[list[str] | None, typer.Option(help="an attack (repeat; default: those on what the run's method "
-                                                      "shares, and update-dlg); 'all' for every one")] = None,
+    attack: Annotated[list[str] | None, typer.Option(help="an attack (repeat; default: the run's audit.attacks, else "
+                                                      "those on what its method shares, and update-dlg); 'all' for "
+                                                      "every one")] = None,
     noise: Annotated[list[float] | None, typer.Option(help="a DP noise multiplier z (repeat; 0: no DP)")] = None,
-    per_client: Annotated[int, typer.Option(help="victim images per client")] = 32,
-    steps: Annotated[int, typer.Option(help="generator training steps")] = 300,
-    seed: Annotated[int, typer.Option(help="the audit's seed (images, generator, noise)")] = 0,
-    fid: Annotated[bool, typer.Option(help="compute FID (EfficientNet-Lite0 features)")] = True,
+    per_client: Annotated[int | None, typer.Option(
+        help="victim images per client (default: the run's audit.per_client, else 32)")] = None,
+    steps: Annotated[int | None, typer.Option(
+        help="generator training steps (default: the run's audit.generator_steps, else 300)")] = None,
+    seed: Annotated[int | None, typer.Option(
+        help="the audit's seed: images, generator, noise (default: the run's audit.seed, else 0)")] = None,
+    fid: Annotated[bool | None, typer.Option("--fid/--no-fid", help="compute FID (EfficientNet-Lite0 features) "
+                                             "(default: the run's audit.fid, else yes)")] = None,
     style_path: Annotated[str | None, typer.Option(help="the style attacks' path (pixel | feature | adain-vgg); "
                                                    "default: the run's")] = None,
 ) -> None:
-    """Reconstruct client data from what the run's clients share, at each DP noise level: RUN_DIR/audit/privacy.json."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from feddg.audit.privacy import ATTACKS, AuditSettings, attacks_for, check_attacks
-    from feddg.audit.privacy import audit_privacy as run_audit
-    from feddg.config import build_config
+    """Reconstruct client data from what the run's clients share, at each DP noise level: RUN_DIR/audit/privacy.json.
+    Defaults: the run's audit: section (docs/privacy.md); the options override it."""
+    from feddg.audit.privacy import ATTACKS, check_attacks, run_settings
 
     with _user_errors():
         if not (run_dir / "config.yaml").is_file():
             _fail(f"no config.yaml in {run_dir}: not a run directory")
-        chosen = ATTACKS if attack == ["all"] else tuple(attack) if attack else None
-        check_attacks(chosen or ())
-        settings = AuditSettings(per_client=per_client, generator_steps=steps, seed=seed, fid=fid, style_path=style_path,
-                                 noise_multipliers=tuple(noise) if noise else AuditSettings.noise_multipliers)
-        todo = chosen or attacks_for(build_config(read_yaml(run_dir / "config.yaml")))
-        total = 1 + sum(2 if a not in ("gram", "update-dlg") else 1 for a in todo)
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=out) as bar:
-            task = bar.add_task("audit", total=total)
-
-            def step(name: str) -> None:
-                bar.update(task, advance=0 if bar.tasks[0].description == "audit" else 1, description=name)
-
-            path = run_audit(run_dir, settings, chosen, step)
-            bar.update(task, completed=total)
+        chosen = list(ATTACKS) if attack == ["all"] else attack
+        check_attacks(tuple(chosen or ()))
+        given = {"attacks": chosen, "noise_multipliers": noise, "per_client": per_client, "generator_steps": steps,
+                 "seed": seed, "fid": fid, "style_path": style_path}
+        base = run_settings(run_dir)
+        settings = AuditConfig.model_validate({**base.model_dump(), **{k: v for k, v in given.items() if v is not None}})
+        path = _audit_with_bar(run_dir, settings)
     out.print(f"wrote {path}")

@@ -297,6 +297,38 @@ class WeightDPConfig(Strict):
     adaptive: AdaptiveClipConfig | None = Field(None, description="adaptive clipping; absent: the clip is fixed")
 
 
+PrivacyAttack = Literal["sample-style", "client-style", "fedfa-moments", "fpl-prototypes", "gram", "update-dlg"]
+
+
+class AuditConfig(Strict):
+    """``audit:``: the privacy audit of a finished run (docs/privacy.md, "Auditing what leaves a client").
+    ``feddg audit privacy`` reads it as its defaults; with it, ``feddg run`` and ``feddg sweep`` audit each run
+    after training (a sweep also writes audit.md / audit.csv over its cells). Not part of the run's config hash:
+    changing it re-audits, never retrains."""
+
+    attacks: list[PrivacyAttack] | None = Field(None, description="null: those on what the run's method shares, "
+                                                "and update-dlg")
+    per_client: int = Field(32, ge=1, description="victim images per client")
+    attacker_size: int = Field(256, ge=1, description="the third-party attacker's public images")
+    noise_multipliers: list[float] = Field([0.0, 0.01, 0.1, 1.0], min_length=1, description="DP noise "
+                                           "multipliers z each attack is re-run at (0: no DP)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="δ of each ε")
+    generator_steps: int = Field(300, ge=1, description="the inversion generator's training steps")
+    dlg_victims: int = Field(4, ge=1, description="clients whose one-step update DLG inverts")
+    dlg_iterations: int = Field(20, ge=1, description="L-BFGS iterations of DLG")
+    fid: bool = Field(True, description="FID (EfficientNet-Lite0 features)")
+    seed: int = Field(0, description="the audit's seed (images, generator, noise)")
+    style_path: Literal["pixel", "feature", "adain-vgg"] | None = Field(
+        None, description="the style attacks' path; null: the run's (pixel unless its method says)")
+
+    @field_validator("noise_multipliers")
+    @classmethod
+    def _non_negative(cls, zs: list[float]) -> list[float]:
+        if any(z < 0 for z in zs):
+            raise ValueError(f"noise multipliers must be >= 0 (0: no DP); got {zs}")
+        return zs
+
+
 class ExtraEvalConfig(Strict):
     """A further dataset with the training data's classes, evaluated like the held-out domain."""
 
@@ -360,6 +392,7 @@ class ExperimentConfig(Strict):
     federation: FederationConfig = FederationConfig()
     hierarchy: HierarchyConfig | None = None
     dp_weights: WeightDPConfig | None = None
+    audit: AuditConfig | None = None
     eval: EvalConfig = EvalConfig()
     flower: FlowerConfig = FlowerConfig()
     logging: LoggingConfig = LoggingConfig()

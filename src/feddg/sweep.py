@@ -140,7 +140,7 @@ def _override(key: str, value: Any) -> str:
 def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str | Path | None = None,
               progress: bool = True, jobs: int = 1) -> dict[str, Any]:
     """Run every (variant, target, seed) cell and write table.md, table_<metric>.csv, runs.jsonl and sweep.json
-    (the sweep section as run)."""
+    (the sweep section as run); returns the rows, the markdown and each cell's config."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     spec, raw = load_sweep(path, overrides)
@@ -192,7 +192,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
         (out / f"table_{m}.csv").write_text(csv_table(table_rows, m, spec.baseline, task.bounds))
     for rule in spec.selection:
         write_rule_tables(out, rule, rows, table_rows, spec, task, results[0]["source"] if federated else None)
-    return {"out_dir": str(out), "rows": rows, "markdown": md}
+    return {"out_dir": str(out), "rows": rows, "markdown": md, "configs": [cfg for _, cfg, _ in cells]}
 
 
 def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_rows: list[dict[str, Any]],

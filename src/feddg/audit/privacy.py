@@ -13,9 +13,9 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from feddg.audit.grids import draw_grid
 from feddg.audit.inversion import Victims, nearest_true, scores, vector_inversion
 from feddg.audit.metrics import FID_NAME, to_unit
 from feddg.audit.shares import Share, moments_share, prototype_share, stage_encoder, style_share
-from feddg.config import ExperimentConfig, build_config, read_yaml
+from feddg.config import AuditConfig, ExperimentConfig, PrivacyAttack, build_config, read_yaml
 from feddg.devices import images
 from feddg.federation.client_store import open_checkpoint
 from feddg.federation.setup import Federation, build_federation
@@ -38,32 +38,10 @@ from feddg.models.base import FedModel
 
 AUDIT_DIR, PRIVACY_JSON = "audit", "privacy.json"
 VECTOR_ATTACKS = ("sample-style", "client-style", "fedfa-moments", "fpl-prototypes")
-ATTACKS = (*VECTOR_ATTACKS, "gram", "update-dlg")
+ATTACKS: tuple[str, ...] = get_args(PrivacyAttack)
 METHOD_ATTACKS = {"ccst": "sample-style", "pardon": "client-style", "fedfa": "fedfa-moments", "fpl": "fpl-prototypes"}
 ATTACKERS = ("third-party", "inter-client")
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class AuditSettings:
-    """How much of the run the audit replays, and the DP sweep."""
-
-    per_client: int = 32
-    attacker_size: int = 256
-    noise_multipliers: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0)
-    delta: float = 1e-5
-    generator_steps: int = 300
-    dlg_victims: int = 4
-    dlg_iterations: int = 20
-    fid: bool = True
-    seed: int = 0
-    style_path: str | None = None  # the style attacks' path; None: the run's (pixel unless the run's method says)
-
-    def __post_init__(self) -> None:
-        if any(z < 0 for z in self.noise_multipliers) or not self.noise_multipliers:
-            raise ValueError(f"noise multipliers must be >= 0 (0: no DP); got {self.noise_multipliers}")
-        if min(self.per_client, self.attacker_size, self.generator_steps, self.dlg_victims) < 1:
-            raise ValueError("per_client, attacker_size, generator_steps and dlg_victims must be >= 1")
 
 
 def attacks_for(cfg: ExperimentConfig) -> tuple[str, ...]:
@@ -99,7 +77,7 @@ class Replay:
         return Victims(np.concatenate(vectors).astype(np.float32), row_owner, pool, owners)
 
 
-def replay(run_dir: Path, settings: AuditSettings) -> Replay:
+def replay(run_dir: Path, settings: AuditConfig) -> Replay:
     """The run's federation from config.yaml, the final global weights from its checkpoint (else the initial
     ones), ``per_client`` training images of every client and the third-party attacker's public images."""
     cfg = build_config(read_yaml(run_dir / "config.yaml"))
@@ -126,7 +104,7 @@ def replay(run_dir: Path, settings: AuditSettings) -> Replay:
                   attacker_x, float(both.min()), float(both.max()))
 
 
-def _share(rp: Replay, attack: str, s: AuditSettings) -> Share:
+def _share(rp: Replay, attack: str, s: AuditConfig) -> Share:
     own = dict(rp.cfg.method.params) if rp.cfg.method.name in ("pardon", "ccst") else {}
     style = StyleParams(**{k: v for k, v in own.items() if k in StyleParams.model_fields})
     if s.style_path is not None:
@@ -144,13 +122,13 @@ def _releases(rp: Replay, attack: str) -> int:
     return 1 if attack in ("sample-style", "client-style") else rp.cfg.federation.rounds
 
 
-def vector_attack(rp: Replay, attack: str, attacker: str, s: AuditSettings, out: Path) -> list[dict[str, Any]]:
+def vector_attack(rp: Replay, attack: str, attacker: str, s: AuditConfig, out: Path) -> list[dict[str, Any]]:
     """One vector inversion (``attack`` by ``attacker``) over the noise sweep; its grid under ``out``."""
     per_sample, release = _share(rp, attack, s)
     own_x = rp.attacker_x if attacker == "third-party" else rp.x[0]
     ids = list(range(len(rp.x))) if attacker == "third-party" else list(range(1, len(rp.x)))
     victims = rp.victims([release(rp.x[c], rp.y[c]) for c in ids], ids, None if attacker == "third-party" else 0)
-    rows, recons = vector_inversion(rp.unit(own_x), per_sample(own_x), victims, noise_multipliers=s.noise_multipliers,
+    rows, recons = vector_inversion(rp.unit(own_x), per_sample(own_x), victims, noise_multipliers=tuple(s.noise_multipliers),
                                     delta=s.delta, releases=_releases(rp, attack), steps=s.generator_steps, seed=s.seed,
                                     fid=s.fid)
     top = max(s.noise_multipliers)
@@ -160,7 +138,7 @@ def vector_attack(rp: Replay, attack: str, attacker: str, s: AuditSettings, out:
     return [{"attack": attack, "attacker": attacker, "grid": path.name, **r} for r in rows]
 
 
-def update_attack(rp: Replay, s: AuditSettings, out: Path) -> list[dict[str, Any]]:
+def update_attack(rp: Replay, s: AuditConfig, out: Path) -> list[dict[str, Any]]:
     """DLG/iDLG on one-step batch-1 updates of a tiny model, one image of each of ``dlg_victims`` clients."""
     ids = list(range(min(s.dlg_victims, len(rp.x))))
     shape = tuple(rp.x[0].shape[1:])
@@ -185,7 +163,7 @@ def update_attack(rp: Replay, s: AuditSettings, out: Path) -> list[dict[str, Any
     return [{**r, "grid": path.name} for r in rows]
 
 
-def gram_attack(rp: Replay, s: AuditSettings) -> list[dict[str, Any]]:
+def gram_attack(rp: Replay, s: AuditConfig) -> list[dict[str, Any]]:
     """Gram inversion of every client's ``G = AᵀA`` of the classifier's inputs (per-sample DP: rows clipped to
     ``C``, symmetric ``N(0, (z·C²)²)``), averaged over clients."""
     feats = []
@@ -216,16 +194,21 @@ def check_attacks(attacks: tuple[str, ...]) -> None:
         raise ValueError(f"unknown attack(s) {unknown}; expected some of {list(ATTACKS)}")
 
 
-def audit_privacy(run_dir: str | Path, settings: AuditSettings | None = None, attacks: tuple[str, ...] | None = None,
-                  progress: Progress | None = None) -> Path:
-    """Run the audit and write ``RUN_DIR/audit/privacy.json`` (and the grids); ``attacks`` defaults to
-    :func:`attacks_for` the run; ``progress`` is called with each step's name before it runs."""
-    run_dir, s = Path(run_dir), settings or AuditSettings()
-    check_attacks(attacks or ())
+def run_settings(run_dir: Path) -> AuditConfig:
+    """The run's ``audit:`` section, or the defaults."""
+    return build_config(read_yaml(run_dir / "config.yaml")).audit or AuditConfig()
+
+
+def audit_privacy(run_dir: str | Path, settings: AuditConfig | None = None, progress: Progress | None = None) -> Path:
+    """Run the audit and write ``RUN_DIR/audit/privacy.json`` (and the grids); ``settings`` defaults to the run's
+    ``audit:`` section, its attacks to :func:`attacks_for` the run; ``progress`` is called with each step's name
+    before it runs."""
+    run_dir = Path(run_dir)
+    s = settings or run_settings(run_dir)
     step = progress or (lambda _: None)
     step("rebuilding the run")
     rp = replay(run_dir, s)
-    chosen = attacks or attacks_for(rp.cfg)
+    chosen = tuple(s.attacks) if s.attacks else attacks_for(rp.cfg)
     out = run_dir / AUDIT_DIR
     out.mkdir(exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -241,7 +224,7 @@ def audit_privacy(run_dir: str | Path, settings: AuditSettings | None = None, at
             step("gram")
             rows += gram_attack(rp, s)
     record = {"run": run_dir.name, "method": rp.cfg.method.name, "weights": rp.weights, "fid_name": FID_NAME,
-              "clients": len(rp.x), "settings": asdict(s), "attacks": list(chosen), "rows": rows}
+              "clients": len(rp.x), "settings": s.model_dump(mode="json"), "attacks": list(chosen), "rows": rows}
     path = out / PRIVACY_JSON
     path.write_text(json.dumps(record, indent=1))
     return path

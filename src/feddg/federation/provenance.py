@@ -43,6 +43,7 @@ HASH_EXCLUDES = (
     "federation.client_state_budget_mb",  # where client state is kept (RAM or disk), not what it is: same bits
     "flower",  # Ray resources and timeouts of the Flower engine
     "logging",  # copies of the metrics for TensorBoard / MLflow
+    "audit",  # the privacy audit after training: post-processing of the run, not the run
 )
 
 
