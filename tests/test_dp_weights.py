@@ -199,3 +199,22 @@ def test_a_resumed_run_keeps_the_adaptive_clip(tmp_path):
     resumed = Server(toy_federation(*overrides), tmp_path / "part", resume=True)
     run_inprocess(resumed)
     assert _untimed(resumed.metrics) == _untimed(whole.metrics)
+
+
+def test_batchnorm_running_statistics_are_warned_about_and_cnn_gn_has_none(tmp_path, caplog, cache_dir, monkeypatch):
+    from feddg.federation.setup import build_federation
+    from feddg.models import create_model
+
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+
+    bn, gn = (create_model(name, num_classes=10) for name in ("cnn", "cnn_gn"))
+    assert not list(gn.buffers()) and any(n.endswith("running_var") for n, _ in bn.named_buffers())
+    assert sum(p.numel() for p in gn.parameters()) == sum(p.numel() for p in bn.parameters())  # GN affine = BN affine
+    dp = ("dp_weights.noise_multiplier=0.1", "dp_weights.clip=1")
+    for name in ("cnn", "cnn_gn"):
+        caplog.clear()
+        cfg = build_config({"data": {"dataset": "digits-dg", "max_per_domain": 30}, "split": {"target": "uci"},
+                            "partition": {"kind": "by_domain", "num_clients": 3}, "device": "cpu"},
+                           [f"model.name={name}", *dp])
+        Server(build_federation(cfg), tmp_path / name)
+        assert ("BatchNorm running statistics" in caplog.text) == (name == "cnn"), name

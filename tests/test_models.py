@@ -184,7 +184,7 @@ def _on_meta(name: str, **kwargs: Any) -> FedModel:
 # (name, image size, channels, options): every model at 28 and 32 px; 1 and 3 channels where sensible.
 # VGG's 25088→4096 head is built once (it is 100 M parameters); the other VGG cases use the reduced head.
 SHAPE_CASES: list[tuple[str, int, int, dict[str, Any]]] = [
-    *[(name, size, c, {}) for name in ("lenet", "cnn", "cnn4", "hfedf-cnn") for size in (28, 32) for c in (1, 3)],
+    *[(name, size, c, {}) for name in ("lenet", "cnn", "cnn4", "cnn_gn", "hfedf-cnn") for size in (28, 32) for c in (1, 3)],
     ("alexnet", 28, 1, {}),
     ("alexnet", 32, 3, {}),
     ("resnet18", 28, 1, {}),
@@ -208,7 +208,7 @@ TEXT_MODELS = {"mlp", "tiny-deberta", "tiny-roberta", "transformer"}
 
 def test_registry_lists_every_model() -> None:
     assert list_models() == [
-        "alexnet", "cnn", "cnn4", "efficientnet_lite0", "hfedf-cnn", "lenet", "mlp", "resnet18", "resnet50",
+        "alexnet", "cnn", "cnn4", "cnn_gn", "efficientnet_lite0", "hfedf-cnn", "lenet", "mlp", "resnet18", "resnet50",
         "swin_t", "swin_tiny_test", "tiny-deberta", "tiny-roberta", "transformer", "unet", "vgg11", "vgg11_bn",
     ]
     assert {name for name, *_ in SHAPE_CASES} | {"unet"} | TEXT_MODELS == set(list_models())  # dense outputs: tests/test_unet.py

@@ -127,6 +127,10 @@ class Server:
         dp = fed.cfg.dp_weights  # DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights")
         self.dp = None if dp is None else WeightPrivacy(dp, len(fed.clients), fc.client_fraction, fed.cfg.seed,
                                                         ckpt.get("dp_weights_clip") if ckpt is not None else None)
+        if self.dp is not None and any(k.endswith("running_var") for k in self.declared):
+            log.warning("dp_weights: the model's BatchNorm running statistics are part of each clipped update and take "
+                        "the noise (a noised variance can go negative); model cnn_gn or lenet has none "
+                        "(docs/privacy.md, 'DP on the weights')")
         self._rewrite_metrics()
 
     # --- setup exchange ----------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from feddg.models.alexnet import AlexNet
 from feddg.models.base import FedModel
-from feddg.models.cnn import SmallCNN
+from feddg.models.cnn import SmallCNN, cnn_gn
 from feddg.models.cnn4 import CNN4
 from feddg.models.efficientnet import efficientnet_lite0
 from feddg.models.hfedf_cnn import HFedFCNN
@@ -31,6 +31,7 @@ MODELS: dict[str, Callable[..., FedModel]] = {
     "alexnet": AlexNet,
     "cnn": SmallCNN,
     "cnn4": CNN4,  # 32-64-64-64, ~94k parameters (the W1 benchmark)
+    "cnn_gn": cnn_gn,  # cnn with GroupNorm: no running statistics (for dp_weights)
     "efficientnet_lite0": efficientnet_lite0,  # model.params.pretrained: true for the ImageNet weights
     "hfedf-cnn": HFedFCNN,
     "lenet": LeNet,
@@ -59,6 +60,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "alexnet": _BN_STAGES,
     "cnn": _BN_STAGES,
     "cnn4": _BN_STAGES,
+    "cnn_gn": _STAGES,
     "efficientnet_lite0": _BN_STAGES,
     "hfedf-cnn": _STAGES,
     "lenet": _STAGES,
