@@ -232,6 +232,8 @@ def test_a_sweep_with_an_audit_section_audits_each_cell_and_tables_the_seeds(tmp
         assert float(row["psnr_std"]) == pytest.approx(np.std(psnr, ddof=1))
         assert row[f"{FID_NAME}_mean"] == ""  # fid: false
     assert "sample-style" in (tmp_path / "s" / "audit.md").read_text()
+    page = report(tmp_path / "s")[0].read_text()  # feddg report on the sweep: the table and PSNR against z
+    assert "Privacy audit" in page and "attack quality against the noise" in page and "sample-style" in page
     stamps = [(c / "results.json").stat().st_mtime_ns for c in cells]
     audits = [(c / "audit" / "privacy.json").stat().st_mtime_ns for c in cells]
     again = CliRunner().invoke(app, ["sweep", str(config), "--out-dir", str(tmp_path / "s"), "--quiet"])

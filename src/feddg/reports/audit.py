@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
+
 from feddg.audit.metrics import FID_NAME
 from feddg.audit.privacy import AUDIT_DIR, PRIVACY_JSON
+from feddg.audit.sweep import AUDIT_CSV, AUDIT_MD
+from feddg.reports.figures import png_uri
 from feddg.reports.page import file_uri
 
 COLUMNS = ("attack", "attacker", "z", "ε", "PSNR", "SSIM", FID_NAME, "re-id (chance)")
@@ -38,3 +43,27 @@ def audit_section(run_dir: Path) -> dict[str, Any] | None:
     caption = "top row: the true image nearest to each reconstruction at the smallest z; below: the reconstructions at each z"
     return {"columns": COLUMNS, "rows": rows, "weights": record["weights"],
             "grids": [{"title": g, "uri": file_uri(run_dir / AUDIT_DIR / g), "caption": caption} for g in grids]}
+
+
+def sweep_audit_section(sweep_dir: Path) -> dict[str, Any] | None:
+    """A sweep's audit (audit.md / audit.csv, written by ``feddg sweep`` with ``audit:``): the table and PSNR
+    against the noise multiplier, one line per variant, attack and attacker; ``None`` without one."""
+    if not (sweep_dir / AUDIT_CSV).is_file():
+        return None
+    with (sweep_dir / AUDIT_CSV).open() as f:
+        rows = [r for r in csv.DictReader(f) if r["psnr_mean"]]  # the Gram audit has no image to score
+    lines: dict[str, list[tuple[float, float, float]]] = {}
+    for r in rows:
+        label = f"{r['variant']}: {r['attack']} ({r['attacker']})"
+        lines.setdefault(label, []).append((float(r["z"]), float(r["psnr_mean"]), float(r["psnr_std"])))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, points in lines.items():
+        z, mean, std = zip(*sorted(points), strict=True)
+        ax.errorbar(z, mean, yerr=std, marker="o", capsize=3, label=label)
+    ax.set_xscale("symlog", linthresh=0.01)
+    ax.set(xlabel="DP noise multiplier z (0: no DP)", ylabel="PSNR of the reconstruction (dB)")
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    figure = {"title": "attack quality against the noise", "uri": png_uri(fig),
+              "caption": "mean over seeds, bars: sample std; each cell's audit/ has its grids"}
+    return {"text": (sweep_dir / AUDIT_MD).read_text(), "figure": figure}

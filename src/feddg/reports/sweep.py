@@ -30,6 +30,7 @@ from feddg.evaluation.tables import (
     sample_std,
     seed_averages,
 )
+from feddg.reports.audit import sweep_audit_section
 from feddg.reports.counts import run_counts
 from feddg.reports.figures import png_uri
 from feddg.reports.page import REPORT, page_context, render
@@ -242,6 +243,6 @@ def sweep_report(sweep_dir: Path) -> Path:
                   subtitle=f"{len(variants)} variants × {len(counts)} targets × {len(seeds)} seeds",
                   summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows, unit=task.unit,
                   metric_label=task.label, variants=spec.get("expanded", {}), degraded_note=DEGRADED_NOTE,
-                  selection=selection,
+                  selection=selection, audit=sweep_audit_section(sweep_dir),
                   base_config=cfg_text)
 
