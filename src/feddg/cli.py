@@ -165,7 +165,7 @@ def run(
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
     """Train one experiment and print its per-domain figures."""
-    from feddg.audit.privacy import run_settings
+    from feddg.config import build_config
     from feddg.experiment import resume_experiment, run_experiment
     from feddg.reports.run import method_figures
 
@@ -198,7 +198,7 @@ def run(
             _pin_kernels(cfg.reproducibility)
             results = run_experiment(cfg, run_dir, overwrite=overwrite, progress=not quiet)
         method_figures(results["run_dir"])
-        audit = run_settings(Path(results["run_dir"])) if resume is not None else cfg.audit
+        audit = cfg.audit if resume is None else build_config(read_yaml(resume / "config.yaml")).audit
     out.print(results_table(results))
     out.print(communication_table(results))
     for what, rec in (("shared statistics", results.get("privacy")),
