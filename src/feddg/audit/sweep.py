@@ -20,7 +20,8 @@ from feddg.config import AuditConfig
 
 #: (column, key in a privacy.json row): the inversions' scores, then the Gram audit's
 METRICS = (("PSNR dB", "psnr"), ("SSIM", "ssim"), (FID_NAME, FID_NAME), ("re-id", "reid"), ("re-id chance", "reid_chance"),
-           ("Procrustes err", "procrustes_rel_err"), ("row |cos|", "row_cosine"))
+           ("Procrustes err", "procrustes_rel_err"), ("row |cos|", "row_cosine"),
+           ("top eigenvector |cos|", "row_cosine_top"))  # what the Gram's common direction alone gets
 KEYS = ("variant", "target", "attack", "attacker", "z")
 AUDIT_MD, AUDIT_CSV = "audit.md", "audit.csv"
 
