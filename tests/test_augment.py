@@ -183,6 +183,7 @@ PLACEMENTS = {
     "resnet50": (["layer1", "layer2"], ["maxpool"]),
     "cnn": (["blocks.0", "blocks.1"], ["blocks.0"]),
     "cnn4": (["blocks.0", "blocks.1"], ["blocks.0"]),
+    "cnn_gn": (["blocks.0", "blocks.1"], ["blocks.0"]),
     "lenet": (["conv.2", "conv.5"], ["conv.2"]),
     "hfedf-cnn": (["trunk.2", "trunk.6"], ["trunk.2"]),
     "alexnet": (["layer1", "layer2"], ["layer1"]),
