@@ -11,7 +11,8 @@ The inner products of eq. 3 (float32 GEMMs, one per producer and station, on the
 dominate the time, so
 :func:`align_to_reference` computes each once per merge and again only for the stations whose
 input channels a later group moved; permutations are composed as index arrays and applied to the
-weights once at the end. The c × c OT problems are solved in float64 (Sinkhorn as POT computes it;
+weights once at the end (:attr:`Alignment.states`; the station merge instead gathers them inside its mean,
+``aggregation/merges.py``). The c × c OT problems are solved in float64 (Sinkhorn as POT computes it;
 SciPy's assignment only when the row-wise optima do not already form the optimal permutation).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -168,10 +170,12 @@ class _Producer:
         self.inv_norm = 1.0 / norms.clamp_min(1e-12)  # [E, c]
         self.other_sq = (norms * self.inv_norm).pow_(2)  # 1, or 0 for an all-zero filter
         self.cross = torch.empty(len(others), self.others[0].shape[0], self.ref.shape[0], device=r.device)
+        self.gathered = torch.empty(self.others[0].shape, device=r.device)  # reused by every gather: no fresh pages
         self.at = np.full(len(others), -1)
 
     def _filters(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor:
-        """Station ``e``'s filters ``[c, d]`` with its input channels permuted by the groups' current permutations."""
+        """Station ``e``'s filters ``[c, d]`` with its input channels permuted by the groups' current permutations
+        (a view of the station's weights, or of :attr:`gathered`, valid until the next call)."""
         w = self.others[e]
         index = None
         for group, axis in self.inputs:
@@ -181,7 +185,7 @@ class _Producer:
                 pos = axis.positions(len(perm))
                 index[pos.ravel()] = pos[perm].ravel()
         if index is not None:
-            w = w.index_select(1, torch.from_numpy(index).to(w.device))
+            w = torch.index_select(w, 1, torch.from_numpy(index).to(w.device), out=self.gathered)
         return w.reshape(w.shape[0], -1)
 
     def stale(self, changed: Mapping[str, np.ndarray], since: np.ndarray) -> np.ndarray:
@@ -255,18 +259,28 @@ def group_costs(ref: Mapping[str, Tensor], others: Sequence[Mapping[str, Tensor]
 
 @dataclass
 class Alignment:
-    """Aligned station states, the permutation applied to each, and per-group diagnostics (means over
-    stations): the fraction of filters moved, and the transport cost per filter ``Σ_i C[i, π(i)] / c``
+    """The permutation found for each station (every group, identities included), per-group diagnostics
+    (means over stations): the fraction of filters moved, and the transport cost per filter ``Σ_i C[i, π(i)] / c``
     of the identity matching before alignment and of the found permutation after it (both with the
     layer's input channels aligned by the groups before it), and the number of sweeps that matched
-    at least one group."""
+    at least one group; :attr:`states` applies the permutations (on first use: a merge that only needs
+    the mean can fuse them into it instead)."""
 
-    states: list[dict[str, Tensor]]
+    others: Sequence[Mapping[str, Tensor]]
+    spec: PermutationSpec
     perms: list[Permutations]
     moved: dict[str, float] = field(default_factory=dict)
     cost_before: dict[str, float] = field(default_factory=dict)
     cost_after: dict[str, float] = field(default_factory=dict)
     passes: int = 0
+
+    @cached_property
+    def states(self) -> list[dict[str, Tensor]]:
+        """The aligned station states (eq. 5): each station's permutations applied to its tensors."""
+        return [
+            apply_permutations(o, self.spec, {g: p for g, p in pe.items() if (p != np.arange(len(p))).any()})
+            for o, pe in zip(self.others, self.perms, strict=True)
+        ]
 
 
 def align_to_reference(
@@ -291,7 +305,7 @@ def align_to_reference(
     """
     n = len(others)
     if not n:
-        return Alignment([], [])
+        return Alignment(others, spec, [])
     inputs = _producer_inputs(spec)
     blocks = _producer_blocks(spec)
     producers = {k: _Producer(k, ref, others, inputs[k], blocks.get(k, 1)) for g in spec.groups for k in g.producers}
@@ -347,10 +361,6 @@ def align_to_reference(
             break
         passes += 1
     perms = [{g: t[e] for g, t in total.items()} for e in range(n)]
-    states = [
-        apply_permutations(o, spec, {g: p for g, p in pe.items() if (p != np.arange(len(p))).any()})
-        for o, pe in zip(others, perms, strict=True)
-    ]
     moved = {g.name: float((total[g.name] != np.arange(g.size)).mean()) for g in spec.groups}
     after = {g: float(f.mean()) for g, f in found.items()}
-    return Alignment(states, perms, moved, before, after, passes)
+    return Alignment(others, spec, perms, moved, before, after, passes)

@@ -22,20 +22,33 @@ def normalised_weights(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-def weighted_mean(arrays: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+def weighted_mean(
+    arrays: Sequence[np.ndarray], weights: Sequence[float], rows: Sequence[np.ndarray | None] | None = None
+) -> np.ndarray:
     """``Σ_k w_k a_k / Σ_k w_k`` in float64, cast back to the first array's dtype.
 
+    ``rows[k]`` (optional, ``None`` = as is): gather ``a_k``'s rows first, ``a_k`` viewed as ``[len(rows[k]), -1]``
+    (a permutation from ``feddg.models.permutation.row_indices``, fused into the mean so the permuted copy is
+    never written; the same float64 operations per element, so the bits of the mean of the gathered arrays).
     Integer arrays (e.g. BatchNorm's ``num_batches_tracked``) are rounded.
     """
     w = normalised_weights(weights)
-    flat = [np.asarray(a).reshape(-1) for a in arrays]
-    acc = np.zeros(flat[0].size, dtype=np.float64)
-    tmp = np.empty(min(CHUNK, acc.size), dtype=np.float64)
-    for start in range(0, acc.size, CHUNK):  # in cache-sized chunks: the same operations, one pass over memory
-        part = acc[start:start + CHUNK]
-        scaled = tmp[:part.size]
-        for wk, a in zip(w, flat, strict=True):
-            part += np.multiply(a[start:start + CHUNK], wk, out=scaled, dtype=np.float64)
+    index = list(rows) if rows is not None else [None] * len(arrays)
+    size = np.size(arrays[0])
+    n = next((len(r) for r in index if r is not None), size)  # rows of the [n, inner] view
+    if any(r is not None and len(r) != n for r in index):
+        raise ValueError(f"row indices of different lengths: {sorted({len(r) for r in index if r is not None})}")
+    flat = [np.asarray(a).reshape(n, size // n if n else 1) for a in arrays]
+    step = max(1, CHUNK // flat[0].shape[1])  # rows per chunk
+    acc = np.zeros(flat[0].shape, dtype=np.float64)
+    tmp = np.empty((min(step, n), flat[0].shape[1]), dtype=np.float64)
+    gathered = np.empty(tmp.shape, dtype=flat[0].dtype)
+    for start in range(0, n, step):  # in cache-sized chunks: the same operations, one pass over memory
+        part = acc[start:start + step]
+        scaled, buf = tmp[:len(part)], gathered[:len(part)]
+        for wk, a, r in zip(w, flat, index, strict=True):
+            src = a[start:start + step] if r is None else np.take(a, r[start:start + step], axis=0, out=buf, mode="clip")
+            part += np.multiply(src, wk, out=scaled, dtype=np.float64)
     mean = acc.reshape(np.shape(arrays[0]))
     dtype = np.asarray(arrays[0]).dtype
     return np.rint(mean).astype(dtype) if np.issubdtype(dtype, np.integer) else mean.astype(dtype)

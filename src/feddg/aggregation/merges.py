@@ -29,7 +29,7 @@ from feddg.aggregation.fot import Solver, align_to_reference
 from feddg.aggregation.mean import weighted_mean
 from feddg.aggregation.regmean import regmean
 from feddg.messages import WEIGHT_PREFIX, Message, subset
-from feddg.models.permutation import PermutationSpec, permute_grams
+from feddg.models.permutation import PermutationSpec, permute_grams, row_indices
 
 Grams = dict[str, np.ndarray]  # nn.Linear module name -> G (its inputs' X^T X)
 GRAM_FLAG = "collect_gram"  # server -> client: also send Grams this round
@@ -94,10 +94,13 @@ def merge_stations(
     states = [{k: torch.from_numpy(np.asarray(v)).to(device) for k, v in subset(w, WEIGHT_PREFIX).items()}
               for w in weights]
     metrics: dict[str, float] = {}
+    rows: list[dict[str, np.ndarray]] = [{} for _ in states]  # per station: key -> its rows' permutation
     if spec is not None and len(states) > 1:
         t0 = time.perf_counter()
         al = align_to_reference(states[0], states[1:], spec, solver, lambda_ot, sinkhorn_iters)
-        states = [states[0], *al.states]
+        # eq. 5 is applied inside the mean (and RegMean's gathers): the permuted states are never written
+        rows = [{}] + [row_indices({k: tuple(v.shape) for k, v in s.items()}, spec, p)
+                       for s, p in zip(states[1:], al.perms, strict=True)]
         if grams is not None:
             grams = [grams[0]] + [
                 {k: v.numpy() for k, v in permute_grams({k: torch.from_numpy(v) for k, v in g.items()}, spec, p).items()}
@@ -116,12 +119,14 @@ def merge_stations(
     for key in states[0]:
         layer = key.removesuffix(".weight")
         arrays = [s[key].cpu().numpy() for s in states]
+        index = [r.get(key) for r in rows]
         if key.endswith(".weight") and layer in layers:
             assert grams is not None
             t0 = time.perf_counter()
             shape = arrays[0].shape  # a 1×1 conv's [out, in, 1, 1] is solved as the linear layer [out, in]
             if any(d != 1 for d in shape[2:]):
                 raise ValueError(f"RegMean: {key} of shape {list(shape)} is not a linear layer's weight")
+            arrays = [a if i is None else a.reshape(len(i), -1)[i] for a, i in zip(arrays, index, strict=True)]
             res = regmean([a.reshape(shape[0], -1) for a in arrays], [g[layer] for g in grams], gammas, layer)
             regmean_s += time.perf_counter() - t0
             merged[key] = res.weight.reshape(shape)
@@ -130,7 +135,7 @@ def merge_stations(
             metrics[f"regmean/{layer}/dead_inputs"] = float(res.dead_inputs)
             fallbacks += res.fallback
         else:
-            merged[key] = weighted_mean(arrays, gammas)
+            merged[key] = weighted_mean(arrays, gammas, index)
     if layers:
         metrics["hfl/time_regmean_s"] = regmean_s
         metrics["regmean/fallbacks"] = float(fallbacks)

@@ -137,3 +137,16 @@ def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), re
     finally:
         torch.set_num_threads(previous)
     return 2 * m * k * n / best / 1e9
+
+
+def mean_pass(case: MergeCase) -> Callable[[], object]:
+    """One pass of the γ-weighted float64 mean (eq. 7) over every station tensor, unpermuted: the floor of the
+    merge's non-GEMM work (each station's weights read once, the float64 operations the merge's mean does)."""
+    from feddg.aggregation.mean import weighted_mean
+
+    keys = list(case.weights[0])
+
+    def run() -> object:
+        return {k: weighted_mean([np.asarray(w[k]) for w in case.weights], case.gammas) for k in keys}
+
+    return run

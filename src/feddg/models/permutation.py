@@ -117,35 +117,42 @@ def permute_axis(t: Tensor, axis: Axis, perm: np.ndarray) -> Tensor:
 
 def apply_permutations(state: Mapping[str, Tensor], spec: PermutationSpec, perms: Permutations) -> dict[str, Tensor]:
     """A copy of ``state`` (a state_dict) with each group's permutation applied to all its members: each
-    tensor is read once (one gather, however many of its axes and groups move), as applying the members one
-    ``index_select`` at a time would give."""
+    tensor is read once (one gather of the rows given by :func:`row_indices`, however many of its axes and
+    groups move), as applying the members one ``index_select`` at a time would give."""
+    out = dict(state)
+    for key, rows in row_indices({k: tuple(v.shape) for k, v in state.items()}, spec, perms).items():
+        t = state[key]
+        out[key] = t.reshape(len(rows), -1).index_select(0, torch.from_numpy(rows).to(t.device)).reshape(t.shape)
+    return out
+
+
+def row_indices(
+    shapes: Mapping[str, tuple[int, ...]], spec: PermutationSpec, perms: Permutations
+) -> dict[str, np.ndarray]:
+    """For each tensor that ``perms`` move (``key -> shape``): the permuted tensor is the original viewed as
+    ``[len(rows), -1]`` with its rows gathered by ``rows``. A row is the leading pair's ``(i, j)`` (the
+    ``k × k`` entries of a filter's input channel) where dim 1 moves, else an index of dim 0."""
     index: dict[str, dict[int, np.ndarray]] = {}
     for g in spec.groups:
         if g.name in perms:
             for a in g.members:
                 dims = index.setdefault(a.key, {})
-                current = dims.get(a.dim, np.arange(state[a.key].shape[a.dim]))
+                current = dims.get(a.dim, np.arange(shapes[a.key][a.dim]))
                 pos, perm = a.positions(len(perms[g.name])), perms[g.name]
                 moved = np.arange(len(current))
                 moved[pos.ravel()] = pos[perm].ravel()
                 dims[a.dim] = current[moved]  # index_select by ``current``, then by ``moved``
-    out = dict(state)
+    out = {}
     for key, dims in index.items():
-        out[key] = _gather(state[key], dims)
+        if set(dims) - {0, 1}:
+            raise ValueError(f"{key}: only dims 0 and 1 can be permuted, got {sorted(dims)}")
+        shape = shapes[key]
+        if 1 not in dims:
+            out[key] = dims[0]
+        else:
+            first = dims.get(0, np.arange(shape[0]))
+            out[key] = (first[:, None] * shape[1] + dims[1][None, :]).ravel()
     return out
-
-
-def _gather(t: Tensor, dims: Mapping[int, np.ndarray]) -> Tensor:
-    """``t`` indexed by ``dims[d]`` along each dim ``d``: one ``index_select`` over the flattened leading pair
-    where dims 0 and 1 both move, else one per dim."""
-    if set(dims) == {0, 1}:
-        rows, cols = dims[0], dims[1]
-        flat = (rows[:, None] * t.shape[1] + cols[None, :]).ravel()
-        merged = t.reshape(t.shape[0] * t.shape[1], -1)
-        return merged.index_select(0, torch.from_numpy(flat).to(t.device)).reshape(t.shape)
-    for d, idx in dims.items():
-        t = t.index_select(d, torch.from_numpy(idx).to(t.device))
-    return t
 
 
 def permute_grams(grams: Mapping[str, Tensor], spec: PermutationSpec, perms: Permutations) -> dict[str, Tensor]:

@@ -1,0 +1,102 @@
+"""Eq. 5 fused into eq. 7: the merge gathers each station's permuted rows inside the float64 mean instead of
+writing permuted copies first; the bits must be those of the mean of the materialised permuted states."""
+
+import numpy as np
+import pytest
+import torch
+
+from feddg.aggregation.fot import align_to_reference
+from feddg.aggregation.mean import CHUNK, weighted_mean
+from feddg.aggregation.merges import merge_stations
+from feddg.aggregation.regmean import regmean
+from feddg.messages import WEIGHT_PREFIX
+from feddg.models import create_model
+from feddg.models.permutation import (
+    Axis,
+    PermGroup,
+    PermutationSpec,
+    apply_permutations,
+    permutation_spec,
+    permute_axis,
+    permute_grams,
+    random_permutations,
+    row_indices,
+)
+
+
+def test_weighted_mean_gathers_rows_before_weighting_by_hand():
+    a = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    b = np.array([[10.0, 20.0], [30.0, 40.0]], np.float32)
+    # (1·a + 3·b[[1, 0]]) / 4 = ([[1, 2], [3, 4]] + [[90, 120], [30, 60]]) / 4
+    out = weighted_mean([a, b], [1, 3], [None, np.array([1, 0])])
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, [[22.75, 30.5], [8.25, 16.0]])
+
+
+def test_fused_gather_gives_the_bits_of_the_mean_of_gathered_copies_across_chunks():
+    rng = np.random.default_rng(0)
+    rows = CHUNK // 9 * 3 + 5  # several chunks of whole 9-element rows, the last one short
+    arrays = [rng.normal(size=(rows, 3, 3)).astype(np.float32) for _ in range(4)]
+    index = [None] + [rng.permutation(rows) for _ in range(3)]
+    weights = [3.0, 1.0, 7.0, 2.5]
+    copies = [a if i is None else a.reshape(rows, -1)[i].reshape(a.shape) for a, i in zip(arrays, index, strict=True)]
+    assert np.array_equal(weighted_mean(arrays, weights, index), weighted_mean(copies, weights))
+
+
+def test_row_indices_of_rows_lengths_must_agree():
+    with pytest.raises(ValueError, match="row indices of different lengths"):
+        weighted_mean([np.zeros(4), np.zeros(4)], [1, 1], [np.arange(4), np.arange(2)])
+
+
+def test_row_indices_gather_both_axes_as_one_index_select_per_axis_would():
+    w = torch.arange(24.0).reshape(2, 3, 4)  # [out, in, k]
+    spec = PermutationSpec((
+        PermGroup("out", 2, ("w",), (Axis("w", 0), Axis("b", 0))),
+        PermGroup("in", 3, (), (Axis("w", 1),)),
+    ))
+    perms = {"out": np.array([1, 0]), "in": np.array([2, 0, 1])}
+    rows = row_indices({"w": (2, 3, 4), "b": (2,)}, spec, perms)
+    # row (i, j) of the [6, 4] view is old (out[i], in[j]): (1, 2), (1, 0), (1, 1), (0, 2), (0, 0), (0, 1)
+    assert rows["w"].tolist() == [5, 3, 4, 2, 0, 1] and rows["b"].tolist() == [1, 0]
+    state = {"w": w, "b": torch.tensor([5.0, 6.0])}
+    out = apply_permutations(state, spec, perms)
+    expected = permute_axis(permute_axis(w, Axis("w", 0), perms["out"]), Axis("w", 1), perms["in"])
+    assert torch.equal(out["w"], expected) and out["b"].tolist() == [6.0, 5.0]
+
+
+@pytest.mark.parametrize("solver", ["hungarian", "sinkhorn"])
+def test_fused_merge_has_the_bits_of_the_merge_of_the_permuted_states(solver):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = create_model("cnn", num_classes=4, image_size=28)
+    spec = permutation_spec(model)
+    base = model.state_dict()
+    states = []
+    for e in range(3):
+        s = {k: v + 0.3 * v.std() * torch.randn(v.shape) if v.is_floating_point() and v.numel() > 1 else v
+             for k, v in base.items()}
+        states.append(s if e == 0 else apply_permutations(s, spec, random_permutations(spec, rng)))
+    layer = next(k.removesuffix(".weight") for k, v in base.items() if k.endswith(".weight") and v.dim() == 2)
+    dim = base[f"{layer}.weight"].shape[1]
+    grams = []
+    for _ in states:
+        x = rng.normal(size=(32, dim)).astype(np.float32)
+        grams.append({layer: x.T @ x})
+    gammas = [2.0, 3.0, 5.0]
+    merged, _ = merge_stations([{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in states], grams,
+                               gammas, spec, solver=solver)
+    # the unfused algorithm: permute every state (eq. 5), then RegMean on the permuted Grams and the mean
+    al = align_to_reference(states[0], states[1:], spec, solver)
+    aligned = [states[0], *al.states]
+    assert any(not torch.equal(a[k], s[k]) for a, s in zip(aligned[1:], states[1:], strict=True) for k in a)
+    permuted = [grams[0]] + [{k: v.numpy() for k, v in permute_grams({k: torch.from_numpy(v) for k, v in g.items()},
+                                                                     spec, p).items()}
+                             for g, p in zip(grams[1:], al.perms, strict=True)]
+    for key in base:
+        arrays = [s[key].numpy() for s in aligned]
+        if key == f"{layer}.weight":
+            want = regmean(arrays, [g[layer] for g in permuted], gammas, layer).weight
+        else:
+            want = weighted_mean(arrays, gammas)
+        got = merged[WEIGHT_PREFIX + key]
+        assert got.dtype == want.dtype and np.array_equal(got, want), key
