@@ -30,7 +30,7 @@ from feddg.audit.metrics import (
 from feddg.audit.privacy import attacks_for
 from feddg.cli import app
 from feddg.config import AuditConfig, ConfigError, build_config
-from feddg.experiment import run_experiment
+from feddg.experiment import resume_experiment, run_experiment
 from feddg.reports.run import report
 
 RNG = np.random.default_rng(0)
@@ -262,3 +262,17 @@ def test_the_runs_audit_section_is_the_commands_default_and_its_options_override
     assert [r["noise_multiplier"] for r in record["rows"]] == [0.5, 0.5]
     with pytest.raises(ConfigError, match="audit.attacks"):
         build_config({**TINY, "audit": {**AUDIT, "attacks": ["nope"]}})
+
+
+def test_a_resumed_or_overwritten_run_drops_the_audit_of_its_old_model(tmp_path, cache_dir, monkeypatch):
+    """A sweep reuses an audit whose settings match: it must never find one of a model the run no longer has."""
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    run = tmp_path / "r"
+    run_experiment(build_config(TINY), run, progress=False)
+    (run / "audit").mkdir()
+    (run / "audit" / "privacy.json").write_text("{}")
+    resume_experiment(run, ["federation.rounds=2"], progress=False)  # a grown run: another model
+    assert not (run / "audit").exists()
+    (run / "audit").mkdir()
+    run_experiment(build_config(TINY), run, overwrite=True, progress=False)
+    assert not (run / "audit").exists()

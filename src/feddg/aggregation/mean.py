@@ -47,6 +47,7 @@ def weighted_mean(
         part = acc[start:start + step]
         scaled, buf = tmp[:len(part)], gathered[:len(part)]
         for wk, a, r in zip(w, flat, index, strict=True):
+            # mode="clip": np.take writes straight into ``out`` (mode="raise" buffers a copy); rows are a permutation
             src = a[start:start + step] if r is None else np.take(a, r[start:start + step], axis=0, out=buf, mode="clip")
             part += np.multiply(src, wk, out=scaled, dtype=np.float64)
     mean = acc.reshape(np.shape(arrays[0]))

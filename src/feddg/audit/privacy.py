@@ -31,12 +31,13 @@ from feddg.audit.metrics import FID_NAME, to_unit
 from feddg.audit.shares import Share, moments_share, prototype_share, stage_encoder, style_share
 from feddg.config import AuditConfig, ExperimentConfig, PrivacyAttack, build_config, read_yaml
 from feddg.devices import images
+from feddg.experiment import AUDIT_DIR
 from feddg.federation.client_store import open_checkpoint
 from feddg.federation.setup import Federation, build_federation
 from feddg.messages import load_weights
 from feddg.models.base import FedModel
 
-AUDIT_DIR, PRIVACY_JSON = "audit", "privacy.json"
+PRIVACY_JSON = "privacy.json"
 VECTOR_ATTACKS = ("sample-style", "client-style", "fedfa-moments", "fpl-prototypes")
 ATTACKS: tuple[str, ...] = get_args(PrivacyAttack)
 METHOD_ATTACKS = {"ccst": "sample-style", "pardon": "client-style", "fedfa": "fedfa-moments", "fpl": "fpl-prototypes"}

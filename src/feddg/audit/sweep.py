@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from feddg.audit.metrics import FID_NAME
-from feddg.audit.privacy import AUDIT_DIR, PRIVACY_JSON
+from feddg.audit.privacy import PRIVACY_JSON
 from feddg.config import AuditConfig
+from feddg.experiment import AUDIT_DIR
 
 #: (column, key in a privacy.json row): the inversions' scores, then the Gram audit's
 METRICS = (("PSNR dB", "psnr"), ("SSIM", "ssim"), (FID_NAME, FID_NAME), ("re-id", "reid"), ("re-id chance", "reid_chance"),

@@ -11,8 +11,9 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from feddg.audit.metrics import FID_NAME
-from feddg.audit.privacy import AUDIT_DIR, PRIVACY_JSON
+from feddg.audit.privacy import PRIVACY_JSON
 from feddg.audit.sweep import AUDIT_CSV, AUDIT_MD
+from feddg.experiment import AUDIT_DIR
 from feddg.reports.figures import png_uri
 from feddg.reports.page import file_uri
 
