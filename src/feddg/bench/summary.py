@@ -134,7 +134,7 @@ def scale_row(repeats: int) -> Row:
         plain.append(yardstick(cfg))
     last = [r["round_s"][-1] for r in runs]
     base = min(p["train"] + p["eval"] for p in plain)
-    return Row(f"FEMNIST scale: last round, {plain[0]['clients']:,.0f} clients, 50 sampled + evaluation",
+    return Row(f"writers-scale (FEMNIST's shape): last round, {plain[0]['clients']:,.0f} clients, 50 sampled + evaluation",
                f"{min(last):.2f} / {statistics.median(last):.2f} s", f"plain loop {base:.2f} s", min(last) / base,
                "≤ 1.2×", min(last) <= 1.2 * base, f"{min(r['cpu_s'] for r in runs):.1f} per run")
 
