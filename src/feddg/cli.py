@@ -530,11 +530,19 @@ def bench_data(
 def bench_w1(
     repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant")] = 3,
     images: Annotated[int, typer.Option(help="images per client (W1: 2000)")] = 2000,
+    variants: Annotated[str, typer.Option(help="comma-separated, among plain,1,1-threads-2,2,auto (plain: "
+                                          "the yardstick, always run)")] = "plain,1,1-threads-2,2,auto",
+    load: Annotated[int, typer.Option(help="busy-loop processes (one core each) running throughout: W1 under "
+                                      "load", min=0)] = 0,
 ) -> None:
     """W1: FedAvg, 4 clients, cnn4, 5 rounds, in-process (workers 1 and 2) vs a plain PyTorch loop on 2 processes."""
-    from feddg.bench.w1 import w1_report
+    from feddg.bench.w1 import VARIANTS, w1_report
 
-    _print_all(w1_report(repeats, images))
+    keys = [v.strip() for v in variants.split(",") if v.strip()]
+    if unknown := [k for k in keys if k not in VARIANTS]:
+        raise typer.BadParameter(f"unknown W1 variant(s) {unknown}; choose among {','.join(VARIANTS)}",
+                                 param_hint="--variants")
+    _print_all(w1_report(repeats, images, ["plain", *[k for k in keys if k != "plain"]], load))
 
 
 @bench_app.command("memory")

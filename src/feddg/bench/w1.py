@@ -15,7 +15,8 @@ import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -141,24 +142,60 @@ def run_plain(images: int = IMAGES, processes: int = 2) -> float:
     return time.perf_counter() - t0
 
 
-def w1_table(repeats: int, images: int = IMAGES) -> dict[str, list[tuple[float, float]]]:
+#: ``--variants`` key -> (row name, run); ``auto``'s row names the worker count it resolves to here
+VARIANTS = ("plain", "1", "1-threads-2", "2", "auto")
+
+
+def _variants(images: int) -> dict[str, tuple[str, Callable[[], float]]]:
+    auto = resolve_workers("auto", torch.device("cpu")) or 1
+    return {"plain": ("plain PyTorch, 2 × 1 thread", lambda: run_plain(images)),
+            "1": ("feddg workers: 1 (threads: auto = 1)", lambda: run_feddg(1, images)),
+            "1-threads-2": ("feddg workers: 1, threads: 2", lambda: run_feddg(1, images, threads=2)),
+            "2": ("feddg workers: 2", lambda: run_feddg(2, images)),
+            "auto": (f"feddg workers: auto (= {auto})", lambda: run_feddg("auto", images))}
+
+
+def w1_table(repeats: int, images: int = IMAGES, variants: Sequence[str] = VARIANTS
+             ) -> dict[str, list[tuple[float, float]]]:
     """(wall, CPU) seconds of each variant over ``repeats`` interleaved rounds, the order rotated each round so
     that no variant always runs after the same one (a fixed order made ``auto`` look 2 s slower than ``2``, the
-    same pool); the first variant is the yardstick."""
-    auto = resolve_workers("auto", torch.device("cpu")) or 1
-    variants = {"plain PyTorch, 2 × 1 thread": lambda: run_plain(images),
-                "feddg workers: 1 (threads: auto = 1)": lambda: run_feddg(1, images),
-                "feddg workers: 1, threads: 2": lambda: run_feddg(1, images, threads=2),
-                "feddg workers: 2": lambda: run_feddg(2, images),
-                f"feddg workers: auto (= {auto})": lambda: run_feddg("auto", images)}
-    names = list(variants)
+    same pool); the yardstick (``plain``) comes first."""
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or "plain" not in variants:
+        raise ValueError(f"W1 variants must include 'plain' (the yardstick) and be among {list(VARIANTS)}, "
+                         f"got {list(variants)}")
+    table = _variants(images)
+    runs = {table[key][0]: table[key][1] for key in VARIANTS if key in variants}
+    names = list(runs)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
             c0 = cpu_seconds()
-            wall = variants[name]()
+            wall = runs[name]()
             times[name].append((wall, cpu_seconds() - c0))
     return times
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def background_load(processes: int) -> Iterator[None]:
+    """``processes`` busy loops (one core each) running for the duration: a load that stays the same for every
+    variant, so that "under load" is a condition of the run rather than of whatever else the machine does."""
+    ctx: Any = mp.get_context("fork" if can_fork() else "spawn")
+    procs = [ctx.Process(target=_spin, name="feddg-bench-load", daemon=True) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join()
 
 
 def summary(times: dict[str, list[tuple[float, float]]]) -> list[tuple[str, float, float, float, float]]:
@@ -178,15 +215,19 @@ def load_average() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def w1_report(repeats: int, images: int = IMAGES) -> Iterator[Table | str]:
+def w1_report(repeats: int, images: int = IMAGES, variants: Sequence[str] = VARIANTS, load: int = 0
+              ) -> Iterator[Table | str]:
     """``feddg bench w1``, each line or table as soon as it is measured: the load average, the table of
-    :func:`w1_table` (min, median, ratio to the yardstick), the load average."""
-    yield f"load average before: {load_average()}"
+    :func:`w1_table` (min, median, ratio to the yardstick), the load average; ``load`` busy loops run throughout."""
+    yield f"load average before: {load_average()}" + (f"; {load} busy-loop process(es) started" if load else "")
     t = Table(title=f"W1: FedAvg, 4 clients × {images} images 3×28×28, cnn4, batch 32, 5 rounds; "
-              f"{repeats} interleaved")
+              f"{repeats} interleaved" + (f"; under {load} busy loop(s)" if load else ""))
     for col in ("variant", "min s", "median s", "× yardstick (min)", "CPU s (min)"):
         t.add_column(col, justify="left" if col == "variant" else "right")
-    for name, lo, med, ratio, cpu in summary(w1_table(repeats, images)):
+    with background_load(load):
+        rows = summary(w1_table(repeats, images, variants))
+        after = load_average()
+    for name, lo, med, ratio, cpu in rows:
         t.add_row(name, f"{lo:.1f}", f"{med:.1f}", f"{ratio:.2f}", f"{cpu:.1f}")
     yield t
-    yield f"load average after: {load_average()}"
+    yield f"load average after: {after}"
