@@ -13,6 +13,7 @@ from feddg.aggregation.fot import (
     cost_matrix,
     group_costs,
     match,
+    match_all,
     normalise_filters,
     plan_to_permutation,
     resize_filters,
@@ -105,6 +106,29 @@ def test_assignment_takes_the_row_optima_only_when_they_are_the_unique_optimum(m
     assert assignment(clash).tolist() == [1, 0, 2] and len(calls) == 1  # 0.2 + 0.15 + 0.1 beats 0.1 + 0.9 + 0.1
     tie = np.array([[0.1, 0.1], [0.5, 0.2]])  # row 0's best is not unique
     assert assignment(tie).tolist() == [0, 1] and len(calls) == 2
+
+
+@pytest.mark.parametrize("solver", ["hungarian", "sinkhorn"])
+def test_match_all_screens_in_float32_and_gives_match_per_matrix(solver, monkeypatch):
+    import scipy.optimize
+
+    calls = []
+    lsa = scipy.optimize.linear_sum_assignment
+    monkeypatch.setattr(scipy.optimize, "linear_sum_assignment", lambda *a, **k: calls.append(1) or lsa(*a, **k))
+    clean = torch.tensor([[0.1, 0.5, 0.9], [0.8, 0.7, 0.2], [0.3, 0.1, 0.6]])
+    clash = torch.tensor([[0.1, 0.2, 0.9], [0.15, 0.9, 0.9], [0.9, 0.9, 0.1]])
+    tie = torch.tensor([[0.1, 0.1, 0.5], [0.5, 0.2, 0.9], [0.9, 0.8, 0.3]])
+    rand = torch.rand(4, 3, 3, generator=torch.Generator().manual_seed(0))
+    costs = torch.cat([torch.stack([clean, clash, tie]), rand])
+    got = match_all(costs, solver, reg=0.05, iters=25)
+    assert [p.tolist() for p in got] == [match(c.double().numpy(), solver).tolist() for c in costs]
+    if solver == "hungarian":
+        assert [p.tolist() for p in got[:3]] == [[0, 2, 1], [1, 0, 2], [0, 1, 2]]
+        calls.clear()
+        match_all(costs[:1], solver)
+        assert not calls  # a clean matrix never reaches SciPy
+        match_all(costs[1:3], solver)
+        assert len(calls) == 2  # the clash and the tie do
 
 
 def test_lemma2_ot_cost_is_invariant_to_a_common_permutation():

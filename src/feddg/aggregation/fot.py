@@ -141,6 +141,23 @@ def match(cost: np.ndarray, solver: Solver = "sinkhorn", reg: float = 0.05, iter
     raise ValueError(f"unknown FOT solver {solver!r}; expected 'sinkhorn' or 'hungarian'")
 
 
+def match_all(costs: Tensor, solver: Solver = "sinkhorn", reg: float = 0.05, iters: int = 25) -> list[np.ndarray]:
+    """:func:`match` for each matrix of ``costs [n, c, c]`` (float32, as eq. 3's GEMMs give them).
+
+    ``hungarian`` screens every matrix at once in float32 (exact in float64, so the same comparisons): where
+    each row's minimum is unique and no two rows share its column, that is the assignment, as
+    :func:`assignment` would find; only the others are cast to float64 and solved one by one.
+    """
+    if solver != "hungarian":
+        return [match(c.double().numpy(), solver, reg, iters) for c in costs.cpu()]
+    costs = costs.cpu()
+    lowest, best = costs.min(-1)
+    unique = ((costs == lowest[..., None]).sum(-1) == 1).all(-1)
+    distinct = (best.sort(-1).values.diff(dim=-1) != 0).all(-1)
+    outright, columns = (unique & distinct).numpy(), best.numpy()
+    return [columns[i] if outright[i] else assignment(costs[i].double().numpy()) for i in range(len(costs))]
+
+
 class _Producer:
     """One conv weight whose filters FOT matches: the reference's unit filters (eq. 2) and every
     station's filters (views of its weights) with their norms, computed once per merge, plus the
@@ -342,17 +359,16 @@ def align_to_reference(
             cost = used[0].cost(stations, rows)
             for p in used[1:]:
                 cost = cost + p.cost(stations, rows)
-            costs = (cost / len(used)).double().cpu().numpy()
+            costs = (cost / len(used)).cpu()  # float32; the diagnostics below sum its entries in float64
             if first:
-                diag = np.diagonal(costs, axis1=1, axis2=2) * len(used)
+                diag = torch.diagonal(costs, dim1=1, dim2=2).double().numpy() * len(used)
                 for p in prods:
                     if p not in used:
                         diag = diag + np.stack([p.diagonal(int(e), total).double().cpu().numpy() for e in stations])
                 before[g.name] = float((diag / len(prods)).mean())
             identity = np.arange(g.size)
-            for i, e in enumerate(stations):
-                perm = match(costs[i], solver, reg, iters)
-                found[g.name][e] = costs[i][identity, perm].mean()
+            for i, (e, perm) in enumerate(zip(stations, match_all(costs, solver, reg, iters), strict=True)):
+                found[g.name][e] = costs[i][identity, perm].double().numpy().mean()
                 matched[g.name][e] = step
                 if (perm != identity).any():
                     total[g.name][e] = total[g.name][e][perm]
