@@ -106,21 +106,30 @@ def _sinkhorn_knopp(cost: np.ndarray, reg: float, iters: int) -> np.ndarray:
     return u.reshape((-1, 1)) * kernel * v.reshape((1, -1))
 
 
-def assignment(scores: np.ndarray, maximize: bool = False) -> np.ndarray:
-    """``perm`` optimising ``Σ_i scores[i, perm[i]]`` over permutations.
+def outright_optima(scores: np.ndarray, maximize: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """For each matrix of ``scores [n, c, c]``: every row's best column, and whether those columns are the optimal
+    permutation outright — each row's best entry unique and no two rows sharing its column (no permutation can
+    then do better in any row)."""
+    best = scores.argmax(-1) if maximize else scores.argmin(-1)
+    values = np.take_along_axis(scores, best[..., None], -1)
+    unique = ((scores == values).sum(-1) == 1).all(-1)
+    distinct = (np.diff(np.sort(best, -1), axis=-1) != 0).all(-1)
+    return best, unique & distinct
 
-    When every row's best entry is unique and no two rows share its column, that choice is the
-    unique optimum (no permutation can do better in any row) and is returned without a solver;
-    otherwise SciPy's exact assignment (Crouse 2016) decides.
-    """
-    best = scores.argmax(1) if maximize else scores.argmin(1)
-    rows = np.arange(len(best))
-    if np.unique(best).size == best.size and ((scores == scores[rows, best][:, None]).sum(1) == 1).all():
-        return best
+
+def _solve(scores: np.ndarray, maximize: bool) -> np.ndarray:
+    """SciPy's exact assignment (Crouse 2016) as ``perm[i]``."""
     from scipy.optimize import linear_sum_assignment  # slow to import; not needed by every merge
 
     rows, cols = linear_sum_assignment(scores, maximize=maximize)
     return cols[np.argsort(rows)]
+
+
+def assignment(scores: np.ndarray, maximize: bool = False) -> np.ndarray:
+    """``perm`` optimising ``Σ_i scores[i, perm[i]]`` over permutations: the row optima where they are the optimum
+    outright (:func:`outright_optima`), otherwise SciPy's exact assignment."""
+    columns, outright = outright_optima(np.asarray(scores)[None], maximize)
+    return columns[0] if outright[0] else _solve(scores, maximize)
 
 
 def plan_to_permutation(plan: np.ndarray) -> np.ndarray:
@@ -144,18 +153,15 @@ def match(cost: np.ndarray, solver: Solver = "sinkhorn", reg: float = 0.05, iter
 def match_all(costs: Tensor, solver: Solver = "sinkhorn", reg: float = 0.05, iters: int = 25) -> list[np.ndarray]:
     """:func:`match` for each matrix of ``costs [n, c, c]`` (float32, as eq. 3's GEMMs give them).
 
-    ``hungarian`` screens every matrix at once in float32 (exact in float64, so the same comparisons): where
-    each row's minimum is unique and no two rows share its column, that is the assignment, as
-    :func:`assignment` would find; only the others are cast to float64 and solved one by one.
+    ``hungarian`` screens every matrix at once in float32 (:func:`outright_optima`; the cast to float64 is exact,
+    so the comparisons are :func:`assignment`'s); only the matrices without an outright optimum are cast to
+    float64 and solved one by one.
     """
-    if solver != "hungarian":
-        return [match(c.double().numpy(), solver, reg, iters) for c in costs.cpu()]
     costs = costs.cpu()
-    lowest, best = costs.min(-1)
-    unique = ((costs == lowest[..., None]).sum(-1) == 1).all(-1)
-    distinct = (best.sort(-1).values.diff(dim=-1) != 0).all(-1)
-    outright, columns = (unique & distinct).numpy(), best.numpy()
-    return [columns[i] if outright[i] else assignment(costs[i].double().numpy()) for i in range(len(costs))]
+    if solver != "hungarian":
+        return [match(c.double().numpy(), solver, reg, iters) for c in costs]
+    columns, outright = outright_optima(costs.numpy())
+    return [columns[i] if outright[i] else _solve(costs[i].double().numpy(), False) for i in range(len(costs))]
 
 
 class _Producer:
