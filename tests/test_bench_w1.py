@@ -20,6 +20,14 @@ def test_background_load_runs_busy_loops_and_stops_them():
     assert not _load_children() and all(p.exitcode is not None for p in procs)
 
 
+def test_background_load_refuses_figures_after_a_busy_loop_died():
+    with pytest.raises(RuntimeError, match="not under load"), background_load(1):
+        (proc,) = _load_children()
+        proc.kill()
+        proc.join()
+    assert not _load_children()
+
+
 def test_background_load_of_zero_starts_nothing():
     with background_load(0):
         assert not _load_children()

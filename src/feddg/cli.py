@@ -536,13 +536,14 @@ def bench_w1(
                                       "load", min=0)] = 0,
 ) -> None:
     """W1: FedAvg, 4 clients, cnn4, 5 rounds, in-process (workers 1 and 2) vs a plain PyTorch loop on 2 processes."""
-    from feddg.bench.w1 import VARIANTS, w1_report
+    from feddg.bench.w1 import check_variants, w1_report
 
-    keys = [v.strip() for v in variants.split(",") if v.strip()]
-    if unknown := [k for k in keys if k not in VARIANTS]:
-        raise typer.BadParameter(f"unknown W1 variant(s) {unknown}; choose among {','.join(VARIANTS)}",
-                                 param_hint="--variants")
-    _print_all(w1_report(repeats, images, ["plain", *[k for k in keys if k != "plain"]], load))
+    keys = ["plain", *[k for v in variants.split(",") if (k := v.strip()) and k != "plain"]]
+    try:
+        check_variants(keys)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--variants") from None
+    _print_all(w1_report(repeats, images, keys, load))
 
 
 @bench_app.command("memory")

@@ -155,15 +155,19 @@ def _variants(images: int) -> dict[str, tuple[str, Callable[[], float]]]:
             "auto": (f"feddg workers: auto (= {auto})", lambda: run_feddg("auto", images))}
 
 
+def check_variants(variants: Sequence[str]) -> None:
+    """Refuse a variant list without the yardstick or with a name not in :data:`VARIANTS`."""
+    if set(variants) - set(VARIANTS) or "plain" not in variants:
+        raise ValueError(f"W1 variants must include 'plain' (the yardstick) and be among {','.join(VARIANTS)}, "
+                         f"got {','.join(variants)}")
+
+
 def w1_table(repeats: int, images: int = IMAGES, variants: Sequence[str] = VARIANTS
              ) -> dict[str, list[tuple[float, float]]]:
     """(wall, CPU) seconds of each variant over ``repeats`` interleaved rounds, the order rotated each round so
     that no variant always runs after the same one (a fixed order made ``auto`` look 2 s slower than ``2``, the
     same pool); the yardstick (``plain``) comes first."""
-    unknown = set(variants) - set(VARIANTS)
-    if unknown or "plain" not in variants:
-        raise ValueError(f"W1 variants must include 'plain' (the yardstick) and be among {list(VARIANTS)}, "
-                         f"got {list(variants)}")
+    check_variants(variants)
     table = _variants(images)
     runs = {table[key][0]: table[key][1] for key in VARIANTS if key in variants}
     names = list(runs)
@@ -191,6 +195,8 @@ def background_load(processes: int) -> Iterator[None]:
         p.start()
     try:
         yield
+        if not all(p.is_alive() for p in procs):  # the figures would claim a load they did not run under
+            raise RuntimeError("a busy-loop process ended before the benchmark did: its figures are not under load")
     finally:
         for p in procs:
             p.terminate()
