@@ -100,3 +100,25 @@ def test_fused_merge_has_the_bits_of_the_merge_of_the_permuted_states(solver):
             want = weighted_mean(arrays, gammas)
         got = merged[WEIGHT_PREFIX + key]
         assert got.dtype == want.dtype and np.array_equal(got, want), key
+
+
+def test_merge_on_two_threads_has_the_bits_and_key_order_of_one_thread():
+    """The means run on torch's thread count, largest tensors first: each key must get its own mean, in order."""
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    model = create_model("cnn", num_classes=4, image_size=28)
+    spec = permutation_spec(model)
+    states = [{k: v + 0.3 * torch.randn(v.shape) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+              for _ in range(3)]
+    states = [states[0]] + [apply_permutations(s, spec, random_permutations(spec, rng)) for s in states[1:]]
+    weights = [{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in states]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = merge_stations(weights, None, [1.0, 2.0, 4.0], spec, solver="hungarian")
+        torch.set_num_threads(2)
+        two, _ = merge_stations(weights, None, [1.0, 2.0, 4.0], spec, solver="hungarian")
+    finally:
+        torch.set_num_threads(before)
+    assert list(two) == list(one) == list(weights[0])
+    assert all(two[k].dtype == one[k].dtype and np.array_equal(two[k], one[k]) for k in one)

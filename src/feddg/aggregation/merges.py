@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -116,30 +117,45 @@ def merge_stations(
     layers = set.intersection(*(set(g) for g in grams)) if grams else set()
     merged: dict[str, np.ndarray] = {}
     regmean_s, fallbacks = 0.0, 0
-    for key in states[0]:
-        layer = key.removesuffix(".weight")
-        arrays = [s[key].cpu().numpy() for s in states]
-        index = [r.get(key) for r in rows]
-        if key.endswith(".weight") and layer in layers:
-            assert grams is not None
-            t0 = time.perf_counter()
-            shape = arrays[0].shape  # a 1×1 conv's [out, in, 1, 1] is solved as the linear layer [out, in]
-            if any(d != 1 for d in shape[2:]):
-                raise ValueError(f"RegMean: {key} of shape {list(shape)} is not a linear layer's weight")
-            arrays = [a if i is None else a.reshape(len(i), -1)[i] for a, i in zip(arrays, index, strict=True)]
-            res = regmean([a.reshape(shape[0], -1) for a in arrays], [g[layer] for g in grams], gammas, layer)
-            regmean_s += time.perf_counter() - t0
-            merged[key] = res.weight.reshape(shape)
-            metrics[f"regmean/{layer}/cond"] = res.cond
-            metrics[f"regmean/{layer}/fallback"] = float(res.fallback)
-            metrics[f"regmean/{layer}/dead_inputs"] = float(res.dead_inputs)
-            fallbacks += res.fallback
-        else:
-            merged[key] = weighted_mean(arrays, gammas, index)
+    arrays_of = {key: [s[key].cpu().numpy() for s in states] for key in states[0]}
+    solved = [k for k in states[0] if k.endswith(".weight") and k.removesuffix(".weight") in layers]
+    merged.update(_means([k for k in states[0] if k not in solved], arrays_of, gammas, rows))
+    for key in solved:
+        assert grams is not None
+        layer, arrays, index = key.removesuffix(".weight"), arrays_of[key], [r.get(key) for r in rows]
+        t0 = time.perf_counter()
+        shape = arrays[0].shape  # a 1×1 conv's [out, in, 1, 1] is solved as the linear layer [out, in]
+        if any(d != 1 for d in shape[2:]):
+            raise ValueError(f"RegMean: {key} of shape {list(shape)} is not a linear layer's weight")
+        arrays = [a if i is None else a.reshape(len(i), -1)[i] for a, i in zip(arrays, index, strict=True)]
+        res = regmean([a.reshape(shape[0], -1) for a in arrays], [g[layer] for g in grams], gammas, layer)
+        regmean_s += time.perf_counter() - t0
+        merged[key] = res.weight.reshape(shape)
+        metrics[f"regmean/{layer}/cond"] = res.cond
+        metrics[f"regmean/{layer}/fallback"] = float(res.fallback)
+        metrics[f"regmean/{layer}/dead_inputs"] = float(res.dead_inputs)
+        fallbacks += res.fallback
     if layers:
         metrics["hfl/time_regmean_s"] = regmean_s
         metrics["regmean/fallbacks"] = float(fallbacks)
-    return {WEIGHT_PREFIX + k: v for k, v in merged.items()}, metrics
+    return {WEIGHT_PREFIX + k: merged[k] for k in states[0]}, metrics
+
+
+def _means(
+    keys: Sequence[str], arrays: dict[str, list[np.ndarray]], gammas: Sequence[float], rows: list[dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """Eq. 7 for each key (each station's rows gathered by its permutation), on as many threads as torch's: the keys
+    are independent and numpy's gathers and float64 arithmetic release the GIL; the largest tensors first, so the
+    threads finish together. Each key's result is the serial one's, bit for bit."""
+    def mean(key: str) -> np.ndarray:
+        return weighted_mean(arrays[key], gammas, [r.get(key) for r in rows])
+
+    threads = min(torch.get_num_threads(), len(keys))
+    if threads <= 1:
+        return {k: mean(k) for k in keys}
+    ordered = sorted(keys, key=lambda k: -arrays[k][0].size)
+    with ThreadPoolExecutor(threads, thread_name_prefix="feddg-mean") as pool:
+        return dict(zip(ordered, pool.map(mean, ordered), strict=True))
 
 
 @dataclass(frozen=True)
