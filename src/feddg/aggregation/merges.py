@@ -92,8 +92,8 @@ def merge_stations(
     RegMean (eq. 12) for every linear weight with a Gram at every station. Everything else: the
     γ-weighted mean (eq. 7). ``device``: where FOT's cost GEMMs run (the assignments and means stay on the CPU).
     """
-    states = [{k: torch.from_numpy(np.asarray(v)).to(device) for k, v in subset(w, WEIGHT_PREFIX).items()}
-              for w in weights]
+    host = [{k: np.asarray(v) for k, v in subset(w, WEIGHT_PREFIX).items()} for w in weights]
+    states = [{k: torch.from_numpy(v).to(device) for k, v in h.items()} for h in host]
     metrics: dict[str, float] = {}
     rows: list[dict[str, np.ndarray]] = [{} for _ in states]  # per station: key -> its rows' permutation
     if spec is not None and len(states) > 1:
@@ -115,12 +115,11 @@ def merge_stations(
             metrics[f"fot/{g.name}/cost_before"] = al.cost_before[g.name]
             metrics[f"fot/{g.name}/cost_after"] = al.cost_after[g.name]
     layers = set.intersection(*(set(g) for g in grams)) if grams else set()
-    merged: dict[str, np.ndarray] = {}
     regmean_s, fallbacks = 0.0, 0
-    arrays_of = {key: [s[key].cpu().numpy() for s in states] for key in states[0]}
-    solved = [k for k in states[0] if k.endswith(".weight") and k.removesuffix(".weight") in layers]
-    merged.update(_means([k for k in states[0] if k not in solved], arrays_of, gammas, rows))
-    for key in solved:
+    arrays_of = {key: [h[key] for h in host] for key in host[0]}  # the messages' arrays: nothing copied back
+    solved = {k for k in host[0] if k.endswith(".weight") and k.removesuffix(".weight") in layers}
+    merged = _means([k for k in host[0] if k not in solved], arrays_of, gammas, rows)
+    for key in sorted(solved):
         assert grams is not None
         layer, arrays, index = key.removesuffix(".weight"), arrays_of[key], [r.get(key) for r in rows]
         t0 = time.perf_counter()
@@ -138,7 +137,7 @@ def merge_stations(
     if layers:
         metrics["hfl/time_regmean_s"] = regmean_s
         metrics["regmean/fallbacks"] = float(fallbacks)
-    return {WEIGHT_PREFIX + k: merged[k] for k in states[0]}, metrics
+    return {WEIGHT_PREFIX + k: merged[k] for k in host[0]}, metrics
 
 
 def _means(
