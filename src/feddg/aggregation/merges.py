@@ -117,9 +117,9 @@ def merge_stations(
     layers = set.intersection(*(set(g) for g in grams)) if grams else set()
     regmean_s, fallbacks = 0.0, 0
     arrays_of = {key: [h[key] for h in host] for key in host[0]}  # the messages' arrays: nothing copied back
-    solved = {k for k in host[0] if k.endswith(".weight") and k.removesuffix(".weight") in layers}
+    solved = [k for k in host[0] if k.endswith(".weight") and k.removesuffix(".weight") in layers]  # RegMean's
     merged = _means([k for k in host[0] if k not in solved], arrays_of, gammas, rows)
-    for key in sorted(solved):
+    for key in solved:
         assert grams is not None
         layer, arrays, index = key.removesuffix(".weight"), arrays_of[key], [r.get(key) for r in rows]
         t0 = time.perf_counter()
