@@ -93,15 +93,15 @@ def merge_stations(
     γ-weighted mean (eq. 7). ``device``: where FOT's cost GEMMs run (the assignments and means stay on the CPU).
     """
     host = [{k: np.asarray(v) for k, v in subset(w, WEIGHT_PREFIX).items()} for w in weights]
-    states = [{k: torch.from_numpy(v).to(device) for k, v in h.items()} for h in host]
     metrics: dict[str, float] = {}
-    rows: list[dict[str, np.ndarray]] = [{} for _ in states]  # per station: key -> its rows' permutation
-    if spec is not None and len(states) > 1:
+    rows: list[dict[str, np.ndarray]] = [{} for _ in host]  # per station: key -> its rows' permutation
+    if spec is not None and len(host) > 1:
         t0 = time.perf_counter()
+        states = [{k: torch.from_numpy(v).to(device) for k, v in h.items()} for h in host]  # FOT's GEMMs only
         al = align_to_reference(states[0], states[1:], spec, solver, lambda_ot, sinkhorn_iters)
         # eq. 5 is applied inside the mean (and RegMean's gathers): the permuted states are never written
-        rows = [{}] + [row_indices({k: tuple(v.shape) for k, v in s.items()}, spec, p)
-                       for s, p in zip(states[1:], al.perms, strict=True)]
+        rows = [{}] + [row_indices({k: v.shape for k, v in h.items()}, spec, p)
+                       for h, p in zip(host[1:], al.perms, strict=True)]
         if grams is not None:
             grams = [grams[0]] + [
                 {k: v.numpy() for k, v in permute_grams({k: torch.from_numpy(v) for k, v in g.items()}, spec, p).items()}
