@@ -263,6 +263,24 @@ def test_each_producer_is_multiplied_once_per_station_and_unpermuted_stations_st
     assert all(same.states[0][k] is v for k, v in ref.items())  # nothing moved: nothing copied
 
 
+def test_stations_filters_are_multiplied_as_stored_and_the_reference_takes_the_inverse_permutation(monkeypatch):
+    # a station whose input channels moved is not copied: every GEMM reads a station's weights in place, and
+    # the permutations are those of aligning explicitly permuted copies (each GEMM reading its own copy)
+    torch.manual_seed(0)
+    model = create_model("resnet18", num_classes=5, image_size=32)
+    spec = permutation_spec(model)
+    ref, others = _perturbed_permuted_copies(model, spec, 2, 0.1, seed=4)
+    stored = {v.data_ptr() for o in others for v in o.values()}
+    firsts = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: firsts.append(a.data_ptr()) or mm(a, b, **kw))
+    al = align_to_reference(ref, others, spec, solver="hungarian")
+    assert len(firsts) == 2 * sum(len(g.producers) for g in spec.groups) and set(firsts) <= stored
+    slow = _reference_alignment(ref, others, spec, "hungarian")
+    assert all(np.array_equal(al.perms[e][g.name], slow[e][g.name]) for e in range(2) for g in spec.groups)
+    assert min(al.moved.values()) > 0.5
+
+
 def test_cost_before_counts_every_producer_even_those_matched_later():
     # the first stream of a ResNet is matched in sweep 1 on the stem alone (its blocks' conv2 inputs are
     # not aligned yet); its identity cost still averages all three producers, as eq. 3 defines it

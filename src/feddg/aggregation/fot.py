@@ -10,7 +10,8 @@ bilinearly to the reference's (eq. 6).
 The inner products of eq. 3 (float32 GEMMs, one per producer and station, on the device the states are on)
 dominate the time, so
 :func:`align_to_reference` computes each once per merge and again only for the stations whose
-input channels a later group moved; permutations are composed as index arrays and applied to the
+input channels a later group moved (reading the station's filters in place: the reference's take the inverse
+permutation); permutations are composed as index arrays and applied to the
 weights once at the end (:attr:`Alignment.states`; the station merge instead gathers them inside its mean,
 ``aggregation/merges.py``). The c × c OT problems are solved in float64 (Sinkhorn as POT computes it;
 SciPy's assignment only when the row-wise optima do not already form the optimal permutation).
@@ -169,7 +170,9 @@ class _Producer:
     station's filters (views of its weights) with their norms, computed once per merge, plus the
     inner products ``cross[e] = w_e · ŵ_refᵀ`` of the raw filters (rows in the station's original
     filter order, its input channels permuted as they were at step ``at[e]``); eq. 2's ``1/‖w‖``
-    enters with the cost."""
+    enters with the cost. A station's filters are never copied: where its input channels moved, the
+    reference's filters take the inverse permutation instead (the same sum, its terms in another order),
+    gathered from :attr:`ref_t` in contiguous rows of ``r · c`` floats rather than ``r``-float runs."""
 
     def __init__(
         self,
@@ -193,23 +196,40 @@ class _Producer:
         self.inv_norm = 1.0 / norms.clamp_min(1e-12)  # [E, c]
         self.other_sq = (norms * self.inv_norm).pow_(2)  # 1, or 0 for an all-zero filter
         self.cross = torch.empty(len(others), self.others[0].shape[0], self.ref.shape[0], device=r.device)
-        self.gathered = torch.empty(self.others[0].shape, device=r.device)  # reused by every gather: no fresh pages
         self.at = np.full(len(others), -1)
 
-    def _filters(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor:
-        """Station ``e``'s filters ``[c, d]`` with its input channels permuted by the groups' current permutations
-        (a view of the station's weights, or of :attr:`gathered`, valid until the next call)."""
-        w = self.others[e]
+    @cached_property
+    def ref_t(self) -> Tensor:
+        """The reference's unit filters as ``[c_in, r, c]`` (an input channel is a contiguous row), on first need."""
+        return self.ref.reshape(self.ref.shape[0], self.others[0].shape[1], -1).permute(1, 2, 0).contiguous()
+
+    @cached_property
+    def gathered(self) -> Tensor:
+        """The buffer of every gather of :attr:`ref_t` (no fresh pages per GEMM)."""
+        return torch.empty_like(self.ref_t)
+
+    def _filters(self, e: int) -> Tensor:
+        """Station ``e``'s filters ``[c, d]`` as stored (a view of its weights)."""
+        return self.others[e].reshape(self.others[e].shape[0], -1)
+
+    def _moved_reference(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor | None:
+        """``[d, c]``: the reference's unit filters, transposed, with the inverse of the permutation that the groups'
+        current permutations apply to station ``e``'s input channels, so that ``filters · this`` is the inner
+        product of the permuted filters with the reference; ``None`` where nothing moves them (a view of
+        :attr:`gathered`, valid until the next call)."""
         index = None
         for group, axis in self.inputs:
             perm = total[group][e]
             if (perm != np.arange(len(perm))).any():
-                index = np.arange(w.shape[1]) if index is None else index
+                index = np.arange(len(self.ref_t)) if index is None else index
                 pos = axis.positions(len(perm))
-                index[pos.ravel()] = pos[perm].ravel()
-        if index is not None:
-            w = torch.index_select(w, 1, torch.from_numpy(index).to(w.device), out=self.gathered)
-        return w.reshape(w.shape[0], -1)
+                index[pos.ravel()] = pos[perm].ravel()  # permuted input channel j is station channel index[j]
+        if index is None:
+            return None
+        inverse = np.empty_like(index)
+        inverse[index] = np.arange(len(index))
+        torch.index_select(self.ref_t, 0, torch.from_numpy(inverse).to(self.ref_t.device), out=self.gathered)
+        return self.gathered.reshape(-1, self.ref_t.shape[-1])
 
     def stale(self, changed: Mapping[str, np.ndarray], since: np.ndarray) -> np.ndarray:
         """Stations whose input channels moved after step ``since``."""
@@ -223,7 +243,8 @@ class _Producer:
     ) -> None:
         """Eq. 3's GEMM for the given stations whose inner products are missing or out of date."""
         for e in stations[self.stale(changed, self.at)[stations]]:
-            torch.mm(self._filters(e, total), self.ref.T, out=self.cross[e])
+            moved = self._moved_reference(e, total)
+            torch.mm(self._filters(e), self.ref.T if moved is None else moved, out=self.cross[e])
             self.at[e] = step
 
     def cost(self, stations: np.ndarray, rows: Tensor) -> Tensor:
@@ -236,7 +257,8 @@ class _Producer:
     def diagonal(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor:
         """``C_ii`` of eq. 3 for station ``e``'s filters in their original order (the cost of not
         moving them), without the GEMM."""
-        dot = torch.linalg.vecdot(self._filters(e, total), self.ref) * self.inv_norm[e]
+        moved = self._moved_reference(e, total)
+        dot = torch.linalg.vecdot(self._filters(e), self.ref if moved is None else moved.T) * self.inv_norm[e]
         return (self.ref_sq + self.other_sq[e] - 2.0 * dot).clamp_min_(0.0)
 
 
