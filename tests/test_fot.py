@@ -265,7 +265,7 @@ def test_each_producer_is_multiplied_once_per_station_and_unpermuted_stations_st
 
 def test_stations_filters_are_multiplied_as_stored_and_the_reference_takes_the_inverse_permutation(monkeypatch):
     # a station whose input channels moved is not copied: every GEMM reads a station's weights in place, and
-    # the permutations are those of aligning explicitly permuted copies (each GEMM reading its own copy)
+    # the permutations are those of the plain float64 algorithm, which permutes the stations' weights themselves
     torch.manual_seed(0)
     model = create_model("resnet18", num_classes=5, image_size=32)
     spec = permutation_spec(model)
