@@ -131,6 +131,27 @@ def test_match_all_screens_in_float32_and_gives_match_per_matrix(solver, monkeyp
         assert len(calls) == 2  # the clash and the tie do
 
 
+def test_large_sinkhorn_groups_are_solved_on_threads_each_plan_in_its_place(monkeypatch):
+    """From ``THREADED_SOLVES_FROM`` channels a group's plans are solved on torch's thread budget; every station must
+    still get its own plan's permutation, the serial one to the bit."""
+    import threading
+
+    from feddg.aggregation import fot
+
+    costs = 4 * torch.rand(5, fot.THREADED_SOLVES_FROM, fot.THREADED_SOLVES_FROM, generator=torch.Generator().manual_seed(0))
+    want = [match(c.double().numpy(), "sinkhorn") for c in costs]
+    threads, solve = [], fot.match
+    monkeypatch.setattr(fot, "match", lambda *a, **k: threads.append(threading.current_thread().name) or solve(*a, **k))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = match_all(costs, "sinkhorn")
+    finally:
+        torch.set_num_threads(before)
+    assert len({tuple(p) for p in want}) == 5 and all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(threads) == 5 and all(t.startswith("feddg-sinkhorn") for t in threads)
+
+
 def test_lemma2_ot_cost_is_invariant_to_a_common_permutation():
     rng = np.random.default_rng(2)
     a, b = torch.randn(7, 12), torch.randn(7, 12)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +28,7 @@ from feddg.aggregation.dp import gaussian_sigma, gram_sensitivity
 from feddg.aggregation.fot import Solver, align_to_reference
 from feddg.aggregation.mean import weighted_mean
 from feddg.aggregation.regmean import regmean
+from feddg.aggregation.threads import map_on_threads
 from feddg.messages import WEIGHT_PREFIX, Message, subset
 from feddg.models.permutation import PermutationSpec, permute_grams, row_indices
 
@@ -149,12 +149,8 @@ def _means(
     def mean(key: str) -> np.ndarray:
         return weighted_mean(arrays[key], gammas, [r.get(key) for r in rows])
 
-    threads = min(torch.get_num_threads(), len(keys))
-    if threads <= 1:
-        return {k: mean(k) for k in keys}
     ordered = sorted(keys, key=lambda k: -arrays[k][0].size)
-    with ThreadPoolExecutor(threads, thread_name_prefix="feddg-mean") as pool:
-        return dict(zip(ordered, pool.map(mean, ordered), strict=True))
+    return dict(zip(ordered, map_on_threads(mean, ordered, "feddg-mean"), strict=True))
 
 
 @dataclass(frozen=True)
