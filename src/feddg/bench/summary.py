@@ -15,8 +15,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from feddg.aggregation.fot import Solver
 
 RESNET18_PARAMS = 11_689_512
 
@@ -57,15 +61,16 @@ def w1_rows(images: int, repeats: int) -> list[Row]:
     return rows
 
 
-def m1_row(stations: int, repeats: int) -> Row:
-    """The merge against its exact-cost bound: its GEMM FLOPs over this machine's GEMM rate, both measured here."""
-    from feddg.aggregation.merges import merge_stations
+def m1_row(stations: int, repeats: int, solver: Solver) -> Row:
+    """The merge with ``solver`` against its exact-cost bound: its GEMM FLOPs over this machine's GEMM rate, both
+    measured here."""
+    from feddg.aggregation.merges import HFedATMParams, merge_stations
     from feddg.bench.merge import gemm_gflops, merge_gflop, resnet18_stations, time_merges
 
     case = resnet18_stations(stations)
 
     def merge() -> object:
-        return merge_stations(case.weights, case.grams, case.gammas, case.spec, solver="hungarian")
+        return merge_stations(case.weights, case.grams, case.gammas, case.spec, solver=solver)
 
     time_merges({"m1": merge}, 1, 2)  # warm-up: imports, first allocations
     c0 = time.process_time()
@@ -74,7 +79,8 @@ def m1_row(stations: int, repeats: int) -> Row:
     rate = gemm_gflops(2)
     bound = merge_gflop(merge) / rate
     lo = min(times)
-    return Row(f"M1 HFedATM merge, ResNet-18 × {stations} stations, Hungarian, 2 threads",
+    default = " (HFedATM's default)" if solver == HFedATMParams().solver else ""
+    return Row(f"M1 HFedATM merge, ResNet-18 × {stations} stations, {solver.capitalize()}{default}, 2 threads",
                f"{lo:.2f} / {statistics.median(times):.2f} s", f"GEMM bound {bound:.2f} s ({rate:.0f} GFLOP/s)",
                lo / bound, "≤ 1.5×", lo <= 1.5 * bound, f"{cpu:.2f}")
 
@@ -148,7 +154,7 @@ def summary_rows(quick: bool, repeats: int, progress: Callable[[str], None] = la
     """Every figure, W1 first; ``progress`` hears each one's name before it runs."""
     steps: list[tuple[str, Callable[[], list[Row]]]] = [
         ("W1", lambda: w1_rows(400 if quick else 2000, repeats)),
-        ("M1", lambda: [m1_row(3 if quick else 10, repeats)]),
+        ("M1", lambda: [m1_row(3 if quick else 10, repeats, s) for s in ("hungarian", "sinkhorn")]),
         ("memory", lambda: memory_rows(1_000_000 if quick else RESNET18_PARAMS, [100, 1000] if quick else [1000])),
         ("feddg methods", lambda: [methods_row(repeats)]),
         ("worker start", lambda: [worker_start_row()]),
