@@ -223,3 +223,16 @@ def test_debug_shows_the_traceback(tmp_path, env):
     bad.write_text("a: [1,\n")
     res = _feddg(["--debug", "run", str(bad)], env)
     assert res.returncode != 0 and "Traceback" in res.stderr and "ConfigError" in res.stderr
+
+
+def test_a_table_written_to_a_pipe_keeps_its_rows_whole_unless_columns_is_set(env):
+    """rich wraps at 80 columns off a terminal; feddg's tables use 160 there, and COLUMNS still decides."""
+    env = {k: v for k, v in env.items() if k != "COLUMNS"}
+    piped = _feddg(["methods"], env)
+    narrow = _feddg(["methods"], {**env, "COLUMNS": "80"})
+    assert piped.returncode == narrow.returncode == 0, piped.stderr + narrow.stderr
+    assert max(map(len, piped.stdout.splitlines())) == 160
+    assert max(map(len, narrow.stdout.splitlines())) == 80
+    # CCST's first line of parameters reaches decoder_weights at 160 columns, not at 80
+    assert any("ccst" in line and "decoder_weights=" in line for line in piped.stdout.splitlines())
+    assert not any("ccst" in line and "decoder_weights=" in line for line in narrow.stdout.splitlines())

@@ -39,7 +39,8 @@ def _keep_argument_help() -> None:
 _keep_argument_help()
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated domain generalization.",
                   pretty_exceptions_enable=False)  # --debug shows a plain traceback, without local variables
-out = Console()
+# written to a file or a pipe, rich would wrap tables at 80 columns; keep their rows whole there (COLUMNS still wins)
+out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
 _DEBUG = {"on": False}
 
 Overrides = Annotated[list[str] | None, typer.Option(
