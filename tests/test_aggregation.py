@@ -1,7 +1,9 @@
+import tracemalloc
+
 import numpy as np
 import pytest
 
-from feddg.aggregation.mean import weighted_mean, weighted_mean_messages
+from feddg.aggregation.mean import CHUNK, weighted_mean, weighted_mean_messages
 
 
 def test_weighted_mean_matches_hand_computation():
@@ -30,3 +32,15 @@ def test_message_mean_uses_only_prefixed_keys_and_checks_agreement():
 def test_bad_weights_rejected(w):
     with pytest.raises(ValueError):
         weighted_mean([np.ones(1)] * len(w) or [np.ones(1)], w)
+
+
+def test_weighted_mean_holds_a_few_chunks_of_float64_beyond_its_result_not_a_float64_copy():
+    arrays = [np.full(1 << 20, k, np.float32) for k in range(3)]  # 4 MiB each; a float64 sum of them is 8 MiB
+    tracemalloc.start()  # numpy reports its data allocations to tracemalloc
+    try:
+        out = weighted_mean(arrays, [1, 1, 2])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(out, np.full(1 << 20, 1.25, np.float32))  # (0 + 1 + 2·2) / 4
+    assert peak < out.nbytes + 4 * CHUNK * 8, f"peak {peak} bytes"

@@ -25,7 +25,8 @@ def normalised_weights(weights: Sequence[float]) -> np.ndarray:
 def weighted_mean(
     arrays: Sequence[np.ndarray], weights: Sequence[float], rows: Sequence[np.ndarray | None] | None = None
 ) -> np.ndarray:
-    """``Σ_k w_k a_k / Σ_k w_k`` in float64, cast back to the first array's dtype.
+    """``Σ_k w_k a_k / Σ_k w_k`` in float64, cast back to the first array's dtype, a chunk of :data:`CHUNK` elements
+    at a time (the memory beyond the result is a few chunks, never a float64 copy of it).
 
     ``rows[k]`` (optional, ``None`` = as is): gather ``a_k``'s rows first, ``a_k`` viewed as ``[len(rows[k]), -1]``
     (a permutation from ``feddg.models.permutation.row_indices``, fused into the mean so the permuted copy is
@@ -40,19 +41,23 @@ def weighted_mean(
         raise ValueError(f"row indices of different lengths: {sorted({len(r) for r in index if r is not None})}")
     flat = [np.asarray(a).reshape(n, size // n if n else 1) for a in arrays]
     step = max(1, CHUNK // flat[0].shape[1])  # rows per chunk
-    acc = np.zeros(flat[0].shape, dtype=np.float64)
-    tmp = np.empty((min(step, n), flat[0].shape[1]), dtype=np.float64)
-    gathered = np.empty(tmp.shape, dtype=flat[0].dtype)
-    for start in range(0, n, step):  # in cache-sized chunks: the same operations, one pass over memory
-        part = acc[start:start + step]
-        scaled, buf = tmp[:len(part)], gathered[:len(part)]
-        for wk, a, r in zip(w, flat, index, strict=True):
-            # mode="clip": np.take writes straight into ``out`` (mode="raise" buffers a copy); rows are a permutation
-            src = a[start:start + step] if r is None else np.take(a, r[start:start + step], axis=0, out=buf, mode="clip")
-            part += np.multiply(src, wk, out=scaled, dtype=np.float64)
-    mean = acc.reshape(np.shape(arrays[0]))
     dtype = np.asarray(arrays[0]).dtype
-    return np.rint(mean).astype(dtype) if np.issubdtype(dtype, np.integer) else mean.astype(dtype)
+    integer = np.issubdtype(dtype, np.integer)
+    out = np.empty(flat[0].shape, dtype=dtype)
+    acc = np.empty((min(step, n), flat[0].shape[1]), dtype=np.float64)  # one chunk's sums: never the whole float64 mean
+    scaled = np.empty_like(acc)
+    gathered = np.empty(acc.shape, dtype=flat[0].dtype)
+    for start in range(0, n, step):  # in cache-sized chunks: the same operations, one pass over memory
+        part = acc[:min(step, n - start)]
+        part.fill(0.0)
+        product, buf = scaled[:len(part)], gathered[:len(part)]
+        for wk, a, r in zip(w, flat, index, strict=True):
+            # mode="clip": np.take writes straight into ``buf`` (mode="raise" buffers a copy); rows are a permutation
+            src = a[start:start + step] if r is None else np.take(a, r[start:start + step], axis=0, out=buf, mode="clip")
+            part += np.multiply(src, wk, out=product, dtype=np.float64)
+        out[start:start + step] = np.rint(part) if integer else part  # the cast of astype, chunk by chunk
+    mean = out.reshape(np.shape(arrays[0]))
+    return mean[()] if integer and mean.ndim == 0 else mean  # a 0-d count as a numpy scalar, as WeightedSum gives it
 
 
 def weighted_mean_messages(
