@@ -4,10 +4,12 @@
 #   bash benchmarks/golden_cpus.sh [MODEL ...]        default: EPYC-Rome Haswell (qemu-x86_64 -cpu help lists more)
 #   KERNELS=native bash benchmarks/golden_cpus.sh ...  the CPU's own kernels instead of reproducibility: portable's
 #   ONLY="toy/fedavg toy/hfedf" bash benchmarks/golden_cpus.sh ...  those cases only (about 75 s a model for five toy cases)
-# qemu computes rsqrtps/rcpps exactly where real CPUs approximate them: a case that differs only under emulation may
-# run through such a kernel (MKL's vector math) and is not evidence about real hardware (docs/reliability.md).
+# qemu computes every IEEE operation exactly and the approximate rsqrtps/rcpps exactly too, where real CPUs differ
+# (MKL's vector math, behind torch.sqrt and the default Adam, builds on them: feddg takes neither, feddg/numerics.py);
+# a case that agrees natively and here ran through no such instruction (docs/reliability.md).
 # Prints, per model, whether every case matches tests/fixtures/golden_*.json bit for bit. Needs qemu-user
-# (apt-get install qemu-user); TCG emulation is ~30-60x slower than native: about 30 min a model on 2 cores.
+# (apt-get install qemu-user; 2026-11-27: 10.0 from bookworm-backports); TCG emulation is ~30-60x slower than
+# native: about 24 min a model (19 cases), one core each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}

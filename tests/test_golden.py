@@ -2,10 +2,10 @@
 refactor changes the house, not the numbers.
 
 The cases run in a process of their own with ``reproducibility: portable``'s kernels (support/golden.py), whose
-bits are the same on any x86-64 CPU with AVX2 — the figures were recorded on an AVX-512 Intel Xeon and match under
-emulated AMD EPYC and Intel Haswell CPUs (benchmarks/golden_cpus.sh). They were first recorded with a 2-core AMD
-EPYC's own kernels before the architecture step; the code of that record reproduces it exactly under an emulated
-EPYC, and its portable-kernel figures are the ones recorded here."""
+bits are meant to be the same on any x86-64 CPU with AVX2: the figures match on a real AMD EPYC (Zen 5) and under
+emulated Intel and AMD CPUs (benchmarks/golden_cpus.sh), and those of the cases without a square root or Adam also
+on the Intel Xeon (AVX-512) that recorded them first. The cases with one were re-recorded when feddg stopped
+taking MKL's vendor-dependent square root (feddg/numerics.py; docs/reliability.md)."""
 
 import json
 import subprocess

@@ -5,12 +5,14 @@ AVX-512 on the next, a vendor-specific MKL path on AMD), and a kernel's summatio
 the same code gives other float bits elsewhere. ``portable`` pins every one of them to a kernel that exists on
 every x86-64 CPU with AVX2 and is meant to compute the same everywhere (docs/reliability.md says what is
 verified), and runs each process with one thread (threaded
-reductions split their sums by the thread count). The libraries read these settings once, when they load, so
+reductions split their sums by the thread count). No setting pins MKL's vector math, which PyTorch's x86 build
+uses for ``torch.sqrt`` (and Adam's default step) and which gives other bits on an AMD than on an Intel processor:
+feddg takes those from :mod:`feddg.numerics` instead. The libraries read these settings once, when they load, so
 they must be in the environment before torch or numpy is imported: the CLI re-executes itself with them
 (:func:`exec_pinned`); a program that drives feddg as a library starts with them set
 (``eval "$(feddg env portable)"``) and :func:`check_pinned` refuses a run that asks for portable bits without
-them. Checked by running the golden cases on this machine and, emulated with ``qemu-x86_64 -cpu``, on an
-AMD EPYC and an Intel Haswell (``benchmarks/golden_cpus.sh``); the cost is in docs/benchmarks.md.
+them. Checked with the golden cases on real and emulated CPUs (``benchmarks/golden_cpus.sh``; docs/reliability.md
+says which cases on which CPUs); the cost is in docs/benchmarks.md.
 
 This module imports neither torch nor numpy at its top, so the CLI can read a config and re-execute first.
 """

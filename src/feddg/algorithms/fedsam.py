@@ -21,6 +21,7 @@ from feddg.algorithms.base import ClientContext, ClientState, Method, Params, we
 from feddg.algorithms.components.local import LossFn, grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.devices import Inputs
 from feddg.messages import Message, load_weights
+from feddg.numerics import sqrt
 
 
 class FedSAMParams(Params):
@@ -29,7 +30,7 @@ class FedSAMParams(Params):
 
 def ascent(params: Sequence[Tensor], grads: Sequence[Tensor], rho: float) -> list[Tensor]:
     """``ε = ρ g / ‖g‖₂`` (zero when ``g`` is zero or not finite: an fp16 overflow)."""
-    norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))  # type: ignore[arg-type]  # a 0-d tensor
+    norm = sqrt(sum((g.float() ** 2).sum() for g in grads))  # type: ignore[arg-type]  # a 0-d tensor
     if not bool(torch.isfinite(norm)) or float(norm) == 0.0:
         return [torch.zeros_like(p) for p in params]
     return [(rho * g / norm).to(p.dtype) for p, g in zip(params, grads, strict=True)]

@@ -45,6 +45,7 @@ from feddg.algorithms.components.hypernetwork import HyperNetwork, hypernetwork_
 from feddg.algorithms.components.local import train_local
 from feddg.devices import images
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights
+from feddg.numerics import adam, sqrt
 from feddg.seeds import derived_seed
 from feddg.tasks import IMAGES
 
@@ -102,8 +103,8 @@ def gradalign(grads: Sequence[Tensor | Grad], sign: float = 1.0) -> tuple[Tensor
         for j in range(i, k):
             gram[i, j] = gram[j, i] = sum(float(torch.dot(a.flatten(), b.flatten()))
                                           for a, b in zip(parts[i], parts[j], strict=True))
-    norm_avg = float(gram.sum().clamp_min(0.0).sqrt())
-    cos = gram.sum(1) / (gram.diagonal().clamp_min(0.0).sqrt() * norm_avg).clamp_min(1e-300)
+    norm_avg = float(sqrt(gram.sum().clamp_min(0.0)))
+    cos = gram.sum(1) / (sqrt(gram.diagonal().clamp_min(0.0)) * norm_avg).clamp_min(1e-300)
     return torch.softmax(sign * cos, 0), cos
 
 
@@ -175,7 +176,7 @@ class HFedF(Method):
         hnet.embeddings.weight.requires_grad_(learned)
         params = hnet.theta() + ([hnet.embeddings.weight] if learned else [])
         if p.server_optimizer == "adam":
-            opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=p.server_lr, weight_decay=p.server_weight_decay)
+            opt: torch.optim.Optimizer = adam(params, lr=p.server_lr, weight_decay=p.server_weight_decay)
         else:
             opt = torch.optim.SGD(params, lr=p.server_lr, weight_decay=p.server_weight_decay)
         state = model.state_dict()

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from feddg.numerics import adam
+
 
 class VectorGenerator(nn.Module):
     """``g(v)``: a ``dim``-vector to a ``[channels, height, width]`` image in ``[0, 1]``."""
@@ -49,7 +51,7 @@ def train_generator(
     gen = VectorGenerator(v.shape[1], *x.shape[1:])
     gen.v_mean.copy_(v.mean(0))
     gen.v_std.copy_(v.std(0, unbiased=False).clamp_min(1e-6) if len(v) > 1 else torch.ones(v.shape[1]))
-    opt = torch.optim.Adam(gen.parameters(), lr=lr)
+    opt = adam(gen.parameters(), lr=lr)
     rng = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         pick = torch.randint(len(x), (min(batch, len(x)),), generator=rng)

@@ -35,6 +35,7 @@ from feddg.data.base import DomainDataset
 from feddg.evaluation.plots import read_metrics
 from feddg.models import create_model
 from feddg.models.registry import model_capabilities
+from feddg.numerics import adam
 from feddg.tasks import Task
 
 
@@ -169,7 +170,7 @@ class LoopBench:
         model, loss_fn = self.model, self.task.loss
         t0 = time.perf_counter()
         model.train()
-        opt = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        opt = adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         order = torch.randperm(len(self.train_idx), generator=torch.Generator().manual_seed(seed)) % len(self.y)
         for idx in order.split(self.batch):
             opt.zero_grad(set_to_none=True)

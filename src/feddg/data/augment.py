@@ -20,6 +20,7 @@ from torch import Tensor
 
 from feddg.data.transform_spec import TransformSpec
 from feddg.data.transforms import BatchRandomCrop
+from feddg.numerics import sqrt
 
 _LUMA = (0.299, 0.587, 0.114)
 _TRIES = 10
@@ -45,8 +46,8 @@ def crop_boxes(
     area = height * width
     target = area * _uniform(*scale, (b, _TRIES), generator)
     aspect = torch.exp(_uniform(math.log(ratio[0]), math.log(ratio[1]), (b, _TRIES), generator))
-    w = torch.round(torch.sqrt(target * aspect)).long()
-    h = torch.round(torch.sqrt(target / aspect)).long()
+    w = torch.round(sqrt(target * aspect)).long()
+    h = torch.round(sqrt(target / aspect)).long()
     ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
     first = ok.long().argmax(1, keepdim=True)
     w, h = w.gather(1, first).squeeze(1), h.gather(1, first).squeeze(1)

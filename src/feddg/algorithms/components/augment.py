@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from torch import Tensor, nn
 
+from feddg.numerics import sqrt
 from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
 #: variance epsilon of the MixStyle / MoEx standard deviations
@@ -136,14 +137,14 @@ def soft_targets(y: Tensor, perm: Tensor, lam: float, num_classes: int) -> Tenso
 def mixstyle(x: Tensor, perm: Tensor, lam: Tensor) -> Tensor:
     """MixStyle on ``x [B, C, H, W]`` with per-sample ``lam [B]``: mix detached channel mean/std over H×W."""
     mu = x.mean(dim=(2, 3), keepdim=True).detach()
-    sig = (x.var(dim=(2, 3), keepdim=True, unbiased=False) + EPS).sqrt().detach()
+    sig = sqrt(x.var(dim=(2, 3), keepdim=True, unbiased=False) + EPS).detach()
     lam = lam.view(-1, 1, 1, 1).to(x.dtype)
     return (x - mu) / sig * mix(sig, sig[perm], lam) + mix(mu, mu[perm], lam)
 
 
 def pono(x: Tensor) -> tuple[Tensor, Tensor]:
     """Positional normalisation's moments: mean and std over channels at each position, ``[B, 1, H, W]``."""
-    return x.mean(dim=1, keepdim=True), (x.var(dim=1, keepdim=True, unbiased=False) + EPS).sqrt()
+    return x.mean(dim=1, keepdim=True), sqrt(x.var(dim=1, keepdim=True, unbiased=False) + EPS)
 
 
 def moex(x: Tensor, perm: Tensor) -> Tensor:

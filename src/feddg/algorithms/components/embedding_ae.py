@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from feddg.numerics import adam
+
 
 class EmbeddingAutoencoder(nn.Module):
     """Table 6 for ``in_channels × image_size²`` inputs."""
@@ -61,7 +63,7 @@ def train_and_embed(
 ) -> np.ndarray:
     """Train ``ae`` (MSE reconstruction, Adam) on ``images`` and return their mean latent ``[e]``."""
     target = unit_range(images)
-    opt = torch.optim.Adam(ae.parameters(), lr=lr)
+    opt = adam(ae.parameters(), lr=lr)
     ae.train()
     for _ in range(epochs):
         order = torch.randperm(len(images), generator=generator)

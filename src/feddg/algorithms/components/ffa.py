@@ -24,6 +24,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from feddg.numerics import sqrt
+
 #: full: eq. 8 with the t-modulated γ; direct: Table 11's "Direct Fusion" (γ replaced by the raw
 #: eq. 6 variance); client: FedFA-C (Σ̂² = Σ²); random: FedFA-R (Σ̂ = a fixed std for all channels)
 Variant = Literal["full", "random", "client", "direct"]
@@ -41,7 +43,7 @@ def channel_stats(x: Tensor, eps: float = STD_EPS) -> tuple[Tensor, Tensor]:
         raise ValueError(f"FFA needs a feature map [B, C, H, W], got shape {tuple(x.shape)}")
     mu = x.mean(dim=(2, 3))
     var = x.var(dim=(2, 3), unbiased=False)
-    return mu, (var + eps).sqrt()
+    return mu, sqrt(var + eps)
 
 
 def batch_variance(stat: Tensor) -> Tensor:
@@ -57,7 +59,7 @@ def fuse_variance(client_var: Tensor, modulation: Tensor | float) -> Tensor:
 def safe_sqrt(v: Tensor) -> Tensor:
     """``√v`` that is exactly 0 (with a zero, not NaN, gradient) where ``v = 0``."""
     positive = v > 0
-    return torch.where(positive, v.clamp_min(1e-12).sqrt(), torch.zeros_like(v))
+    return torch.where(positive, sqrt(v.clamp_min(1e-12)), torch.zeros_like(v))
 
 
 def renormalise(x: Tensor, mu: Tensor, sigma: Tensor, mu_hat: Tensor, sigma_hat: Tensor) -> Tensor:

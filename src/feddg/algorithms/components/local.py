@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from feddg.algorithms.base import ClientContext, OptimSettings
 from feddg.algorithms.components.augment import Augmenter, parse_augment
 from feddg.devices import Inputs, images
+from feddg.numerics import adam
 
 #: ``loss_fn(model, x, y) -> scalar loss``
 LossFn = Callable[[nn.Module, Inputs, Tensor], Tensor]
@@ -31,9 +32,9 @@ def make_optimizer(params: Iterable[Tensor], optim: OptimSettings, lr: float) ->
         return torch.optim.SGD(params, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
     betas = (optim.momentum, 0.999)
     if optim.name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=optim.weight_decay)
+        return adam(params, lr=lr, betas=betas, weight_decay=optim.weight_decay)
     if optim.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=optim.weight_decay)
+        return adam(params, decoupled=True, lr=lr, betas=betas, weight_decay=optim.weight_decay)
     raise ValueError(f"unknown optimiser {optim.name!r}; expected sgd, adam or adamw")
 
 

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from feddg.algorithms.base import ClientContext, Params
 from feddg.devices import images
 from feddg.messages import WEIGHT_PREFIX, Message, load_weights, subset
+from feddg.numerics import sqrt
 
 if TYPE_CHECKING:
     from feddg.models.base import FedModel
@@ -74,7 +75,7 @@ def channel_moments(feat: Tensor) -> tuple[Tensor, Tensor]:
 
 def std_from_moments(mean: Tensor, second: Tensor, eps: float = EPS) -> Tensor:
     """``σ = sqrt(E[F²] − E[F]² + ε)`` (population variance, as eq. 2)."""
-    return (second - mean.pow(2)).clamp_min(0.0).add(eps).sqrt()
+    return sqrt((second - mean.pow(2)).clamp_min(0.0).add(eps))
 
 
 def channel_stats(feat: Tensor, eps: float = EPS) -> tuple[Tensor, Tensor]:
