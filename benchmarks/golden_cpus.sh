@@ -6,7 +6,8 @@
 #   ONLY="toy/fedavg toy/hfedf" bash benchmarks/golden_cpus.sh ...  those cases only (about 75 s a model for five toy cases)
 # qemu computes every IEEE operation exactly and the approximate rsqrtps/rcpps exactly too, where real CPUs differ
 # (MKL's vector math, behind torch.sqrt and the default Adam, builds on them: feddg takes neither, feddg/numerics.py);
-# a case that agrees natively and here ran through no such instruction (docs/reliability.md).
+# a case that agrees natively and here ran through no such instruction (docs/reliability.md); where one does not,
+# benchmarks/op_trace.py names the first op that parts.
 # Prints, per model, whether every case matches tests/fixtures/golden_*.json bit for bit. Needs qemu-user
 # (apt-get install qemu-user; 2026-11-27: 10.0 from bookworm-backports); TCG emulation is ~30-60x slower than
 # native: about 24 min a model (19 cases), one core each.
