@@ -4,7 +4,7 @@ The baseline is the merge of a git revision: its ``merges.py``, ``mean.py``, ``f
 and ``permutation.py``, loaded with ``git show REV:...`` into a temporary package; both run interleaved in
 one process on the same inputs, and their merged models are compared (they must be the same bits). Each
 merge is also set against its exact-cost bound measured in the run (its GEMM FLOPs, ``merge_gflop``, over this
-machine's GEMM rate, ``gemm_gflops``) and, timed interleaved with the merges, the floor of its other work: one
+machine's best float32 GEMM rate, ``fastest_gemm``) and, timed interleaved with the merges, the floor of its other work: one
 pass of the float64 mean over the station weights (``mean_pass``).
 
     python benchmarks/bench_merge.py                      # --baseline 49e00c0 --repeats 5 --threads 2
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from feddg.aggregation import merges
-from feddg.bench.merge import MergeCase, gemm_gflops, mean_pass, merge_gflop, resnet18_stations, summary, time_merges
+from feddg.bench.merge import MergeCase, fastest_gemm, mean_pass, merge_gflop, resnet18_stations, summary, time_merges
 from feddg.models import create_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def compare(solver: str, merges_by_name: dict[str, tuple[Callable[..., Any], Any
     for ms in metrics.values():
         ms.clear()
     times = time_merges(runs, repeats, threads)
-    rate = gemm_gflops(threads)
+    kernel, rate = fastest_gemm(threads)
     bound = merge_gflop(runs[next(iter(merges_by_name))]) / rate
     base = min(next(iter(times.values())))
     for name, ts in times.items():
@@ -102,7 +102,7 @@ def compare(solver: str, merges_by_name: dict[str, tuple[Callable[..., Any], Any
         passes = metrics[name][-1]["fot/passes"]
         print(f"{solver:<10} {name:<18} {lo:7.3f} {med:9.3f} {fot:7.3f} {reg:10.3f} {passes:6.0f} {base / lo:6.2f} "
               f"{lo / bound:8.2f}")
-    print(f"{solver:<10} {'GEMM bound':<18} {bound:7.3f} ({rate:.0f} GFLOP/s at 512 × 4608 × 512, {threads} threads)")
+    print(f"{solver:<10} {'GEMM bound':<18} {bound:7.3f} ({rate:.0f} GFLOP/s, {kernel}, at 512 × 4608 × 512, {threads} threads)")
     a, b = merged.values()
     same = a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     diff = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)

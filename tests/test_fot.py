@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from feddg.aggregation import fot
 from feddg.aggregation.fot import (
     MAX_PASSES,
     align_to_reference,
@@ -271,8 +272,8 @@ def test_each_producer_is_multiplied_once_per_station_and_unpermuted_stations_st
     spec = permutation_spec(model)
     ref, others = _perturbed_permuted_copies(model, spec, 2, 0.1, seed=2)
     calls = []
-    mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: calls.append(a.shape) or mm(a, b, **kw))
+    product = fot.cross_product(torch.device("cpu"))
+    monkeypatch.setattr(fot, "cross_product", lambda device: lambda a, b, out: calls.append(a.shape) or product(a, b, out))
     al = align_to_reference(ref, others, spec, solver="hungarian")
     producers = sum(len(g.producers) for g in spec.groups)
     # streams wait for their blocks' inner convs in sweep 1 and are matched with all producers in sweep 2
@@ -293,8 +294,8 @@ def test_stations_filters_are_multiplied_as_stored_and_the_reference_takes_the_i
     ref, others = _perturbed_permuted_copies(model, spec, 2, 0.1, seed=4)
     stored = {v.data_ptr() for o in others for v in o.values()}
     firsts = []
-    mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: firsts.append(a.data_ptr()) or mm(a, b, **kw))
+    product = fot.cross_product(torch.device("cpu"))
+    monkeypatch.setattr(fot, "cross_product", lambda device: lambda a, b, out: firsts.append(a.data_ptr()) or product(a, b, out))
     al = align_to_reference(ref, others, spec, solver="hungarian")
     assert len(firsts) == 2 * sum(len(g.producers) for g in spec.groups) and set(firsts) <= stored
     slow = _reference_alignment(ref, others, spec, "hungarian")

@@ -150,3 +150,22 @@ def test_the_merge_bound_counts_exactly_the_flops_of_its_products():
         return (a @ b) @ c + a.mean()
 
     assert merge_gflop(two_products) == pytest.approx((2 * 30 * 40 * 50 + 2 * 30 * 50 * 7) / 1e9, rel=1e-12)
+
+
+def test_the_bound_s_gemm_kernels_are_float32_products_and_the_fastest_is_taken(monkeypatch):
+    """Every kernel M1's bound may take computes ``a @ b`` in float32 (to float32 rounding), and the bound takes the
+    fastest measured rate (on an AMD EPYC oneDNN's, 2.2× MKL's, which ``torch.mm`` runs)."""
+    from feddg.bench import merge as bench_merge
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 300, generator=g), torch.randn(300, 48, generator=g)
+    exact = a.double() @ b.double()
+    assert "MKL" in bench_merge.GEMMS
+    for name, gemm in bench_merge.GEMMS.items():
+        out = gemm(a, b)
+        assert out.dtype == torch.float32 and out.shape == (64, 48), name
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4, msg=name)
+    monkeypatch.setattr(bench_merge, "GEMMS", {"slow": torch.mm, "fast": torch.mm, "middle": torch.mm})
+    rates = {"slow": 100.0, "fast": 300.0, "middle": 200.0}
+    monkeypatch.setattr(bench_merge, "gemm_gflops", lambda threads, kernel="MKL", **_: rates[kernel])
+    assert bench_merge.fastest_gemm(2) == ("fast", 300.0)

@@ -7,8 +7,8 @@ with entropic Sinkhorn (eq. 4; or an exact assignment), round the plan to a perm
 it graph-consistently to the station's model (eq. 5). Filters of another spatial size are resized
 bilinearly to the reference's (eq. 6).
 
-The inner products of eq. 3 (float32 GEMMs, one per producer and station, on the device the states are on)
-dominate the time, so
+The inner products of eq. 3 (float32 GEMMs, one per producer and station, on the device the states are on; on a
+CPU oneDNN's unless the kernels are pinned, :func:`cross_product`) dominate the time, so
 :func:`align_to_reference` computes each once per merge and again only for the stations whose
 input channels a later group moved (reading the station's filters in place: the reference's take the inverse
 permutation); permutations are composed as index arrays and applied to the
@@ -21,7 +21,7 @@ permutation).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from feddg.aggregation.threads import map_on_threads
 from feddg.models.permutation import Axis, PermGroup, Permutations, PermutationSpec, apply_permutations
+from feddg.reproducibility import is_pinned
 
 Solver = Literal["sinkhorn", "hungarian"]
 
@@ -74,6 +75,31 @@ def _cost_from_cross(cross: Tensor, ref_sq: Tensor, other_sq: Tensor, scale: Ten
 def cost_matrix(ref: Tensor, other: Tensor) -> Tensor:
     """Eq. 3: ``C_ij = ‖ŵ_ref,i − ŵ_other,j‖²`` for unit rows ``ref [c, d]`` and ``other [..., c, d]``."""
     return _cost_from_cross(other @ ref.T, ref.pow(2).sum(-1), other.pow(2).sum(-1))
+
+
+#: ``cross(filters [c_o, d], ref_rows [c_r, d], out [c_o, c_r])``: ``out = filters · ref_rowsᵀ`` in float32
+CrossProduct = Callable[[Tensor, Tensor, Tensor], None]
+
+
+def mkl_cross(filters: Tensor, ref_rows: Tensor, out: Tensor) -> None:
+    """Eq. 3's inner products by ``torch.mm`` (MKL on a CPU, cuBLAS on a GPU)."""
+    torch.mm(filters, ref_rows.T, out=out)
+
+
+def onednn_cross(filters: Tensor, ref_rows: Tensor, out: Tensor) -> None:
+    """Eq. 3's inner products by oneDNN's float32 matmul (PyTorch's mkldnn linear; CPU only)."""
+    out.copy_(torch.ops.mkldnn._linear_pointwise(filters, ref_rows, None, "none", [], ""))
+
+
+def cross_product(device: torch.device) -> CrossProduct:
+    """The GEMM of eq. 3 on ``device``: on a CPU oneDNN's where PyTorch has it (on a 2-core AMD EPYC, Zen 5, 470
+    against MKL's 210 GFLOP/s: MKL takes its AVX2 path on AMD), except under ``reproducibility: portable``'s
+    pinned kernels, whose MKL products give the same bits on every CPU (oneDNN's blocking follows the CPU's
+    caches); elsewhere ``torch.mm``. Either is float32 (the two differ in the last bits, which the assignment
+    screen and the float64 solves tolerate: the permutations are the plain float64 algorithm's, tests/test_fot.py)."""
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and not is_pinned():
+        return onednn_cross
+    return mkl_cross
 
 
 def sinkhorn_plan(cost: np.ndarray, reg: float, iters: int) -> np.ndarray:
@@ -182,8 +208,8 @@ class _Producer:
     inner products ``cross[e] = w_e · ŵ_refᵀ`` of the raw filters (rows in the station's original
     filter order, its input channels permuted as they were at step ``at[e]``); eq. 2's ``1/‖w‖``
     enters with the cost. A station's filters are never copied: where its input channels moved, the
-    reference's filters take the inverse permutation instead (the same sum, its terms in another order),
-    gathered from :attr:`ref_t` in contiguous rows of ``r · c`` floats rather than ``r``-float runs."""
+    reference's filters take the inverse permutation instead (the same sum, its terms in another order);
+    :func:`cross_product` picks the GEMM."""
 
     def __init__(
         self,
@@ -208,39 +234,37 @@ class _Producer:
         self.other_sq = (norms * self.inv_norm).pow_(2)  # 1, or 0 for an all-zero filter
         self.cross = torch.empty(len(others), self.others[0].shape[0], self.ref.shape[0], device=r.device)
         self.at = np.full(len(others), -1)
-
-    @cached_property
-    def ref_t(self) -> Tensor:
-        """The reference's unit filters as ``[c_in, r, c]`` (an input channel is a contiguous row), on first need."""
-        return self.ref.reshape(self.ref.shape[0], self.others[0].shape[1], -1).permute(1, 2, 0).contiguous()
+        self.product = cross_product(r.device)
 
     @cached_property
     def gathered(self) -> Tensor:
-        """The buffer of every gather of :attr:`ref_t` (no fresh pages per GEMM)."""
-        return torch.empty_like(self.ref_t)
+        """The buffer of every gather of the reference's filters ``[c, c_in, r]`` (no fresh pages per GEMM)."""
+        return torch.empty(self.ref.shape[0], self.others[0].shape[1], self.ref.shape[1] // self.others[0].shape[1],
+                           device=self.ref.device)
 
     def _filters(self, e: int) -> Tensor:
         """Station ``e``'s filters ``[c, d]`` as stored (a view of its weights)."""
         return self.others[e].reshape(self.others[e].shape[0], -1)
 
     def _moved_reference(self, e: int, total: Mapping[str, np.ndarray]) -> Tensor | None:
-        """``[d, c]``: the reference's unit filters, transposed, with the inverse of the permutation that the groups'
-        current permutations apply to station ``e``'s input channels, so that ``filters · this`` is the inner
-        product of the permuted filters with the reference; ``None`` where nothing moves them (a view of
-        :attr:`gathered`, valid until the next call)."""
+        """``[c, d]``: the reference's unit filters with the inverse of the permutation that the groups' current
+        permutations apply to station ``e``'s input channels, so that ``filters · thisᵀ`` is the inner product of the
+        permuted filters with the reference; ``None`` where nothing moves them (a view of :attr:`gathered`, valid
+        until the next call)."""
         index = None
         for group, axis in self.inputs:
             perm = total[group][e]
             if (perm != np.arange(len(perm))).any():
-                index = np.arange(len(self.ref_t)) if index is None else index
+                index = np.arange(self.gathered.shape[1]) if index is None else index
                 pos = axis.positions(len(perm))
                 index[pos.ravel()] = pos[perm].ravel()  # permuted input channel j is station channel index[j]
         if index is None:
             return None
         inverse = np.empty_like(index)
         inverse[index] = np.arange(len(index))
-        torch.index_select(self.ref_t, 0, torch.from_numpy(inverse).to(self.ref_t.device), out=self.gathered)
-        return self.gathered.reshape(-1, self.ref_t.shape[-1])
+        ref = self.ref.view(self.gathered.shape)
+        torch.index_select(ref, 1, torch.from_numpy(inverse).to(ref.device), out=self.gathered)
+        return self.gathered.view(self.ref.shape)
 
     def stale(self, changed: Mapping[str, np.ndarray], since: np.ndarray) -> np.ndarray:
         """Stations whose input channels moved after step ``since``."""
@@ -255,7 +279,7 @@ class _Producer:
         """Eq. 3's GEMM for the given stations whose inner products are missing or out of date."""
         for e in stations[self.stale(changed, self.at)[stations]]:
             moved = self._moved_reference(e, total)
-            torch.mm(self._filters(e), self.ref.T if moved is None else moved, out=self.cross[e])
+            self.product(self._filters(e), self.ref if moved is None else moved, self.cross[e])
             self.at[e] = step
 
     def cost(self, stations: np.ndarray, rows: Tensor) -> Tensor:
@@ -269,7 +293,7 @@ class _Producer:
         """``C_ii`` of eq. 3 for station ``e``'s filters in their original order (the cost of not
         moving them), without the GEMM."""
         moved = self._moved_reference(e, total)
-        dot = torch.linalg.vecdot(self._filters(e), self.ref if moved is None else moved.T) * self.inv_norm[e]
+        dot = torch.linalg.vecdot(self._filters(e), self.ref if moved is None else moved) * self.inv_norm[e]
         return (self.ref_sq + self.other_sq[e] - 2.0 * dot).clamp_min_(0.0)
 
 
