@@ -150,6 +150,11 @@ def test_the_merge_bound_counts_exactly_the_flops_of_its_products():
         return (a @ b) @ c + a.mean()
 
     assert merge_gflop(two_products) == pytest.approx((2 * 30 * 40 * 50 + 2 * 30 * 50 * 7) / 1e9, rel=1e-12)
+    if torch.backends.mkldnn.is_available():  # FOT's products on oneDNN count the same
+        from feddg.aggregation.fot import onednn_cross
+
+        out = torch.empty(30, 50)
+        assert merge_gflop(lambda: onednn_cross(a, b.T.contiguous(), out)) == pytest.approx(2 * 30 * 40 * 50 / 1e9)
 
 
 def test_the_bound_s_gemm_kernels_are_float32_products_and_the_fastest_is_taken(monkeypatch):

@@ -9,9 +9,10 @@ with a fixed number of torch threads; ``benchmarks/bench_merge.py`` compares imp
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,12 +111,19 @@ def summary(times: list[float]) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
+def _linear_flop(input_shape: Sequence[int], weight_shape: Sequence[int], *_: object, **__: object) -> int:
+    """FLOPs of ``input [..., k] · weight [n, k]ᵀ`` (oneDNN's linear, which ``FlopCounterMode`` does not know)."""
+    return 2 * math.prod(input_shape) * weight_shape[0]
+
+
 def merge_gflop(merge: Callable[[], object]) -> float:
     """GFLOP of the matrix products in one call of ``merge``, counted by torch's ``FlopCounterMode`` (FOT's cost
-    GEMMs: the exact-cost part of a merge; the assignment solves and the means add no GEMM FLOPs)."""
+    GEMMs, on MKL or oneDNN: the exact-cost part of a merge; the assignment solves and the means add no GEMM
+    FLOPs)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    custom = {torch.ops.mkldnn._linear_pointwise: _linear_flop} if torch.backends.mkldnn.is_available() else {}
+    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
         merge()
     return counter.get_total_flops() / 1e9
 

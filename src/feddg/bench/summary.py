@@ -79,7 +79,10 @@ def m1_rows(stations: int, repeats: int, solvers: tuple[Solver, ...] = ("hungari
         times = time_merges({"m1": merge}, repeats, 2)["m1"]
         cpu = (time.process_time() - c0) / repeats
         kernel, rate = fastest_gemm(2)
-        bound = merge_gflop(merge) / rate
+        flops = merge_gflop(merge)
+        if flops <= 0:  # a product on a kernel FlopCounterMode does not know: no bound, rather than a wrong one
+            raise RuntimeError("M1: no GEMM FLOPs counted in the merge; its cost products run on an uncounted kernel")
+        bound = flops / rate
         lo = min(times)
         default = " (HFedATM's default)" if solver == HFedATMParams().solver else ""
         yardstick = f"GEMM bound {bound:.2f} s ({rate:.0f} GFLOP/s, {kernel})"
