@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from feddg.aggregation.fot import CrossProduct, mkl_cross, onednn_cross
 from feddg.aggregation.regmean import shrink, station_gram
 from feddg.messages import WEIGHT_PREFIX, Message
 from feddg.models import create_model
@@ -128,16 +129,12 @@ def merge_gflop(merge: Callable[[], object]) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def _onednn_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` by oneDNN's float32 matmul (the kernel behind PyTorch's mkldnn linear), not MKL's."""
-    return torch.ops.mkldnn._linear_pointwise(a, b.T.contiguous(), None, "none", [], "")
-
-
-#: the float32 GEMMs a merge's cost products could run on in this process: MKL's (``torch.mm``) and, where PyTorch
-#: has it, oneDNN's, which on an AMD EPYC (Zen 5) runs 2.2× MKL's (MKL takes its AVX2 path on AMD)
-GEMMS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"MKL": torch.mm}
+#: the float32 GEMMs eq. 3's products may run on in this process, called as the merge calls them
+#: (``kernel(a [m, k], b [n, k], out [m, n])``: ``out = a · bᵀ``): MKL's (``torch.mm``) and, where PyTorch has it,
+#: oneDNN's, which on an AMD EPYC (Zen 5) runs 2.2× MKL's (MKL takes its AVX2 path on AMD)
+GEMMS: dict[str, CrossProduct] = {"MKL": mkl_cross}
 if torch.backends.mkldnn.is_available():
-    GEMMS["oneDNN"] = _onednn_gemm
+    GEMMS["oneDNN"] = onednn_cross
 
 
 def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), repeats: int = 20,
@@ -146,7 +143,7 @@ def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), re
     the merge's largest cost GEMM, ResNet-18's 512 filters of 512 × 3 × 3), on ``threads`` torch threads, with
     ``kernel`` (a key of :data:`GEMMS`)."""
     m, k, n = shape
-    a, b = torch.randn(m, k), torch.randn(k, n)
+    a, b, out = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
     gemm = GEMMS[kernel]
     best = float("inf")
     previous = torch.get_num_threads()
@@ -154,7 +151,7 @@ def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), re
     try:
         for i in range(repeats + 3):  # 3 warm-up products
             t0 = time.perf_counter()
-            gemm(a, b)
+            gemm(a, b, out)
             if i >= 3:
                 best = min(best, time.perf_counter() - t0)
     finally:
