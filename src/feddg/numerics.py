@@ -2,10 +2,11 @@
 
 PyTorch's x86 wheels take ``torch.sqrt`` (so ``pow(0.5)``, the default Adam/AdamW step and ``cdist``; also acos,
 asin, atan) from MKL's vector math, whose results are not the correctly rounded ones and come out differently on an
-Intel and an AMD processor, whatever ``MKL_CBWR`` says (measured: ≈ 20 % of float32 square roots one ulp apart
-between a real AMD EPYC and the exact arithmetic of an emulated CPU; docs/reliability.md). feddg therefore takes
-square roots with :func:`sqrt` — the IEEE instruction, correctly rounded on every CPU — and builds Adam with
-:func:`adam`, whose fused step also uses it. ``tests/test_numerics.py`` keeps ``src`` off the others.
+Intel and an AMD processor, whatever ``MKL_CBWR`` says (measured on an AMD EPYC: ≈ 20 % of float32 square roots one
+ulp from the correctly rounded value, and other bits again under an emulated Intel CPU; docs/reliability.md).
+feddg therefore takes square roots with :func:`sqrt` — the IEEE instruction, correctly rounded on every CPU — and
+builds Adam with :func:`adam`, whose fused step also uses it. ``tests/test_numerics.py`` keeps ``src`` off the
+others.
 """
 
 from __future__ import annotations
