@@ -121,25 +121,61 @@ def test_every_worker_count_gives_the_same_bits_under_the_default_thread_policy(
     over = ["data.max_per_domain=60", "partition.num_clients=3", "federation.rounds=2", "model.name=lenet",
             "split.target=uci", f"data.cache_dir={cache_dir}", "device=cpu"]
     threads: list[int] = []
+    blas: list[set[int]] = []  # numpy's BLAS threads in the server process: the same policy as torch's
 
     def weights(name: str, count: str, *extra: str) -> dict:
         cfg = build_config({}, [*over, f"federation.workers={count}", *extra])
         server = Server(build_federation(cfg), tmp_path / name)
-        run_inprocess(server, lambda row: threads.append(torch.get_num_threads()))
+        run_inprocess(server, lambda row: threads.append(torch.get_num_threads()) or blas.append(blas_threads()))
         assert [m["round"] for m in server.metrics] == [1, 2]
         return server.state["weights"]
 
-    before = torch.get_num_threads()
+    before, blas_before = torch.get_num_threads(), blas_threads()
     seq = weights("seq", "1")
-    assert threads == [1, 1] and torch.get_num_threads() == before
+    assert threads == [1, 1] and blas == [{1}, {1}] and torch.get_num_threads() == before
     weights("two-threads", "1", "federation.threads=2")
-    assert threads[-2:] == [2, 2] and torch.get_num_threads() == before
+    assert threads[-2:] == [2, 2] and blas[-2:] == [{2}, {2}] and torch.get_num_threads() == before
     par = weights("par", "2")
+    assert blas[-2:] == [{1}, {1}] and blas_threads() == blas_before
     monkeypatch.setattr(workers, "usable_cores", lambda: 1)
     auto = weights("auto", "auto")
     assert threads[-2:] == [1, 1] and torch.get_num_threads() == before
     for k, v in seq.items():
         assert np.array_equal(par[k], v) and np.array_equal(auto[k], v), k
+
+
+def blas_threads() -> set[int]:
+    """The thread counts of the BLAS libraries loaded in this process (numpy's OpenBLAS, SciPy's)."""
+    from threadpoolctl import threadpool_info
+
+    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+
+def test_a_worker_computes_on_one_torch_and_one_blas_thread_whatever_its_parent_had():
+    import multiprocessing as mp
+
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from feddg.engines.workers import use_one_thread
+
+    def probe(out: "mp.Queue[tuple[int, set[int]]]") -> None:
+        use_one_thread()
+        out.put((torch.get_num_threads(), blas_threads()))
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    with threadpool_limits(2, user_api="blas"):  # a parent with two BLAS threads (this machine's cores may be fewer)
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            process = ctx.Process(target=probe, args=(out,))
+            process.start()
+            got = out.get(timeout=60)
+            process.join()
+        finally:
+            torch.set_num_threads(before)
+    assert got == (1, {1})
 
 
 def test_auto_is_a_worker_per_core_on_the_cpu_and_per_gpu_on_cuda(monkeypatch):

@@ -45,7 +45,7 @@ from feddg.config import (
     set_dotted,
 )
 from feddg.data import dataset_info
-from feddg.engines.workers import exit_with_parent
+from feddg.engines.workers import exit_with_parent, use_one_thread
 from feddg.evaluation.selection import ORACLE_NOTE, Rule, default_rules, pick_notes, select, split_draw, unavailable
 from feddg.evaluation.tables import STATS_NOTE, csv_table, markdown_table
 from feddg.experiment import console, progress_bar, run_experiment
@@ -253,10 +253,8 @@ def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jo
 
 
 def _init_job() -> None:
-    import torch
-
     exit_with_parent()
-    torch.set_num_threads(1)
+    use_one_thread()
 
 
 def _one_worker(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -17,7 +17,7 @@ from rich.table import Table
 from torch import nn
 
 from feddg.config import ExperimentConfig, load_config
-from feddg.engines.workers import FederationFactory, WorkerPool, resolve_workers, torch_threads
+from feddg.engines.workers import FederationFactory, WorkerPool, compute_threads, resolve_workers
 from feddg.evaluation.plots import read_metrics
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation, build_federation
@@ -48,7 +48,7 @@ def yardstick(cfg: ExperimentConfig) -> dict[str, float]:
     """:func:`plain_round_seconds` of the clients that ``cfg``'s last round samples, on one torch thread (as
     feddg's sequential path), with that round's learning rate; and the federation's number of clients."""
     fed = build_federation(cfg)
-    with tempfile.TemporaryDirectory() as tmp, torch_threads(1):
+    with tempfile.TemporaryDirectory() as tmp, compute_threads(1):
         server = Server(fed, Path(tmp) / "run")
         last = cfg.federation.rounds
         return {**plain_round_seconds(fed, list(server.configure(last)), server.lr(last)), "clients": len(fed.clients)}

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from feddg.algorithms.base import Reply
-from feddg.engines.workers import FederationFactory, WorkerPool, resolve_workers, server_threads, torch_threads
+from feddg.engines.workers import FederationFactory, WorkerPool, compute_threads, resolve_workers, server_threads
 from feddg.federation.client import run_client_setup, try_client
 from feddg.federation.server import Server
 from feddg.federation.setup import build_federation
@@ -63,7 +63,7 @@ def run_inprocess(server: Server, on_round: RoundCallback | None = None, *,
 
     ``factory`` rebuilds the Federation in each worker process (``federation.workers``); with
     ``federation.client_timeout_s`` clients always run in workers (one, where ``auto`` finds one core).
-    On the CPU this process runs with ``federation.threads`` torch threads (``auto``: one, as each worker),
+    On the CPU this process runs with ``federation.threads`` torch and BLAS threads (``auto``: one, as each worker),
     so that every worker count gives the same bits and no default spins under load."""
     importlib.import_module("torch._dynamo")  # the first optimiser imports it (seconds): the run's, not round 1's
     run_setup(server)
@@ -73,7 +73,7 @@ def run_inprocess(server: Server, on_round: RoundCallback | None = None, *,
     pool = WorkerPool(server.fed.cfg, workers, factory=factory, timeout_s=fc.client_timeout_s,
                       fed=server.fed) if workers else None
     threads = server_threads(fc.threads, device)
-    with pool if pool is not None else nullcontext(), torch_threads(threads) if threads else nullcontext():
+    with pool if pool is not None else nullcontext(), compute_threads(threads) if threads else nullcontext():
         for r in range(server.round + 1, server.rounds + 1):
             row = run_round(server, r, pool)
             if on_round is not None:

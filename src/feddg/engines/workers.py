@@ -2,7 +2,7 @@
 
 Each worker is forked from the server process with its :class:`~feddg.federation.setup.Federation`
 (dataset shared copy-on-write; on a CUDA run or without fork it is spawned and builds the same federation
-from the config once), runs with one torch thread, and then serves client
+from the config once), runs with one torch thread and one BLAS thread (:func:`use_one_thread`), and then serves client
 updates over its own pipe: ``(client_id, round, message, client_state) -> Outcome``. Only messages
 cross the process boundary — the same contract as Flower — so a method that cheats (keeps
 client results on ``self`` for the server half) fails here as it would on a real deployment.
@@ -36,6 +36,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
+from threadpoolctl import threadpool_limits
 
 from feddg.config import ExperimentConfig, config_tree
 from feddg.federation.client import Outcome, describe, try_client
@@ -77,7 +78,7 @@ def _serve(conn: Connection, factory: FederationFactory, cfg_tree: dict[str, Any
     """A worker's life: build the federation (unless it came with a fork), say ``ready``, then run client
     updates until told to stop."""
     exit_with_parent()
-    torch.set_num_threads(1)
+    use_one_thread()
     try:
         if fed is None:
             cfg = ExperimentConfig.model_validate(cfg_tree)
@@ -117,19 +118,31 @@ def resolve_workers(requested: int | str, device: torch.device, clients: int | N
 
 
 @contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """Run the block with ``count`` torch threads (the count is restored after)."""
+def compute_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` torch threads and ``count`` BLAS threads for numpy and SciPy (both restored after).
+
+    OpenBLAS, numpy's BLAS, keeps a thread pool of its own whose threads spin after each call: in a 2-worker W1 run
+    the server's update norms (``np.dot``) kept one spinning beside the workers, 1.1 of the server's 1.2 CPU
+    seconds; with one BLAS thread the server took 0.16 s and the run 10.4 instead of 11.1 s (docs/benchmarks.md, W1).
+    """
     before = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
-        yield
+        with threadpool_limits(count, user_api="blas"):
+            yield
     finally:
         torch.set_num_threads(before)
 
 
-def one_torch_thread() -> AbstractContextManager[None]:
-    """Run the block with one torch thread, as a worker does."""
-    return torch_threads(1)
+def one_thread() -> AbstractContextManager[None]:
+    """Run the block with one torch thread and one BLAS thread, as a worker does."""
+    return compute_threads(1)
+
+
+def use_one_thread() -> None:
+    """For the rest of this process (a worker, a sweep's job): one torch thread and one BLAS thread."""
+    torch.set_num_threads(1)
+    threadpool_limits(1, user_api="blas")
 
 
 def server_threads(requested: int | str, device: torch.device) -> int | None:
