@@ -122,8 +122,9 @@ def compute_threads(count: int) -> Iterator[None]:
     """Run the block with ``count`` torch threads and ``count`` BLAS threads for numpy and SciPy (both restored after).
 
     OpenBLAS, numpy's BLAS, keeps a thread pool of its own whose threads spin after each call: in a 2-worker W1 run
-    the server's update norms (``np.dot``) kept one spinning beside the workers, 1.1 of the server's 1.2 CPU
-    seconds; with one BLAS thread the server took 0.16 s and the run 10.4 instead of 11.1 s (docs/benchmarks.md, W1).
+    the server's update norms (``np.dot``) kept one spinning beside the workers, 0.8–0.9 of the server's 1.2–1.5
+    CPU seconds; with one BLAS thread the server took 0.16 s and the run 10.4 instead of 11.1 s (docs/benchmarks.md,
+    "W1: workers").
     """
     before = torch.get_num_threads()
     torch.set_num_threads(count)
