@@ -91,14 +91,20 @@ def onednn_cross(filters: Tensor, ref_rows: Tensor, out: Tensor) -> None:
     out.copy_(torch.ops.mkldnn._linear_pointwise(filters, ref_rows, None, "none", [], ""))
 
 
+#: the CPU kernels of eq. 3's GEMM in this PyTorch build, by name: MKL's and, where PyTorch has it, oneDNN's
+CPU_CROSS_PRODUCTS: dict[str, CrossProduct] = {"MKL": mkl_cross}
+if torch.backends.mkldnn.is_available():
+    CPU_CROSS_PRODUCTS["oneDNN"] = onednn_cross
+
+
 def cross_product(device: torch.device) -> CrossProduct:
     """The GEMM of eq. 3 on ``device``: on a CPU oneDNN's where PyTorch has it (on a 2-core AMD EPYC, Zen 5, 470
     against MKL's 210 GFLOP/s: MKL takes its AVX2 path on AMD), except under ``reproducibility: portable``'s
     pinned kernels, whose MKL products give the same bits on every CPU (oneDNN's blocking follows the CPU's
     caches); elsewhere ``torch.mm``. Either is float32 (the two differ in the last bits, which the assignment
     screen and the float64 solves tolerate: the permutations are the plain float64 algorithm's, tests/test_fot.py)."""
-    if device.type == "cpu" and torch.backends.mkldnn.is_available() and not is_pinned():
-        return onednn_cross
+    if device.type == "cpu" and "oneDNN" in CPU_CROSS_PRODUCTS and not is_pinned():
+        return CPU_CROSS_PRODUCTS["oneDNN"]
     return mkl_cross
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from feddg.aggregation.fot import CrossProduct, mkl_cross, onednn_cross
+from feddg.aggregation.fot import CPU_CROSS_PRODUCTS, CrossProduct
 from feddg.aggregation.regmean import shrink, station_gram
 from feddg.messages import WEIGHT_PREFIX, Message
 from feddg.models import create_model
@@ -123,7 +123,7 @@ def merge_gflop(merge: Callable[[], object]) -> float:
     FLOPs)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    custom = {torch.ops.mkldnn._linear_pointwise: _linear_flop} if torch.backends.mkldnn.is_available() else {}
+    custom = {torch.ops.mkldnn._linear_pointwise: _linear_flop} if "oneDNN" in CPU_CROSS_PRODUCTS else {}
     with FlopCounterMode(display=False, custom_mapping=custom) as counter:
         merge()
     return counter.get_total_flops() / 1e9
@@ -132,9 +132,7 @@ def merge_gflop(merge: Callable[[], object]) -> float:
 #: the float32 GEMMs eq. 3's products may run on in this process, called as the merge calls them
 #: (``kernel(a [m, k], b [n, k], out [m, n])``: ``out = a · bᵀ``): MKL's (``torch.mm``) and, where PyTorch has it,
 #: oneDNN's, which on an AMD EPYC (Zen 5) runs 2.2× MKL's (MKL takes its AVX2 path on AMD)
-GEMMS: dict[str, CrossProduct] = {"MKL": mkl_cross}
-if torch.backends.mkldnn.is_available():
-    GEMMS["oneDNN"] = onednn_cross
+GEMMS: dict[str, CrossProduct] = CPU_CROSS_PRODUCTS
 
 
 def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), repeats: int = 20,
