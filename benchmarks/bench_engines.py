@@ -17,7 +17,10 @@ then each variant in turn. Overhead of a round = its ``time_round_s`` minus the 
 in-process engine in the same repeat (which runs the clients one after another in one process: the
 client compute, aggregation and evaluation; the bench process builds one optimizer first, as the warm
 worker does, so that round 1 does not carry torch's lazy imports). Prints min/median per variant and
-the load averages; the rows go to ``OUT/overhead.json``.
+the load averages; the rows go to ``OUT/overhead.json``. ``head-process``: git ``HEAD`` with the warm executor too.
+
+``--default-threads``: no ``OMP_NUM_THREADS=1`` for this process or the deployment's: every process keeps the
+thread count its code chooses (a SuperNode sharing the machine with others, as in a trial or a rehearsal).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from feddg.experiment import run_experiment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.flower_local import LocalDeployment
+
+#: added to every deployment process's environment (``--default-threads`` empties it)
+THREAD_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def bench_dict(rounds: int, clients: int, max_per_domain: int, engine: str) -> dict:
@@ -74,7 +80,7 @@ def run_engine(engine: str, cfg: ExperimentConfig, out: Path, isolation: str = "
     if engine == "deployment":
         run_config = variant_run_config(config_yaml, run_dir, env or {}) if config_yaml else cfg
         with LocalDeployment(out / "deployment-procs", cfg.partition.num_clients,
-                             env={"OMP_NUM_THREADS": "1", **(env or {})}, isolation=isolation) as dep:
+                             env={**THREAD_ENV, **(env or {})}, isolation=isolation) as dep:
             proc = dep.run(run_config, run_dir)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
@@ -99,7 +105,8 @@ def export_head(out: Path) -> Path:
 def overhead(args: argparse.Namespace) -> None:
     """Per-round deployment overhead of each variant against the in-process engine, interleaved (see the docstring)."""
     warm_up()  # the in-process reference pays torch's first-optimizer imports before round 1, as the warm worker does
-    variants = {"head": ("subprocess", {"PYTHONPATH": str(export_head(args.out).resolve())}),
+    head = {"PYTHONPATH": str(export_head(args.out).resolve())}
+    variants = {"head": ("subprocess", head), "head-process": ("process", head),
                 "new": ("process", {}), "new-subprocess": ("subprocess", {})}
     spec = bench_dict(args.rounds, args.clients, args.max_per_domain, "deployment")
     cfg, config_yaml = build_config(spec), args.out / "bench.yaml"
@@ -141,10 +148,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/bench-engines"))
     ap.add_argument("--overhead", action="store_true", help="deployment overhead: git HEAD against this tree")
     ap.add_argument("--repeats", type=int, default=2, help="--overhead: interleaved repeats")
-    ap.add_argument("--variants", nargs="+", default=["head", "new"], choices=["head", "new", "new-subprocess"])
+    ap.add_argument("--variants", nargs="+", default=["head", "new"],
+                    choices=["head", "head-process", "new", "new-subprocess"])
+    ap.add_argument("--default-threads", action="store_true", help="no OMP_NUM_THREADS=1: each process's own thread count")
     args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by Ray actors and Flower processes
-    torch.set_num_threads(1)
+    if args.default_threads:
+        THREAD_ENV.clear()
+    else:
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by Ray actors and Flower processes
+        torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.overhead:
         overhead(args)

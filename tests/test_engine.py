@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+from thread_counts import blas_threads
 from toy import toy_federation
 
 from feddg.engines.inprocess import run_inprocess, run_round
@@ -142,13 +143,6 @@ def test_every_worker_count_gives_the_same_bits_under_the_default_thread_policy(
     assert threads[-2:] == [1, 1] and torch.get_num_threads() == before
     for k, v in seq.items():
         assert np.array_equal(par[k], v) and np.array_equal(auto[k], v), k
-
-
-def blas_threads() -> set[int]:
-    """The thread counts of the BLAS libraries loaded in this process (numpy's OpenBLAS, SciPy's)."""
-    from threadpoolctl import threadpool_info
-
-    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
 
 
 def test_a_worker_computes_on_one_torch_and_one_blas_thread_whatever_its_parent_had():

@@ -25,6 +25,8 @@ from flwr.common.serde import (
 )
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+from thread_counts import blas_threads
+from threadpoolctl import threadpool_limits
 from toy import ToyDomains, ToyNet
 from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
 
@@ -34,7 +36,7 @@ from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.registry import list_methods
 from feddg.config import build_config, dump_config
 from feddg.engines.flower.app import run_config_toml
-from feddg.engines.flower.client import config_from_text, make_client_app, pending_prefix
+from feddg.engines.flower.client import config_from_text, make_client_app, node_threads, pending_prefix
 from feddg.engines.flower.records import get_message, message_records, put_message
 from feddg.engines.flower.server import run_on_grid
 from feddg.engines.flower.simulation import run_flower
@@ -119,18 +121,19 @@ def toy_config(*overrides):
         {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
          "federation": {"rounds": 3, "batch_size": 16, "workers": 1}, "optim": {"lr": 0.1}, "device": "cpu"},
         list(overrides),
-    )  # workers 1: the in-process reference trains at the process's thread count, as a ClientApp does
+    )  # workers 1: the in-process reference trains in this process under federation.threads, as a ClientApp does
 
 
 # --- a Grid that delivers through protobuf to ClientApps in this process -----------------------
 class LoopbackGrid(Grid):
     """SuperNodes with partition ids 0..n-1; each message and node Context crosses protobuf, as on the wire."""
 
-    def __init__(self, client_app, num_nodes: int, run_config=None) -> None:
+    def __init__(self, client_app, num_nodes: int, run_config=None, node_config=None) -> None:
         self.app = client_app
         self.contexts = {
             1000 + p: context_to_proto(
-                Context(run_id=1, node_id=1000 + p, node_config={"partition-id": p, "num-partitions": num_nodes},
+                Context(run_id=1, node_id=1000 + p,
+                        node_config={"partition-id": p, "num-partitions": num_nodes, **(node_config or {})},
                         state=RecordDict(), run_config=dict(run_config or {}))
             )
             for p in range(num_nodes)
@@ -324,6 +327,58 @@ def test_one_supernode_per_client_is_required(tmp_path, task_identity):
         run_on_grid(server, grid)
 
 
+def test_the_server_and_every_clientapp_compute_under_the_thread_policy(tmp_path, task_identity, monkeypatch):
+    """``federation.threads: auto``: the ServerApp's rounds and each ClientApp's setup and updates run on one torch
+    and one BLAS thread whatever the process had (SuperNodes sharing a machine never spin at one another's
+    barriers); a node's ``--node-config threads=N`` sets its clients' count; the process's counts come back after."""
+    from feddg.engines.flower import client as flower_client
+
+    clients: list[tuple[int, set[int]]] = []
+    rounds: list[tuple[int, set[int]]] = []
+
+    def probed(fn):
+        def run(*args, **kwargs):
+            clients.append((torch.get_num_threads(), blas_threads()))
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(flower_client, "run_client", probed(flower_client.run_client))
+    monkeypatch.setattr(flower_client, "run_client_setup", probed(flower_client.run_client_setup))
+    cfg = toy_config("federation.rounds=1")
+    with threadpool_limits(2, user_api="blas"):  # a process with two of each (this machine's cores may be fewer)
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            for name, node in (("auto", {}), ("node-threads", {"threads": 2})):
+                server = Server(probe_federation(cfg), tmp_path / name)
+                grid = LoopbackGrid(make_client_app(factory=probe_federation), 4, {"config": server_config_text(server)},
+                                    node)
+                run_on_grid(server, grid, lambda row: rounds.append((torch.get_num_threads(), blas_threads())))
+                expected = (1, {1}) if not node else (2, {2})
+                assert len(clients) >= 4 and all(c == expected for c in clients), (name, clients)
+                clients.clear()
+            assert rounds == [(1, {1}), (1, {1})]
+            assert torch.get_num_threads() == 2 and blas_threads() == {2}
+        finally:
+            torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value", [0, -1, "2", 1.5, True])
+def test_a_node_thread_count_that_is_not_a_whole_number_is_refused_in_one_line(value):
+    fed = toy_federation_of(toy_config())
+    context = Context(run_id=1, node_id=1, node_config={"threads": value}, state=RecordDict(), run_config={})
+    with pytest.raises(ValueError, match=r"^--node-config threads=.*: expected a whole number of threads, at least 1$"):
+        node_threads(context, fed)
+
+
+def test_a_node_with_a_bad_thread_count_fails_at_identify_and_the_server_says_which(tmp_path, task_identity):
+    server = Server(toy_federation_of(toy_config()), tmp_path / "x")
+    grid = LoopbackGrid(make_client_app(server_config_text(server), factory=toy_federation_of), 4, None, {"threads": 0})
+    with pytest.raises(RuntimeError, match=r"node 1000 failed to identify: .*--node-config threads=0"):
+        run_on_grid(server, grid)
+    assert load_checkpoint(tmp_path / "x") is None
+
+
 def test_a_client_error_reaches_the_server_with_its_reason(tmp_path, task_identity):
     def leaky_federation(cfg):
         fed = toy_federation_of(cfg)
@@ -395,7 +450,7 @@ def test_fedavg_on_digits_dg_gives_the_same_run_inprocess_and_on_flower_simulati
         runs[engine] = (results, rows, load_checkpoint(tmp_path / engine))
     (res_a, rows_a, ck_a), (res_b, rows_b, ck_b) = runs["inprocess"], runs["flower"]
     w_a, w_b = ck_a["server_state"]["weights"], ck_b["server_state"]["weights"]
-    assert _same_weights(w_a, w_b, atol=1e-5)
+    assert _same_weights(w_a, w_b, atol=0.0)
     init = weights_of(_initial_model(digits_config(cache_dir)))
     assert not _same_weights(w_a, init, atol=1e-3)  # it trained
     assert [r["round"] for r in rows_b] == [1, 2]

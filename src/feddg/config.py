@@ -148,8 +148,9 @@ class FederationConfig(Strict):
         "server process"
     )
     threads: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        "auto", description="CPU: torch threads of the server process (its evaluation, and the clients where they "
-        "run sequentially); workers always use one. auto = 1: a process never waits on OpenMP threads that another "
+        "auto", description="CPU: torch and BLAS threads of the server process (its evaluation, and the clients "
+        "where they run sequentially) and of a Flower SuperNode's clients (its --node-config threads=N overrides); "
+        "workers always use one. auto = 1: a process never waits on OpenMP threads that another "
         "process keeps off their core (under load they spin: 10x slower measured), and every worker count gives the "
         "same bits. N > 1 uses N threads where N cores are free (float summation order then differs)"
     )

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from feddg.algorithms.base import Reply
-from feddg.engines.workers import FederationFactory, WorkerPool, compute_threads, resolve_workers, server_threads
+from feddg.engines.workers import FederationFactory, WorkerPool, federation_threads, resolve_workers
 from feddg.federation.client import run_client_setup, try_client
 from feddg.federation.server import Server
 from feddg.federation.setup import build_federation
@@ -72,8 +72,7 @@ def run_inprocess(server: Server, on_round: RoundCallback | None = None, *,
     workers = resolve_workers(fc.workers, device, clients) or (1 if fc.client_timeout_s is not None else 0)
     pool = WorkerPool(server.fed.cfg, workers, factory=factory, timeout_s=fc.client_timeout_s,
                       fed=server.fed) if workers else None
-    threads = server_threads(fc.threads, device)
-    with pool if pool is not None else nullcontext(), compute_threads(threads) if threads else nullcontext():
+    with pool if pool is not None else nullcontext(), federation_threads(fc.threads, device):
         for r in range(server.round + 1, server.rounds + 1):
             row = run_round(server, r, pool)
             if on_round is not None:

@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, Self
@@ -146,12 +146,12 @@ def use_one_thread() -> None:
     threadpool_limits(1, user_api="blas")
 
 
-def server_threads(requested: int | str, device: torch.device) -> int | None:
-    """The server process's torch threads under ``federation.threads`` (``auto`` = 1 on the CPU); ``None``: leave
-    them (a CUDA run computes on the GPU)."""
+def federation_threads(requested: int | str, device: torch.device) -> AbstractContextManager[None]:
+    """The block under ``federation.threads`` (``requested``): :func:`compute_threads` of it on the CPU (``auto`` = 1),
+    as the server process and a Flower SuperNode's clients compute; as it is on a GPU (a CUDA run computes there)."""
     if device.type != "cpu":
-        return None
-    return 1 if requested == "auto" else int(requested)
+        return nullcontext()
+    return compute_threads(1 if requested == "auto" else int(requested))
 
 
 def death(exitcode: int | None) -> str:

@@ -18,6 +18,9 @@ Message types (the ServerApp sends them, see :mod:`feddg.engines.flower.server`)
 ``train``           one round of ``client_update``; under ``flower.secure_aggregation: secaggplus`` the SecAgg+
                     workflow's train messages go through ``secaggplus_mod`` and its stage-2 ``FitIns`` is
                     answered as a ``FitRes`` (:mod:`feddg.engines.flower.secagg`)
+
+Setup and training run under the experiment's ``federation.threads`` (:func:`node_threads`; ``auto``: one torch and
+one BLAS thread), or the node's ``--node-config threads=N``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from logging import ERROR, INFO
 from pathlib import Path
 
@@ -42,6 +46,7 @@ from feddg.config import ExperimentConfig, build_config, dump_config
 from feddg.engines.flower.records import get_message, put_message, record_int
 from feddg.engines.flower.secagg import fitres_content, from_fitins, is_fitins, secure_mod
 from feddg.engines.flower.security import identity_statement, load_private_key, public_key_text, sign
+from feddg.engines.workers import federation_threads
 from feddg.federation.client import describe, run_client, run_client_setup
 from feddg.federation.setup import Federation, build_federation
 from feddg.messages import Message as FeddgMessage
@@ -53,6 +58,8 @@ ROUTE = "route"
 COMMIT = "commit-round"
 #: node config key: the node's private key file (its ``--auth-supernode-private-key``), for the roster's proof
 AUTH_KEY = "auth-key"
+#: node config key: torch and BLAS threads of the node's clients (default: the experiment's ``federation.threads``)
+THREADS = "threads"
 
 FederationFactory = Callable[[ExperimentConfig], Federation]
 
@@ -114,6 +121,18 @@ def node_partition(context: Context) -> tuple[int, int]:
     return int(nc["partition-id"]), int(nc["num-partitions"])
 
 
+def node_threads(context: Context, fed: Federation) -> AbstractContextManager[None]:
+    """The block at this node's thread count: ``--node-config threads=N`` where its operator set one (a machine of
+    its own), else the experiment's ``federation.threads`` (``auto``: one torch and one BLAS thread, as in-process,
+    so SuperNodes that share a machine never spin at one another's OpenMP barriers)."""
+    if THREADS not in context.node_config:
+        return federation_threads(fed.cfg.federation.threads, fed.device)
+    value = context.node_config[THREADS]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--node-config threads={value!r}: expected a whole number of threads, at least 1")
+    return federation_threads(value, fed.device)
+
+
 def state_prefix(client_id: int) -> str:
     return f"client-{client_id}/"
 
@@ -157,7 +176,9 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
 
     @app.query("identify")
     def identify(msg: Message, context: Context) -> Message:
-        fp, asked = fingerprint(federation(context)), msg.content.config_records[ROUTE]
+        fed, asked = federation(context), msg.content.config_records[ROUTE]
+        node_threads(context, fed)  # a node with a bad thread count fails here, before any work
+        fp = fingerprint(fed)
         if AUTH_KEY in context.node_config and "challenge" in asked:  # secure: the roster says who this node is
             key = load_private_key(Path(str(context.node_config[AUTH_KEY])))
             statement = identity_statement(str(asked["challenge"]), context.node_id, fp)
@@ -172,7 +193,8 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
     def setup(msg: Message, context: Context) -> Message:
         fed, cid = federation(context), client_id(msg, context)
         state = get_message(context.state, state_prefix(cid))
-        answer, state = run_client_setup(fed, cid, get_message(msg.content), state)
+        with node_threads(context, fed):
+            answer, state = run_client_setup(fed, cid, get_message(msg.content), state)
         put_message(context.state, state, state_prefix(cid))
         return reply(msg, answer, cid)
 
@@ -189,7 +211,8 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         round = int(payload["round"])
         state = committed_state(context.state, cid, commit)
         try:
-            answer, state = run_client(fed, cid, round, payload, state)
+            with node_threads(context, fed):
+                answer, state = run_client(fed, cid, round, payload, state)
             if secure:
                 content = fitres_content(payload, answer)
         except Exception as err:

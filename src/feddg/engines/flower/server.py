@@ -54,6 +54,7 @@ from feddg.engines.flower.security import (
     load_public_key,
     verify,
 )
+from feddg.engines.workers import federation_threads
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
 from feddg.messages import Message as FeddgMessage
@@ -290,14 +291,17 @@ class FeddgStrategy(Strategy):
 
 
 def run_on_grid(server: Server, grid: Grid, on_round: RoundCallback | None = None) -> dict[str, Any]:
-    """Identify nodes, run the setup exchange and the remaining rounds; returns results.json's content."""
+    """Identify nodes, run the setup exchange and the remaining rounds; returns results.json's content. The server's
+    own work (aggregation, evaluation) runs under ``federation.threads``, as in-process (``auto``: one torch thread
+    and one BLAS thread, so nothing of the server's spins beside the SuperNodes of a shared machine)."""
     fc = server.fed.cfg.flower
-    nodes = discover_clients(grid, server, fc.node_wait_s)
-    run_setup(server, grid, nodes, fc.round_timeout_s)
-    if fc.secure_aggregation == "secaggplus":  # Flower's legacy SecAgg+ workflow, one call per round
-        run_secure_rounds(server, grid, nodes, on_round)
-    elif server.round < server.rounds:
-        FeddgStrategy(server, nodes, on_round).start(
-            grid, ArrayRecord(), num_rounds=server.rounds - server.round, timeout=fc.round_timeout_s
-        )
-    return server.write_results()
+    with federation_threads(server.fed.cfg.federation.threads, server.fed.device):
+        nodes = discover_clients(grid, server, fc.node_wait_s)
+        run_setup(server, grid, nodes, fc.round_timeout_s)
+        if fc.secure_aggregation == "secaggplus":  # Flower's legacy SecAgg+ workflow, one call per round
+            run_secure_rounds(server, grid, nodes, on_round)
+        elif server.round < server.rounds:
+            FeddgStrategy(server, nodes, on_round).start(
+                grid, ArrayRecord(), num_rounds=server.rounds - server.round, timeout=fc.round_timeout_s
+            )
+        return server.write_results()
