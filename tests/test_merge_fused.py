@@ -15,6 +15,7 @@ from feddg.models.permutation import (
     Axis,
     PermGroup,
     PermutationSpec,
+    RowGather,
     apply_permutations,
     permutation_spec,
     permute_axis,
@@ -28,7 +29,7 @@ def test_weighted_mean_gathers_rows_before_weighting_by_hand():
     a = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
     b = np.array([[10.0, 20.0], [30.0, 40.0]], np.float32)
     # (1·a + 3·b[[1, 0]]) / 4 = ([[1, 2], [3, 4]] + [[90, 120], [30, 60]]) / 4
-    out = weighted_mean([a, b], [1, 3], [None, np.array([1, 0])])
+    out = weighted_mean([a, b], [1, 3], [None, RowGather(np.array([1, 0]))])
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out, [[22.75, 30.5], [8.25, 16.0]])
 
@@ -37,15 +38,26 @@ def test_fused_gather_gives_the_bits_of_the_mean_of_gathered_copies_across_chunk
     rng = np.random.default_rng(0)
     rows = CHUNK // 9 * 3 + 5  # several chunks of whole 9-element rows, the last one short
     arrays = [rng.normal(size=(rows, 3, 3)).astype(np.float32) for _ in range(4)]
-    index = [None] + [rng.permutation(rows) for _ in range(3)]
+    index = [None] + [RowGather(rng.permutation(rows)) for _ in range(3)]
     weights = [3.0, 1.0, 7.0, 2.5]
-    copies = [a if i is None else a.reshape(rows, -1)[i].reshape(a.shape) for a, i in zip(arrays, index, strict=True)]
+    copies = [a if i is None else a.reshape(rows, -1)[i.rows].reshape(a.shape) for a, i in zip(arrays, index, strict=True)]
     assert np.array_equal(weighted_mean(arrays, weights, index), weighted_mean(copies, weights))
 
 
-def test_row_indices_of_rows_lengths_must_agree():
-    with pytest.raises(ValueError, match="row indices of different lengths"):
-        weighted_mean([np.zeros(4), np.zeros(4)], [1, 1], [np.arange(4), np.arange(2)])
+def test_gathers_of_both_leading_dims_give_the_bits_of_the_mean_of_permuted_copies_across_chunks():
+    """Filters taken along dim 0, then their input channels along dim 1, a chunk of filters at a time."""
+    rng = np.random.default_rng(1)
+    shape = (CHUNK // (40 * 9) * 3 + 2, 40, 3, 3)  # several chunks of whole filters, the last one short
+    arrays = [rng.normal(size=shape).astype(np.float32) for _ in range(3)]
+    index = [None] + [RowGather(rng.permutation(shape[0]), rng.permutation(shape[1])) for _ in range(2)]
+    copies = [a if i is None else a[i.rows][:, i.cols] for a, i in zip(arrays, index, strict=True)]
+    assert all(np.array_equal(i.apply(a), c) for a, i, c in zip(arrays[1:], index[1:], copies[1:], strict=True))
+    assert np.array_equal(weighted_mean(arrays, [1.0, 2.0, 4.5], index), weighted_mean(copies, [1.0, 2.0, 4.5]))
+
+
+def test_row_gathers_of_one_tensor_must_view_it_alike():
+    with pytest.raises(ValueError, match=r"^row gathers of different shapes: \[\(2, 2\), \(4, 1\)\]$"):
+        weighted_mean([np.zeros(4), np.zeros(4)], [1, 1], [RowGather(np.arange(4)), RowGather(np.arange(2))])
 
 
 def test_row_indices_gather_both_axes_as_one_index_select_per_axis_would():
@@ -57,11 +69,13 @@ def test_row_indices_gather_both_axes_as_one_index_select_per_axis_would():
     perms = {"out": np.array([1, 0]), "in": np.array([2, 0, 1])}
     rows = row_indices({"w": (2, 3, 4), "b": (2,)}, spec, perms)
     # row (i, j) of the [6, 4] view is old (out[i], in[j]): (1, 2), (1, 0), (1, 1), (0, 2), (0, 0), (0, 1)
-    assert rows["w"].tolist() == [5, 3, 4, 2, 0, 1] and rows["b"].tolist() == [1, 0]
+    assert rows["w"].flat().tolist() == [5, 3, 4, 2, 0, 1] and rows["b"].flat().tolist() == [1, 0]
+    assert rows["w"].rows.tolist() == [1, 0] and rows["w"].cols is not None and rows["w"].cols.tolist() == [2, 0, 1]
     state = {"w": w, "b": torch.tensor([5.0, 6.0])}
     out = apply_permutations(state, spec, perms)
     expected = permute_axis(permute_axis(w, Axis("w", 0), perms["out"]), Axis("w", 1), perms["in"])
     assert torch.equal(out["w"], expected) and out["b"].tolist() == [6.0, 5.0]
+    assert np.array_equal(rows["w"].apply(w.numpy()), expected.numpy())
 
 
 @pytest.mark.parametrize("solver", ["hungarian", "sinkhorn"])

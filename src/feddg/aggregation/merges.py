@@ -30,7 +30,7 @@ from feddg.aggregation.mean import weighted_mean
 from feddg.aggregation.regmean import regmean
 from feddg.aggregation.threads import map_on_threads
 from feddg.messages import WEIGHT_PREFIX, Message, subset
-from feddg.models.permutation import PermutationSpec, permute_grams, row_indices
+from feddg.models.permutation import PermutationSpec, RowGather, permute_grams, row_indices
 
 Grams = dict[str, np.ndarray]  # nn.Linear module name -> G (its inputs' X^T X)
 GRAM_FLAG = "collect_gram"  # server -> client: also send Grams this round
@@ -94,7 +94,7 @@ def merge_stations(
     """
     host = [{k: np.asarray(v) for k, v in subset(w, WEIGHT_PREFIX).items()} for w in weights]
     metrics: dict[str, float] = {}
-    rows: list[dict[str, np.ndarray]] = [{} for _ in host]  # per station: key -> its rows' permutation
+    rows: list[dict[str, RowGather]] = [{} for _ in host]  # per station: key -> its tensor's permutation
     if spec is not None and len(host) > 1:
         t0 = time.perf_counter()
         states = [{k: torch.from_numpy(v).to(device) for k, v in h.items()} for h in host]  # FOT's GEMMs only
@@ -126,7 +126,7 @@ def merge_stations(
         shape = arrays[0].shape  # a 1×1 conv's [out, in, 1, 1] is solved as the linear layer [out, in]
         if any(d != 1 for d in shape[2:]):
             raise ValueError(f"RegMean: {key} of shape {list(shape)} is not a linear layer's weight")
-        arrays = [a if i is None else a.reshape(len(i), -1)[i] for a, i in zip(arrays, index, strict=True)]
+        arrays = [a if i is None else i.apply(a) for a, i in zip(arrays, index, strict=True)]
         res = regmean([a.reshape(shape[0], -1) for a in arrays], [g[layer] for g in grams], gammas, layer)
         regmean_s += time.perf_counter() - t0
         merged[key] = res.weight.reshape(shape)
@@ -141,7 +141,7 @@ def merge_stations(
 
 
 def _means(
-    keys: Sequence[str], arrays: dict[str, list[np.ndarray]], gammas: Sequence[float], rows: list[dict[str, np.ndarray]]
+    keys: Sequence[str], arrays: dict[str, list[np.ndarray]], gammas: Sequence[float], rows: list[dict[str, RowGather]]
 ) -> dict[str, np.ndarray]:
     """Eq. 7 for each key (each station's rows gathered by its permutation), on as many threads as torch's: the keys
     are independent and numpy's gathers and float64 arithmetic release the GIL; the largest tensors first, so the

@@ -107,6 +107,41 @@ class PermutationSpec:
 # ------------------------------------------------------------------------ applying permutations
 
 
+@dataclass(frozen=True)
+class RowGather:
+    """A tensor's permutation as gathers along its leading dims: the permuted tensor, viewed as :meth:`view_shape`
+    (``[len(rows), -1]``, or ``[len(rows), len(cols), -1]`` where dim 1 moves), is the original's with ``rows``
+    taken along dim 0, then ``cols`` along dim 1. Taken in that order a chunk of filters is first copied as
+    contiguous blocks, then reordered inside the cache: the means of M1's ResNet-18 merge took 0.11 s against 0.19 s
+    on one thread (0.085 against 0.106 s on two) with one gather of ``k × k``-float rows from all over the tensor
+    (docs/benchmarks.md, M1)."""
+
+    rows: np.ndarray
+    cols: np.ndarray | None = None
+
+    def view_shape(self, size: int) -> tuple[int, ...]:
+        lead = (len(self.rows),) if self.cols is None else (len(self.rows), len(self.cols))
+        return (*lead, size // int(np.prod(lead)) if size else 1)
+
+    def flat(self) -> np.ndarray:
+        """The same gather as one index along dim 0 of the tensor viewed as ``[len(rows) · len(cols), -1]``."""
+        return self.rows if self.cols is None else (self.rows[:, None] * len(self.cols) + self.cols[None, :]).ravel()
+
+    def take(self, view: np.ndarray, start: int, stop: int, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+        """Rows ``start:stop`` of the permuted ``view`` (the original as :meth:`view_shape`), written into ``out``;
+        ``scratch`` (``out``'s shape) holds the dim-0 gather while ``cols`` reorders it."""
+        m = stop - start  # mode="clip": np.take writes straight into ``out`` (mode="raise" buffers a copy)
+        if self.cols is None:
+            return np.take(view, self.rows[start:stop], axis=0, out=out[:m], mode="clip")
+        np.take(view, self.rows[start:stop], axis=0, out=scratch[:m], mode="clip")
+        return np.take(scratch[:m], self.cols, axis=1, out=out[:m], mode="clip")
+
+    def apply(self, a: np.ndarray) -> np.ndarray:
+        """A permuted copy of ``a``, in its shape."""
+        moved = np.take(a.reshape(self.view_shape(a.size)), self.rows, axis=0)
+        return (moved if self.cols is None else np.take(moved, self.cols, axis=1)).reshape(a.shape)
+
+
 def permute_axis(t: Tensor, axis: Axis, perm: np.ndarray) -> Tensor:
     """``t`` with the channels of ``axis`` reordered by ``perm`` (other entries untouched)."""
     pos = axis.positions(len(perm))
@@ -120,18 +155,17 @@ def apply_permutations(state: Mapping[str, Tensor], spec: PermutationSpec, perms
     tensor is read once (one gather of the rows given by :func:`row_indices`, however many of its axes and
     groups move), as applying the members one ``index_select`` at a time would give."""
     out = dict(state)
-    for key, rows in row_indices({k: tuple(v.shape) for k, v in state.items()}, spec, perms).items():
-        t = state[key]
+    for key, gather in row_indices({k: tuple(v.shape) for k, v in state.items()}, spec, perms).items():
+        t, rows = state[key], gather.flat()
         out[key] = t.reshape(len(rows), -1).index_select(0, torch.from_numpy(rows).to(t.device)).reshape(t.shape)
     return out
 
 
 def row_indices(
     shapes: Mapping[str, tuple[int, ...]], spec: PermutationSpec, perms: Permutations
-) -> dict[str, np.ndarray]:
-    """For each tensor that ``perms`` move (``key -> shape``): the permuted tensor is the original viewed as
-    ``[len(rows), -1]`` with its rows gathered by ``rows``. A row is the leading pair's ``(i, j)`` (the
-    ``k × k`` entries of a filter's input channel) where dim 1 moves, else an index of dim 0."""
+) -> dict[str, RowGather]:
+    """For each tensor that ``perms`` move (``key -> shape``): its permutation as a :class:`RowGather` (dim 0's
+    index, and dim 1's where that moves too)."""
     index: dict[str, dict[int, np.ndarray]] = {}
     for g in spec.groups:
         if g.name in perms:
@@ -146,12 +180,7 @@ def row_indices(
     for key, dims in index.items():
         if set(dims) - {0, 1}:
             raise ValueError(f"{key}: only dims 0 and 1 can be permuted, got {sorted(dims)}")
-        shape = shapes[key]
-        if 1 not in dims:
-            out[key] = dims[0]
-        else:
-            first = dims.get(0, np.arange(shape[0]))
-            out[key] = (first[:, None] * shape[1] + dims[1][None, :]).ravel()
+        out[key] = RowGather(dims.get(0, np.arange(shapes[key][0])), dims.get(1))
     return out
 
 
