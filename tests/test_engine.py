@@ -149,9 +149,8 @@ def test_a_worker_computes_on_one_torch_and_one_blas_thread_whatever_its_parent_
     import multiprocessing as mp
 
     import torch
-    from threadpoolctl import threadpool_limits
 
-    from feddg.engines.workers import use_one_thread
+    from feddg.engines.workers import compute_threads, use_one_thread
 
     def probe(out: "mp.Queue[tuple[int, set[int]]]") -> None:
         use_one_thread()
@@ -159,16 +158,11 @@ def test_a_worker_computes_on_one_torch_and_one_blas_thread_whatever_its_parent_
 
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    with threadpool_limits(2, user_api="blas"):  # a parent with two BLAS threads (this machine's cores may be fewer)
-        before = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            process = ctx.Process(target=probe, args=(out,))
-            process.start()
-            got = out.get(timeout=60)
-            process.join()
-        finally:
-            torch.set_num_threads(before)
+    with compute_threads(2):  # a parent with two torch and two BLAS threads (this machine's cores may be fewer)
+        process = ctx.Process(target=probe, args=(out,))
+        process.start()
+        got = out.get(timeout=60)
+        process.join()
     assert got == (1, {1})
 
 

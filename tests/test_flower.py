@@ -26,7 +26,6 @@ from flwr.common.serde import (
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from thread_counts import blas_threads
-from threadpoolctl import threadpool_limits
 from toy import ToyDomains, ToyNet
 from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
 
@@ -41,6 +40,7 @@ from feddg.engines.flower.records import get_message, message_records, put_messa
 from feddg.engines.flower.server import run_on_grid
 from feddg.engines.flower.simulation import run_flower
 from feddg.engines.inprocess import run_inprocess, run_round
+from feddg.engines.workers import compute_threads
 from feddg.experiment import run_experiment
 from feddg.federation.checkpoint import load_checkpoint
 from feddg.federation.server import Server
@@ -345,22 +345,17 @@ def test_the_server_and_every_clientapp_compute_under_the_thread_policy(tmp_path
     monkeypatch.setattr(flower_client, "run_client", probed(flower_client.run_client))
     monkeypatch.setattr(flower_client, "run_client_setup", probed(flower_client.run_client_setup))
     cfg = toy_config("federation.rounds=1")
-    with threadpool_limits(2, user_api="blas"):  # a process with two of each (this machine's cores may be fewer)
-        before = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            for name, node in (("auto", {}), ("node-threads", {"threads": 2})):
-                server = Server(probe_federation(cfg), tmp_path / name)
-                grid = LoopbackGrid(make_client_app(factory=probe_federation), 4, {"config": server_config_text(server)},
-                                    node)
-                run_on_grid(server, grid, lambda row: rounds.append((torch.get_num_threads(), blas_threads())))
-                expected = (1, {1}) if not node else (2, {2})
-                assert len(clients) >= 4 and all(c == expected for c in clients), (name, clients)
-                clients.clear()
-            assert rounds == [(1, {1}), (1, {1})]
-            assert torch.get_num_threads() == 2 and blas_threads() == {2}
-        finally:
-            torch.set_num_threads(before)
+    with compute_threads(2):  # a process with two torch and two BLAS threads (this machine's cores may be fewer)
+        for name, node in (("auto", {}), ("node-threads", {"threads": 2})):
+            server = Server(probe_federation(cfg), tmp_path / name)
+            grid = LoopbackGrid(make_client_app(factory=probe_federation), 4, {"config": server_config_text(server)},
+                                node)
+            run_on_grid(server, grid, lambda row: rounds.append((torch.get_num_threads(), blas_threads())))
+            expected = (1, {1}) if not node else (2, {2})
+            assert len(clients) >= 4 and all(c == expected for c in clients), (name, clients)
+            clients.clear()
+        assert rounds == [(1, {1}), (1, {1})]
+        assert torch.get_num_threads() == 2 and blas_threads() == {2}
 
 
 @pytest.mark.parametrize("value", [0, -1, "2", 1.5, True])

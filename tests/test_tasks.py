@@ -19,7 +19,7 @@ from feddg.cli import app
 from feddg.config import ConfigError, build_config
 from feddg.engines.flower.records import get_message, message_records
 from feddg.engines.inprocess import run_inprocess
-from feddg.engines.workers import one_thread
+from feddg.engines.workers import compute_threads, use_one_thread
 from feddg.evaluation.tally import domain_counts, domain_metrics, tally_by_domain
 from feddg.experiment import run_experiment
 from feddg.federation.server import Server
@@ -63,10 +63,10 @@ def test_tallies_of_a_split_evaluation_sum_to_the_single_pass_figure_exactly():
     message contract a reply travels in), sum to the single process's tally, and give the same figures."""
     fed = _FED
     idx = np.concatenate([fed.split.test_idx, *(c.holdout_idx for c in fed.clients)])
-    with one_thread():  # as each worker computes
+    with compute_threads(1):  # as each worker computes
         whole = tally_by_domain(fed.model, fed.dataset, idx, fed.task, batch_size=64)
     halves = np.array_split(np.random.default_rng(0).permutation(idx), 2)
-    with mp.get_context("fork").Pool(2, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with mp.get_context("fork").Pool(2, initializer=use_one_thread) as pool:
         parts = pool.map(_half_tally, halves)
     assert not np.array_equal(parts[0], whole)  # each worker saw only part of it
     np.testing.assert_array_equal(parts[0] + parts[1], whole)
@@ -82,7 +82,7 @@ def test_one_pass_over_many_domains_gives_each_domain_pass_tally():
     tallies of one pass per domain, exactly (at one thread, as a worker or the default server computes)."""
     fed = _FED
     idx = np.concatenate([fed.split.test_idx, *(c.holdout_idx for c in fed.clients)])
-    with one_thread():
+    with compute_threads(1):
         whole = tally_by_domain(fed.model, fed.dataset, idx, fed.task, batch_size=64)
         assert len(np.unique(fed.dataset.domain_ids[idx])) > 1
         for d in range(len(fed.dataset.domains)):

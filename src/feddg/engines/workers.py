@@ -135,11 +135,6 @@ def compute_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def one_thread() -> AbstractContextManager[None]:
-    """Run the block with one torch thread and one BLAS thread, as a worker does."""
-    return compute_threads(1)
-
-
 def use_one_thread() -> None:
     """For the rest of this process (a worker, a sweep's job): one torch thread and one BLAS thread."""
     torch.set_num_threads(1)
