@@ -55,6 +55,13 @@ def test_gathers_of_both_leading_dims_give_the_bits_of_the_mean_of_permuted_copi
     assert np.array_equal(weighted_mean(arrays, [1.0, 2.0, 4.5], index), weighted_mean(copies, [1.0, 2.0, 4.5]))
 
 
+@pytest.mark.parametrize("rows, cols", [([0, 2, 2], None), ([0, 1, 3], None), ([1, 0], [0, 0, 1]), ([1, 0], [-1, 0, 1])])
+def test_a_row_gather_is_refused_unless_it_is_a_permutation(rows, cols):
+    """The gathers clip out-of-range indices, so anything but a permutation would average the wrong rows silently."""
+    with pytest.raises(ValueError, match=r"^RowGather (rows|cols) must be a permutation of 0\.\.\d+$"):
+        RowGather(np.array(rows), None if cols is None else np.array(cols))
+
+
 def test_row_gathers_of_one_tensor_must_view_it_alike():
     with pytest.raises(ValueError, match=r"^row gathers of different shapes: \[\(2, 2\), \(4, 1\)\]$"):
         weighted_mean([np.zeros(4), np.zeros(4)], [1, 1], [RowGather(np.arange(4)), RowGather(np.arange(2))])

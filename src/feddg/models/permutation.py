@@ -119,6 +119,11 @@ class RowGather:
     rows: np.ndarray
     cols: np.ndarray | None = None
 
+    def __post_init__(self) -> None:  # the gathers clip their indices (to write in place): refuse any but a permutation
+        for name, index in (("rows", self.rows), ("cols", self.cols)):
+            if index is not None and not _is_permutation(index):
+                raise ValueError(f"RowGather {name} must be a permutation of 0..{len(index) - 1}")
+
     def view_shape(self, size: int) -> tuple[int, ...]:
         lead = (len(self.rows),) if self.cols is None else (len(self.rows), len(self.cols))
         return (*lead, size // int(np.prod(lead)) if size else 1)
@@ -140,6 +145,11 @@ class RowGather:
         """A permuted copy of ``a``, in its shape."""
         moved = np.take(a.reshape(self.view_shape(a.size)), self.rows, axis=0)
         return (moved if self.cols is None else np.take(moved, self.cols, axis=1)).reshape(a.shape)
+
+
+def _is_permutation(index: np.ndarray) -> bool:
+    n = len(index)
+    return index.ndim == 1 and (n == 0 or bool(index.min() >= 0 and index.max() < n and np.bincount(index, minlength=n).all()))
 
 
 def permute_axis(t: Tensor, axis: Axis, perm: np.ndarray) -> Tensor:
