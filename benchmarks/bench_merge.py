@@ -4,8 +4,9 @@ The baseline is the merge of a git revision: its ``merges.py``, ``mean.py``, ``f
 and ``permutation.py``, loaded with ``git show REV:...`` into a temporary package; both run interleaved in
 one process on the same inputs, and their merged models are compared (they must be the same bits). Each
 merge is also set against its exact-cost bound measured in the run (its GEMM FLOPs, ``merge_gflop``, over this
-machine's best float32 GEMM rate, ``fastest_gemm``) and, timed interleaved with the merges, the floor of its other work: one
-pass of the float64 mean over the station weights (``mean_pass``).
+machine's best float32 GEMM rate, ``fastest_gemm``) and to the exact merge's floor here: its own cost products as
+timed inside this tree's merges (``GemmClock``) plus, timed interleaved with the merges, one pass of the float64
+mean over the station weights (``mean_pass``).
 
     python benchmarks/bench_merge.py                      # --baseline 49e00c0 --repeats 5 --threads 2
 """
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,12 +29,23 @@ from typing import Any
 import numpy as np
 
 from feddg.aggregation import merges
-from feddg.bench.merge import MergeCase, fastest_gemm, mean_pass, merge_gflop, resnet18_stations, summary, time_merges
+from feddg.bench.merge import (
+    GemmClock,
+    MergeCase,
+    fastest_gemm,
+    mean_pass,
+    merge_gflop,
+    resnet18_stations,
+    summary,
+    time_merges,
+)
 from feddg.models import create_model
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the row of the floor: one float64 mean pass over the unpermuted station weights, timed with the merges
 FLOOR = "floor: mean pass"
+#: the rows of this tree's cost products as timed inside its merges, and of the exact merge's floor (the two summed)
+PRODUCTS, EXACT = "floor: products", "floor: both"
 #: the last commit before the permutation was fused into the mean (issue 29, M1)
 BEFORE = "49e00c0"
 #: baseline module name -> path in the repository; imports of the originals are redirected to the copies
@@ -73,12 +86,15 @@ def compare(solver: str, merges_by_name: dict[str, tuple[Callable[..., Any], Any
     """Time each merge interleaved and print a table row per implementation (the first is the yardstick)."""
     metrics: dict[str, list[dict[str, float]]] = {name: [] for name in merges_by_name}
     merged: dict[str, dict[str, np.ndarray]] = {}
+    clock = GemmClock()  # around the last merge (this tree's; a baseline's products run on its own copies)
 
     def runner(name: str) -> Callable[[], None]:
         fn, spec = merges_by_name[name]
+        timer = clock if name == list(merges_by_name)[-1] else nullcontext()
 
         def run() -> None:
-            merged[name], m = fn(case.weights, case.grams, case.gammas, spec, solver=solver)
+            with timer:
+                merged[name], m = fn(case.weights, case.grams, case.gammas, spec, solver=solver)
             metrics[name].append(m)
 
         return run
@@ -88,13 +104,16 @@ def compare(solver: str, merges_by_name: dict[str, tuple[Callable[..., Any], Any
     time_merges(runs, 1, threads)  # warm-up: imports, first allocations
     for ms in metrics.values():
         ms.clear()
+    clock.laps.clear()
     times = time_merges(runs, repeats, threads)
+    times[PRODUCTS] = list(clock.laps)
+    times[EXACT] = [min(times[PRODUCTS]) + min(times[FLOOR])]
     kernel, rate = fastest_gemm(threads)
     bound = merge_gflop(runs[next(iter(merges_by_name))]) / rate
     base = min(next(iter(times.values())))
     for name, ts in times.items():
         lo, med = summary(ts)
-        if name == FLOOR:
+        if name in (FLOOR, PRODUCTS, EXACT):
             print(f"{solver:<10} {name:<18} {lo:7.3f} {med:9.3f} {'':>7} {'':>10} {'':>6} {'':>6} {lo / bound:8.2f}")
             continue
         fot = statistics.median(m["hfl/time_fot_s"] for m in metrics[name])

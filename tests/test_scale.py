@@ -3,6 +3,7 @@ method registry; the cnn4 model; the scale configs' partitions; forked workers t
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +156,53 @@ def test_the_merge_bound_counts_exactly_the_flops_of_its_products():
 
         out = torch.empty(30, 50)
         assert merge_gflop(lambda: onednn_cross(a, b.T.contiguous(), out)) == pytest.approx(2 * 30 * 40 * 50 / 1e9)
+
+
+def test_the_gemm_clock_times_every_product_of_a_merge_and_gives_the_kernels_back(monkeypatch):
+    """M1's floor times eq. 3's products inside the merge: FOT takes its CPU kernel from the table the clock wraps
+    (oneDNN's, MKL's under pinned kernels); with each kernel made 2 ms slower, the lap of a two-station ResNet-18
+    alignment (40 products) is at least 80 ms and at most the alignment's wall time, and after the block the table
+    holds the kernels it held before."""
+    from feddg.aggregation import fot
+    from feddg.bench.merge import GemmClock
+    from feddg.models.permutation import apply_permutations, permutation_spec, random_permutations
+    from feddg.reproducibility import PORTABLE_DEFAULTS, PORTABLE_ENV
+
+    calls = []
+
+    def slower(kernel):
+        def run(a, b, out):
+            calls.append(a.shape)
+            time.sleep(0.002)
+            kernel(a, b, out)
+
+        return run
+
+    for name, kernel in list(fot.CPU_CROSS_PRODUCTS.items()):
+        monkeypatch.setitem(fot.CPU_CROSS_PRODUCTS, name, slower(kernel))
+    kernels = dict(fot.CPU_CROSS_PRODUCTS)
+    unpinned = "oneDNN" if "oneDNN" in kernels else "MKL"
+    assert fot.cross_product(torch.device("cpu")) is kernels[unpinned]
+    with monkeypatch.context() as pinned:
+        for k, v in {**PORTABLE_DEFAULTS, **PORTABLE_ENV}.items():
+            pinned.setenv(k, str(v))
+        assert fot.cross_product(torch.device("cpu")) is kernels["MKL"]
+    torch.manual_seed(0)
+    model = create_model("resnet18", num_classes=5, image_size=32)
+    spec = permutation_spec(model)
+    ref = model.state_dict()
+    rng = np.random.default_rng(0)
+    others = [apply_permutations(ref, spec, random_permutations(spec, rng)) for _ in range(2)]
+    clock = GemmClock()
+    t0 = time.perf_counter()
+    with clock:
+        fot.align_to_reference(ref, others, spec, solver="hungarian")
+    wall = time.perf_counter() - t0
+    assert len(calls) == 40 and 40 * 0.002 <= clock.laps[0] <= wall
+    assert fot.CPU_CROSS_PRODUCTS == kernels
+    with clock:  # a block without products
+        pass
+    assert clock.laps[1] == 0.0
 
 
 def test_the_bound_s_gemm_kernels_are_float32_products_and_the_fastest_is_taken(monkeypatch):

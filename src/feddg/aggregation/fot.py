@@ -102,10 +102,11 @@ def cross_product(device: torch.device) -> CrossProduct:
     against MKL's 210 GFLOP/s: MKL takes its AVX2 path on AMD), except under ``reproducibility: portable``'s
     pinned kernels, whose MKL products give the same bits on every CPU (oneDNN's blocking follows the CPU's
     caches); elsewhere ``torch.mm``. Either is float32 (the two differ in the last bits, which the assignment
-    screen and the float64 solves tolerate: the permutations are the plain float64 algorithm's, tests/test_fot.py)."""
-    if device.type == "cpu" and "oneDNN" in CPU_CROSS_PRODUCTS and not is_pinned():
-        return CPU_CROSS_PRODUCTS["oneDNN"]
-    return mkl_cross
+    screen and the float64 solves tolerate: the permutations are the plain float64 algorithm's, tests/test_fot.py).
+    A CPU kernel is looked up in :data:`CPU_CROSS_PRODUCTS` at each call (M1's benchmark times the products there)."""
+    if device.type != "cpu":
+        return mkl_cross
+    return CPU_CROSS_PRODUCTS["oneDNN" if "oneDNN" in CPU_CROSS_PRODUCTS and not is_pinned() else "MKL"]
 
 
 def sinkhorn_plan(cost: np.ndarray, reg: float, iters: int) -> np.ndarray:

@@ -13,7 +13,8 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import TracebackType
 
 import numpy as np
 import torch
@@ -163,6 +164,34 @@ def fastest_gemm(threads: int) -> tuple[str, float]:
     rates = {name: gemm_gflops(threads, kernel=name) for name in GEMMS}
     name = max(rates, key=lambda k: rates[k])
     return name, rates[name]
+
+
+@dataclass
+class GemmClock:
+    """Wall seconds a merge spends inside eq. 3's products: within ``with clock:`` every CPU kernel of
+    :data:`~feddg.aggregation.fot.CPU_CROSS_PRODUCTS` (where the merge looks its kernel up) runs under a timer, and
+    each block's total is appended to :attr:`laps`. With the float64 mean's floor (:func:`mean_pass`) it gives the
+    least time in which the exact merge could run here: its own products, then one mean pass."""
+
+    laps: list[float] = field(default_factory=list)
+    _kernels: dict[str, CrossProduct] = field(default_factory=dict)
+
+    def __enter__(self) -> GemmClock:
+        self._kernels = dict(CPU_CROSS_PRODUCTS)
+        self.laps.append(0.0)
+        CPU_CROSS_PRODUCTS.update({name: self._timed(kernel) for name, kernel in self._kernels.items()})
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        CPU_CROSS_PRODUCTS.update(self._kernels)
+
+    def _timed(self, kernel: CrossProduct) -> CrossProduct:
+        def timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            kernel(a, b, out)
+            self.laps[-1] += time.perf_counter() - t0
+
+        return timed
 
 
 def mean_pass(case: MergeCase) -> Callable[[], object]:
