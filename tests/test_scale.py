@@ -200,9 +200,12 @@ def test_the_gemm_clock_times_every_product_of_a_merge_and_gives_the_kernels_bac
     wall = time.perf_counter() - t0
     assert len(calls) == 40 and 40 * 0.002 <= clock.laps[0] <= wall
     assert fot.CPU_CROSS_PRODUCTS == kernels
+    assert clock.shortest() == clock.laps[0]
     with clock:  # a block without products
         pass
     assert clock.laps[1] == 0.0
+    with pytest.raises(RuntimeError, match="did not run through the GEMM clock"):  # no floor from it
+        clock.shortest()
 
 
 def test_the_bound_s_gemm_kernels_are_float32_products_and_the_fastest_is_taken(monkeypatch):
@@ -213,12 +216,12 @@ def test_the_bound_s_gemm_kernels_are_float32_products_and_the_fastest_is_taken(
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 300, generator=g), torch.randn(48, 300, generator=g)
     exact = a.double() @ b.double().T
-    assert "MKL" in bench_merge.GEMMS
-    for name, gemm in bench_merge.GEMMS.items():
+    assert "MKL" in bench_merge.CPU_CROSS_PRODUCTS
+    for name, gemm in bench_merge.CPU_CROSS_PRODUCTS.items():
         out = torch.full((64, 48), float("nan"))
         gemm(a, b, out)
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4, msg=name)
-    monkeypatch.setattr(bench_merge, "GEMMS", {"slow": torch.mm, "fast": torch.mm, "middle": torch.mm})
+    monkeypatch.setattr(bench_merge, "CPU_CROSS_PRODUCTS", {"slow": torch.mm, "fast": torch.mm, "middle": torch.mm})
     rates = {"slow": 100.0, "fast": 300.0, "middle": 200.0}
     monkeypatch.setattr(bench_merge, "gemm_gflops", lambda threads, kernel="MKL", **_: rates[kernel])
     assert bench_merge.fastest_gemm(2) == ("fast", 300.0)

@@ -130,20 +130,15 @@ def merge_gflop(merge: Callable[[], object]) -> float:
     return counter.get_total_flops() / 1e9
 
 
-#: the float32 GEMMs eq. 3's products may run on in this process, called as the merge calls them
-#: (``kernel(a [m, k], b [n, k], out [m, n])``: ``out = a · bᵀ``): MKL's (``torch.mm``) and, where PyTorch has it,
-#: oneDNN's, which on an AMD EPYC (Zen 5) runs 2.2× MKL's (MKL takes its AVX2 path on AMD)
-GEMMS: dict[str, CrossProduct] = CPU_CROSS_PRODUCTS
-
-
 def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), repeats: int = 20,
                 kernel: str = "MKL") -> float:
     """This machine's float32 GEMM rate now (GFLOP/s, best of ``repeats``) at ``shape`` ``(m, k, n)`` (default:
     the merge's largest cost GEMM, ResNet-18's 512 filters of 512 × 3 × 3), on ``threads`` torch threads, with
-    ``kernel`` (a key of :data:`GEMMS`)."""
+    ``kernel`` (a key of :data:`~feddg.aggregation.fot.CPU_CROSS_PRODUCTS`: the float32 GEMMs eq. 3's products may
+    run on here, called as the merge calls them; on an AMD EPYC, Zen 5, oneDNN's runs 2.2× MKL's)."""
     m, k, n = shape
     a, b, out = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
-    gemm = GEMMS[kernel]
+    gemm = CPU_CROSS_PRODUCTS[kernel]
     best = float("inf")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -159,9 +154,9 @@ def gemm_gflops(threads: int, shape: tuple[int, int, int] = (512, 4608, 512), re
 
 
 def fastest_gemm(threads: int) -> tuple[str, float]:
-    """The fastest kernel of :data:`GEMMS` here and its rate: the exact-cost bound is the merge's FLOPs at the best
-    float32 GEMM rate this machine offers, whichever kernel the merge itself calls."""
-    rates = {name: gemm_gflops(threads, kernel=name) for name in GEMMS}
+    """The fastest kernel of :data:`~feddg.aggregation.fot.CPU_CROSS_PRODUCTS` here and its rate: the exact-cost
+    bound is the merge's FLOPs at the best float32 GEMM rate this machine offers, whichever kernel the merge calls."""
+    rates = {name: gemm_gflops(threads, kernel=name) for name in CPU_CROSS_PRODUCTS}
     name = max(rates, key=lambda k: rates[k])
     return name, rates[name]
 
@@ -184,6 +179,13 @@ class GemmClock:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         CPU_CROSS_PRODUCTS.update(self._kernels)
+
+    def shortest(self) -> float:
+        """The shortest lap; refused where a block's products did not run through the clock (a kernel outside the
+        table): no floor, rather than half one."""
+        if not self.laps or min(self.laps) <= 0:
+            raise RuntimeError("M1: the merge's cost products did not run through the GEMM clock; no exact floor")
+        return min(self.laps)
 
     def _timed(self, kernel: CrossProduct) -> CrossProduct:
         def timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
