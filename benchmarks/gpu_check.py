@@ -1,8 +1,9 @@
 """The GPU check behind ``benchmarks/gpu_check.sh`` (docs/benchmarks.md, "GPU check").
 
 (a) every registered method and every station merge, one short round on ``--device`` under ``optim.amp`` off and
-bf16: fails on an error or a non-finite metric; (b) W1 (feddg and a plain PyTorch loop) and M1 (HFedATM's merge,
-its FOT cost GEMMs on the device) against the same work on the CPU, in this run; (c) one table. Runs on a CPU too
+bf16, and one round of each other task's demo (segmentation, text, natural clients): fails on an error or a
+non-finite metric; (b) W1 (feddg and a plain PyTorch loop) and M1 (HFedATM's merge, its FOT cost GEMMs on the
+device) against the same work on the CPU, in this run; (c) one table. Runs on a CPU too
 (``--device cpu``: the same code paths, no CUDA), which is how it is checked before a GPU is at hand.
 """
 
@@ -15,8 +16,13 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from feddg.config import ExperimentConfig
 
 #: what a method needs to run one round on Digits-DG (flat federation, 3 source domains, 3 clients)
 METHOD_OVERRIDES: dict[str, list[str]] = {
@@ -27,13 +33,40 @@ METHOD_OVERRIDES: dict[str, list[str]] = {
 }
 
 
+#: one round of each task beside image classification: its demo config, cut to one short round
+SEGMENTATION = "segmentation: FedFA+ on a U-Net (prostate MRI)"
+TASK_CONFIGS: dict[str, tuple[str, list[str]]] = {
+    SEGMENTATION: ("configs/segmentation/demo.yaml", ["federation.local_epochs=1"]),
+    "text: HFedATM on tiny RoBERTa (sentiment)": ("configs/text/demo.yaml", ["hierarchy.station_rounds=1"]),
+    "natural clients: 3,060 writers, 50 a round": ("configs/fedfa/writers.yaml", []),
+}
+
+
+def run_round(cfg: ExperimentConfig) -> dict[str, Any]:
+    """One round of the experiment ``cfg`` in this process; its last metrics row."""
+    from feddg.engines.inprocess import run_inprocess
+    from feddg.federation.server import Server
+    from feddg.federation.setup import build_federation
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(build_federation(cfg), Path(tmp) / "run")
+        run_inprocess(server)
+        return server.metrics[-1]
+
+
+def task_round(config: str, extra: list[str], amp: str, device: str, cache: str) -> dict[str, Any]:
+    """One round of the task demo ``config`` (relative to the checkout) on ``device`` under ``amp``."""
+    from feddg.config import load_config
+
+    over = [*extra, "federation.rounds=1", "eval.every=1", f"optim.amp='{amp}'", f"device={device}",
+            f"data.cache_dir='{cache}'"]
+    return run_round(load_config(Path(__file__).resolve().parent.parent / config, over))
+
+
 def one_round(method: str, merge: str | None, amp: str, device: str, cache: str, dp: bool = False) -> dict[str, Any]:
     """One round of ``method`` (with ``merge`` as the station merge; ``dp``: its shared statistics or Grams under DP)
     on a tiny Digits-DG; the last metrics row."""
     from feddg.config import build_config
-    from feddg.engines.inprocess import run_inprocess
-    from feddg.federation.server import Server
-    from feddg.federation.setup import build_federation
 
     over = [f"method.name={method}", f"optim.amp='{amp}'", f"device={device}", *METHOD_OVERRIDES.get(method, [])]
     if merge is not None:
@@ -43,11 +76,7 @@ def one_round(method: str, merge: str | None, amp: str, device: str, cache: str,
     raw = {"data": {"dataset": "digits-dg", "max_per_domain": 64, "cache_dir": cache},
            "partition": {"kind": "by_domain", "num_clients": 3}, "split": {"target": "mnistm"},
            "federation": {"rounds": 1, "batch_size": 32}, "model": {"name": "cnn"}}
-    cfg = build_config(raw, over)
-    with tempfile.TemporaryDirectory() as tmp:
-        server = Server(build_federation(cfg), Path(tmp) / "run")
-        run_inprocess(server)
-        return server.metrics[-1]
+    return run_round(build_config(raw, over))
 
 
 def finite(row: dict[str, Any]) -> list[str]:
@@ -56,26 +85,40 @@ def finite(row: dict[str, Any]) -> list[str]:
 
 
 def check_all(device: str, cache: str, amps: list[str]) -> list[tuple[str, str, str]]:
-    """(what, amp, "ok ..." or the failure) for every method and station merge."""
+    """(what, amp, "ok ..." or the failure) for every method, station merge and task."""
     from feddg.aggregation.merges import MERGES
     from feddg.algorithms.registry import list_methods, method_class
+    from feddg.tasks.base import DENSE_MASKS
 
-    cases = [(m, None, False) for m in list_methods()] + [("fedavg", merge, False) for merge in sorted(MERGES)]
-    cases += [(m, None, True) for m in list_methods() if "dp" in method_class(m).Params.model_fields]
+    on_masks = {m for m in list_methods() if DENSE_MASKS in method_class(m).requires}  # on the segmentation demo
+    cases: list[tuple[str, str | None, bool]] = [(m, None, False) for m in list_methods() if m not in on_masks]
+    cases += [("fedavg", merge, False) for merge in sorted(MERGES)]
+    cases += [(m, None, True) for m in list_methods() if "dp" in method_class(m).Params.model_fields and m not in on_masks]
     cases += [("fedavg", "hfedatm", True)]
+    rounds: dict[str, Callable[[str, str, str], dict[str, Any]]] = {  # what -> round(amp, device, cache)
+        (method if merge is None else f"fedavg + {merge}") + " (dp)" * dp: partial(one_round, method, merge, dp=dp)
+        for method, merge, dp in cases}
+    segmentation, seg_over = TASK_CONFIGS[SEGMENTATION]
+    tasks = dict(TASK_CONFIGS)
+    for m in sorted(on_masks):
+        tasks[f"{m} (prostate MRI)"] = (segmentation, [*seg_over, f"method.name={m}", "method.params={}"])
+        if "dp" in method_class(m).Params.model_fields:
+            tasks[f"{m} (dp) (prostate MRI)"] = (segmentation, [*seg_over, f"method.name={m}",
+                                                               "method.params={dp: {noise_multiplier: 1.0}}"])
+    rounds |= {what: partial(task_round, config, extra) for what, (config, extra) in tasks.items()}
     out = []
-    for method, merge, dp in cases:
+    for what, round_under in rounds.items():
         for amp in amps:
-            what = (method if merge is None else f"fedavg + {merge}") + " (dp)" * dp
             t0 = time.perf_counter()
             try:
-                row = one_round(method, merge, amp, device, cache, dp)
+                row = round_under(amp, device, cache)
                 bad = finite(row)
-                status = f"FAIL non-finite {bad}" if bad else f"ok ({time.perf_counter() - t0:.1f} s, ood {row['ood_acc']:.1f})"
+                score = next(f"{k} {row[k]:.1f}" for k in row if k.startswith("ood_") and "/" not in k)
+                status = f"FAIL non-finite {bad}" if bad else f"ok ({time.perf_counter() - t0:.1f} s, {score})"
             except Exception as err:  # reported in the table, the run goes on
                 status = "FAIL " + " ".join(f"{type(err).__name__}: {err}".split())[:200]
                 traceback.print_exc(file=sys.stderr)
-            print(f"  {what:28s} amp {amp:4s} {status}", file=sys.stderr, flush=True)
+            print(f"  {what:48s} amp {amp:4s} {status}", file=sys.stderr, flush=True)
             out.append((what, amp, status))
     return out
 
@@ -136,7 +179,7 @@ def main() -> int:
     timings = w1_rows(args.device, args.w1_images, args.repeats) + m1_rows(args.device, args.m1_stations, args.repeats)
     failed = [c for c in checks if not c[2].startswith("ok")]
     print(f"\n## GPU check on {name} (torch {torch.__version__}), {time.perf_counter() - t0:.0f} s\n")
-    print(f"every method and station merge, one round, amp {args.amps}: {len(checks) - len(failed)} of "
+    print(f"every method, station merge and task, one round, amp {args.amps}: {len(checks) - len(failed)} of "
           f"{len(checks)} ok\n")
     print("| what | amp | result |\n|---|---|---|")
     for what, amp, status in checks:
