@@ -67,8 +67,8 @@ def test_the_check_runs_every_method_once_per_amp_on_a_task_that_provides_what_i
     out = gpu_check.check_all("cpu", "unused", ["off", "bf16"])
     segmentation = gpu_check.TASK_CONFIGS[gpu_check.SEGMENTATION][0]
     for m in list_methods():
-        where = [w for n, w in seen if n == m]
-        assert where == [segmentation] * 2 if DENSE_MASKS in method_class(m).requires else where == ["digits"] * 2, m
+        expected = segmentation if DENSE_MASKS in method_class(m).requires else "digits"
+        assert [w for n, w in seen if n == m] == [expected] * 2, m
     status = {(what, amp): s for what, amp, s in out}
     assert status[("fedprox", "bf16")].startswith("FAIL non-finite ['ood_acc']")
     assert status[(gpu_check.SEGMENTATION, "off")] == "FAIL RuntimeError: a failing round"
