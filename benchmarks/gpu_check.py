@@ -113,8 +113,9 @@ def check_all(device: str, cache: str, amps: list[str]) -> list[tuple[str, str, 
             try:
                 row = round_under(amp, device, cache)
                 bad = finite(row)
-                score = next(f"{k} {row[k]:.1f}" for k in row if k.startswith("ood_") and "/" not in k)
-                status = f"FAIL non-finite {bad}" if bad else f"ok ({time.perf_counter() - t0:.1f} s, {score})"
+                score = next((f"{k} {row[k]:.1f}" for k in row if k.startswith("ood_") and "/" not in k), None)
+                status = (f"FAIL non-finite {bad}" if bad else "FAIL no out-of-domain score in the round's metrics"
+                          if score is None else f"ok ({time.perf_counter() - t0:.1f} s, {score})")
             except Exception as err:  # reported in the table, the run goes on
                 status = "FAIL " + " ".join(f"{type(err).__name__}: {err}".split())[:200]
                 traceback.print_exc(file=sys.stderr)

@@ -52,6 +52,8 @@ def test_the_check_runs_every_method_once_per_amp_on_a_task_that_provides_what_i
     def fake_digits(method, merge, amp, device, cache, dp=False):
         if merge is None and not dp:
             seen.append((method, "digits"))
+        if method == "fedsam":
+            return {"round": 1, "id_acc": 50.0}  # an evaluation that gave no out-of-domain score
         return {"round": 1, "ood_acc": math.nan if method == "fedprox" else 50.0}
 
     def fake_task(config, extra, amp, device, cache):
@@ -71,5 +73,6 @@ def test_the_check_runs_every_method_once_per_amp_on_a_task_that_provides_what_i
         assert [w for n, w in seen if n == m] == [expected] * 2, m
     status = {(what, amp): s for what, amp, s in out}
     assert status[("fedprox", "bf16")].startswith("FAIL non-finite ['ood_acc']")
+    assert status[("fedsam", "off")] == "FAIL no out-of-domain score in the round's metrics"
     assert status[(gpu_check.SEGMENTATION, "off")] == "FAIL RuntimeError: a failing round"
     assert status[("elcfs (prostate MRI)", "off")].startswith("ok") and "ood_dice 10.0" in status[("elcfs (prostate MRI)", "off")]
