@@ -15,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from feddg.cli import app
+from feddg.models import MODELS
 
 TINY = [
     "-o", "data.max_per_domain=150",
@@ -236,3 +237,15 @@ def test_a_table_written_to_a_pipe_keeps_its_rows_whole_unless_columns_is_set(en
     # CCST's first line of parameters reaches decoder_weights at 160 columns, not at 80
     assert any("ccst" in line and "decoder_weights=" in line for line in piped.stdout.splitlines())
     assert not any("ccst" in line and "decoder_weights=" in line for line in narrow.stdout.splitlines())
+
+
+def test_models_lists_what_each_model_takes_predicts_and_its_options():
+    result = CliRunner().invoke(app, ["models"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in result.output.splitlines() if line.count("│") == 6 and line.split("│")[1].strip()}
+    assert rows["unet"] == ["images", "dense_masks", "batchnorm, conv_stages", "depth, width"]
+    assert rows["resnet18"] == ["images", "class_labels", "batchnorm, conv_stages", "normalization, small_input"]
+    assert rows["tiny-roberta"] == ["tokens", "class_labels", "—", "RobertaConfig's fields"]
+    assert rows["mlp"] == ["features", "class_labels", "—", "hidden"]
+    assert rows["cnn4"][-1] == "none" and set(rows) == set(MODELS)

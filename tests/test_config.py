@@ -26,6 +26,34 @@ def test_errors_name_the_key(raw, overrides, key):
         build_config(raw, overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model.name=unet"], r"^model\.name: model unet \(images → dense_masks\) does not fit the classification task "
+                          r"of digits-dg \(images → class_labels\); models that do: alexnet, cnn, .*vgg11_bn$"),
+    (["data.dataset=synthetic-mri", "model.name=cnn"], r"^model\.name: model cnn \(images → class_labels\) does not "
+                                                       r"fit the segmentation task .*; models that do: unet$"),
+    (["data.dataset=synthetic-sentiment", "model.name=mlp"], r"\(features → class_labels\) does not fit .*"
+                                                             r"\(tokens → class_labels\); .*tiny-roberta, transformer$"),
+    (["model.name=tiny-roberta"], r"^model\.name: model tiny-roberta \(tokens → class_labels\) does not fit"),
+    (["model.params.widht=8"], r"^model\.params\.widht: model cnn has no such option; it takes block_widths, norm$"),
+    (["model.name=resnet18", "model.params.width=8"], r"^model\.params\.width: .*takes normalization, small_input$"),
+    (["model.params.image_size=32"], r"^model\.params\.image_size: given by the data or the run"),
+    (["data.dataset=synthetic-sentiment", "model.name=tiny-roberta", "model.params.hiden_size=8"],
+     r"^model\.params\.hiden_size: model tiny-roberta has no such option; it takes RobertaConfig's fields$"),
+])
+def test_a_model_that_does_not_fit_the_data_or_an_unknown_option_is_refused_before_any_data_loads(overrides, message):
+    """Model and task are checked at config time (a sweep refuses before its first run), in one line naming the key;
+    the model options' keys too (a typo was a TypeError, or silently ignored by a Hugging Face config)."""
+    with pytest.raises(ConfigError, match=message) as err:
+        build_config({}, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_model_options_that_fit_pass():
+    cfg = build_config({}, ["data.dataset=synthetic-sentiment", "model.name=tiny-roberta", "model.params.hidden_size=32"])
+    assert cfg.model.params == {"hidden_size": 32}
+    assert build_config({}, ["data.dataset=synthetic-mri", "model.name=unet", "model.params.width=8"]).model.name == "unet"
+
+
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="key.sub=value"):
         build_config({}, ["rounds"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from feddg.models import MODELS, FedModel, create_model, list_models
+from feddg.models import MODELS, FedModel, create_model, list_models, model_targets
 from feddg.models.vgg import VGG
 
 # torchvision.models.resnet18(num_classes=1000).state_dict(), in order: "key dim dim ..." (no dims: a scalar).
@@ -409,4 +409,9 @@ def test_declared_capabilities_are_the_built_models(name: str) -> None:
         staged = bool(conv_stages(model))
     except TypeError:
         staged = False
-    assert CAPABILITIES[name] == {c for c, on in (("batchnorm", has_bn), ("conv_stages", staged)) if on}
+    with torch.no_grad():
+        shape = tuple(model.eval()(torch.zeros(2, 3, 32, 32)).shape)
+    dense = {(2, 3): False, (2, 3, 32, 32): True}[shape]  # one class score per sample, or per pixel
+    assert CAPABILITIES[name] == {c for c, on in (("batchnorm", has_bn), ("conv_stages", staged),
+                                                  ("dense_masks", dense)) if on}
+    assert model_targets(name) == ("dense_masks" if dense else "class_labels")

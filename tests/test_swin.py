@@ -74,7 +74,8 @@ def test_patch_and_window_keep_swin_t_windows_a_side():
 @pytest.mark.parametrize(("size", "options", "message"), [
     (28, {}, "image_size 28 does not fit patch 1 and window 4: it must be a multiple of 32"),
     (32, {"patch_size": 2}, "image_size 32 does not fit patch 2 and window 4: it must be a multiple of 64"),
-    (32, {"windw_size": 2}, "unknown model option 'windw_size'"),
+    (32, {"windw_size": 2}, r"^model\.params\.windw_size: model swin_tiny_test has no such option; it takes "
+                            r"attention_probs_dropout_prob, .*, window_size$"),
 ])
 def test_bad_sizes_and_options_are_refused_in_one_line(size, options, message):
     with pytest.raises(ValueError, match=message):

@@ -135,8 +135,9 @@ def test_a_pixel_task_sweep_table_and_report_show_its_metric(tmp_path):
     (["model.name=lenet", "method.name=fedbn"], "method fedbn needs batchnorm"),
     (["data.dataset=" + NAME, "model.name=pixelnet", "optim.augment=[{name: mixstyle}]"],
      "optim.augment mixstyle needs conv_stages"),
-    (["data.dataset=toy-tokens", "optim.augment=[{name: mixstyle}]"],
-     "optim.augment mixstyle needs images: the classification task of toy-tokens provides class_labels, tokens"),
+    (["data.dataset=toy-tokens", "model.name=tiny-roberta", "optim.augment=[{name: mixstyle}]"],
+     "optim.augment mixstyle needs conv_stages, images: the classification task of toy-tokens provides class_labels, "
+     "tokens, model tiny-roberta tokens"),
     (["method.name=fedsr", "optim.augment=[{name: mixup}]"], "fedsr's loss uses hard labels"),
 ])
 def test_a_method_the_task_or_model_cannot_serve_is_refused_in_one_line(overrides, message, tmp_path):

@@ -84,7 +84,14 @@ def test_a_local_pretrained_directory_loads_with_its_weights(tmp_path):
     ("transformer", {"path": "/x", **TEXT}, "model.path /x: no such directory: put a Hugging Face model there"),
     ("transformer", TEXT, "model transformer needs model.path"),
     ("cnn", {"path": "/x"}, "model.path is for swin_t, swin_tiny_test, transformer; model cnn takes none"),
-    ("tiny-roberta", {"in_channels": 3, "image_size": 28, **TEXT}, "tiny-roberta takes tokens inputs, not images"),
+    ("tiny-roberta", {"in_channels": 3, "image_size": 28, **TEXT},
+     r"^model tiny-roberta takes tokens, not images \(image_size, in_channels\)$"),
+    ("cnn", TEXT, r"^model cnn takes images, not tokens \(max_length, pad_token_id, vocab_size\)$"),
+    ("mlp", TEXT, r"^model mlp takes features, not tokens \(max_length, pad_token_id, vocab_size\)$"),
+    ("tiny-roberta", {"in_features": 5, **TEXT}, r"^model tiny-roberta takes tokens, not features \(in_features\)$"),
+    ("cnn", {"foo": 1}, r"^model\.params\.foo: model cnn has no such option; it takes block_widths, norm$"),
+    ("tiny-roberta", {"hiden_size": 8, **TEXT}, r"^model\.params\.hiden_size: model tiny-roberta has no such option"),
+    ("tiny-deberta", {"max_position_embeddings": 8, **TEXT}, r"^model\.params\.max_position_embeddings: .*no such"),
     ("mlp", {"in_features": 0}, "mlp needs in_features and hidden >= 1"),
 ])
 def test_bad_model_arguments_are_refused_in_one_line(name, kwargs, message):

@@ -63,7 +63,7 @@ def test_dense_outputs_and_the_feature_split(size, depth, channels):
 
 def test_registry_capabilities_and_the_papers_size():
     model = create_model("unet", num_classes=2, in_channels=3, image_size=64, width=8)
-    assert "unet" in list_models() and model_capabilities("unet") == {"batchnorm", "conv_stages"}
+    assert "unet" in list_models() and model_capabilities("unet") == {"batchnorm", "conv_stages", "dense_masks"}
     assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     assert isinstance(model.classifier, nn.Conv2d) and model.classifier.kernel_size == (1, 1)
     with torch.device("meta"):  # width 32, depth 4: 7.76 M parameters, FedFA §6.1's "29.6 MB" per model

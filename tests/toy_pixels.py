@@ -113,7 +113,7 @@ def register() -> None:
     PLUGINS["toy-tokens"] = Plugin(_refuse, domains=["a", "b"], classes=["neg", "pos"], task="classification",
                                    inputs="tokens")
     MODELS["pixelnet"] = PixelNet
-    CAPABILITIES["pixelnet"] = frozenset()
+    CAPABILITIES["pixelnet"] = frozenset({"dense_masks"})  # one class score per pixel
 
 
 @contextmanager

@@ -428,10 +428,18 @@ def methods() -> None:
 
 @app.command()
 def models() -> None:
-    """List the model zoo: the names model.name accepts."""
-    from feddg.models import list_models
+    """List the model zoo: the names model.name accepts, what each takes and predicts, what it offers methods, and
+    the keys of its model.params."""
+    from rich.table import Table
 
-    out.print(", ".join(list_models()))
+    from feddg.models import list_models, model_capabilities, model_inputs, model_targets
+    from feddg.models.registry import options_text
+
+    table = Table("model.name", "takes", "predicts", "offers methods", "model.params")
+    for name in list_models():
+        offers = sorted(model_capabilities(name) - {model_inputs(name), model_targets(name)})
+        table.add_row(name, model_inputs(name), model_targets(name), ", ".join(offers) or "—", options_text(name))
+    out.print(table)
 
 
 @app.command("env")

@@ -416,6 +416,28 @@ class ExperimentConfig(Strict):
         return device
 
     @model_validator(mode="after")
+    def _model_fits_data(self) -> ExperimentConfig:
+        """The model takes the dataset's inputs (images, tokens or features) and predicts its task's targets (class
+        labels or dense masks), and every ``model.params`` key is an option of it, before any data loads."""
+        from feddg.data import dataset_info
+        from feddg.models import check_model_params, list_models, model_inputs, model_targets
+        from feddg.tasks import task_class
+
+        info = dataset_info(self.data.dataset)
+        targets = task_class(info["task"]).targets
+
+        def fits(model: str) -> bool:
+            return model_inputs(model) == info["inputs"] and model_targets(model) in targets
+
+        if not fits(name := self.model.name):
+            raise ValueError(f"model.name: model {name} ({model_inputs(name)} → {model_targets(name)}) does not fit "
+                             f"the {info['task']} task of {self.data.dataset} ({info['inputs']} → "
+                             f"{', '.join(sorted(targets))}); models that do: "
+                             f"{', '.join(m for m in list_models() if fits(m))}")
+        check_model_params(name, self.model.params)
+        return self
+
+    @model_validator(mode="after")
     def _method_params_known(self) -> ExperimentConfig:
         from feddg.algorithms.registry import method_class  # lazy: methods import torch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -18,8 +19,9 @@ from feddg.models.hfedf_cnn import HFedFCNN
 from feddg.models.lenet import LeNet
 from feddg.models.mlp import BagOfWordsMLP
 from feddg.models.resnet import resnet18, resnet50
+from feddg.models.swin import OPTIONS as SWIN_OPTIONS
 from feddg.models.swin import swin_t, swin_tiny_test
-from feddg.models.transformer import pretrained_transformer, tiny_deberta, tiny_roberta
+from feddg.models.transformer import deberta_options, pretrained_transformer, roberta_options, tiny_deberta, tiny_roberta
 from feddg.models.unet import UNet
 from feddg.models.vgg import vgg11, vgg11_bn
 
@@ -53,9 +55,10 @@ _STAGES = frozenset({"conv_stages"})
 _BN_STAGES = frozenset({"batchnorm", "conv_stages"})
 _TOKENS = frozenset({"tokens"})  # takes {"input_ids", "attention_mask"} batches (feddg.tasks.TOKENS)
 _FEATURES = frozenset({"features"})  # takes dense [B, V] vectors (feddg.tasks.FEATURES)
+_DENSE = frozenset({"dense_masks"})  # predicts per-pixel class scores [B, classes, H, W] (feddg.tasks.DENSE_MASKS)
 #: what each model offers methods (``feddg.tasks`` capabilities): BatchNorm layers, a conv-stage map
-#: (models/stages.py), or the non-image inputs it takes (tokens, features); checked against the built models by
-#: tests/test_models.py
+#: (models/stages.py), the non-image inputs it takes (tokens, features), and dense masks where it predicts per pixel
+#: (every other model predicts one class per sample); checked against the built models by tests/test_models.py
 CAPABILITIES: dict[str, frozenset[str]] = {
     "alexnet": _BN_STAGES,
     "cnn": _BN_STAGES,
@@ -72,10 +75,76 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "tiny-deberta": _TOKENS,
     "tiny-roberta": _TOKENS,
     "transformer": _TOKENS,
-    "unet": _BN_STAGES,
+    "unet": _BN_STAGES | _DENSE,
     "vgg11": _STAGES,
     "vgg11_bn": _BN_STAGES,
 }
+
+
+#: what each kind of dataset gives a model (``DomainDataset.model_args()``)
+DATA_OF: dict[str, frozenset[str]] = {
+    "images": frozenset({"in_channels", "image_size"}),
+    "tokens": frozenset({"vocab_size", "max_length", "pad_token_id"}),
+    "features": frozenset({"in_features"}),
+}
+#: what the data and the run give a model (the above, the task's head, ``model.path``), never ``model.params``
+DATA_ARGS = frozenset().union(*DATA_OF.values()) | {"num_classes", "path"}
+#: the ``model.params`` of the models whose factories pass options on to a Hugging Face config (``**options``):
+#: that config's fields, read when asked (transformers is slow to import); ``transformer``'s go to
+#: ``from_pretrained`` and depend on the checkpoint, so they are not listed (its loader judges them)
+HF_OPTIONS: dict[str, Callable[[], frozenset[str]]] = {
+    "swin_t": lambda: SWIN_OPTIONS,
+    "swin_tiny_test": lambda: SWIN_OPTIONS,
+    "tiny-deberta": deberta_options,
+    "tiny-roberta": roberta_options,
+}
+#: the options of those models too many or too open to list, in words
+OPTIONS_IN_WORDS = {
+    "tiny-deberta": "DebertaV2Config's fields",
+    "tiny-roberta": "RobertaConfig's fields",
+    "transformer": "from_pretrained's keywords",
+}
+
+
+def model_targets(name: str) -> str:
+    """What model ``name``'s outputs predict: ``dense_masks`` or ``class_labels`` (a task's targets)."""
+    return next(iter(model_capabilities(name) & _DENSE), "class_labels")
+
+
+def model_inputs(name: str) -> str:
+    """What model ``name`` takes: ``tokens``, ``features`` or ``images`` (a dataset's ``inputs``)."""
+    return next(iter(model_capabilities(name) & (_TOKENS | _FEATURES)), "images")
+
+
+def model_options(name: str) -> frozenset[str] | None:
+    """The keys ``model.params`` may set for model ``name`` (its factory's keyword options beyond
+    :data:`DATA_ARGS`, or its Hugging Face config's fields); ``None`` where the model's loader judges them."""
+    if name in HF_OPTIONS:
+        return HF_OPTIONS[name]()
+    parameters = inspect.signature(MODELS[name]).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters) - DATA_ARGS
+
+
+def options_text(name: str) -> str:
+    """Model ``name``'s ``model.params`` keys in one line (``feddg models``, errors), without importing transformers."""
+    if name in OPTIONS_IN_WORDS:
+        return OPTIONS_IN_WORDS[name]
+    options = model_options(name)
+    return "any (its factory judges them)" if options is None else ", ".join(sorted(options)) or "none"
+
+
+def check_model_params(name: str, params: Iterable[str]) -> None:
+    """Refuse, in one line naming it, a ``model.params`` key that model ``name`` does not take: a value the data
+    gives, or an option the model does not have (a typo would otherwise be a TypeError, or silently ignored by a
+    Hugging Face config)."""
+    if given := sorted(set(params) & DATA_ARGS):
+        raise ValueError(f"model.params.{given[0]}: given by the data or the run (data.*, model.path), not "
+                         "model.params")
+    options = model_options(name)
+    if options is not None and (unknown := sorted(set(params) - options)):
+        raise ValueError(f"model.params.{unknown[0]}: model {name} has no such option; it takes {options_text(name)}")
 
 
 def model_capabilities(name: str) -> frozenset[str]:
@@ -110,17 +179,20 @@ def create_model(
     for the models in :data:`TAKES_PATH`."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    images = {k: v for k, v in (("in_channels", in_channels), ("image_size", image_size)) if v is not None}
+    data = images | {k: kwargs.pop(k) for k in DATA_OF["tokens"] | DATA_OF["features"] if k in kwargs}
+    check_model_params(name, kwargs)
+    inputs = model_inputs(name)
+    if foreign := sorted(set(data) - DATA_OF[inputs]):
+        kind = next(k for k, args in DATA_OF.items() if foreign[0] in args)
+        raise ValueError(f"model {name} takes {inputs}, not {kind} ({', '.join(foreign)})")
+    if inputs == "images":
+        data = {"in_channels": 3, "image_size": 28} | data
     if path is not None:
         if name not in TAKES_PATH:
             raise ValueError(f"model.path is for {', '.join(sorted(TAKES_PATH))}; model {name} takes none")
         kwargs["path"] = path
-    if inputs := CAPABILITIES[name] & (_TOKENS | _FEATURES):
-        if in_channels is not None or image_size is not None:
-            raise ValueError(f"model {name} takes {', '.join(sorted(inputs))} inputs, not images")
-    else:
-        kwargs |= {"in_channels": 3 if in_channels is None else in_channels,
-                   "image_size": 28 if image_size is None else image_size}
-    model = MODELS[name](num_classes=num_classes, **kwargs)
+    model = MODELS[name](num_classes=num_classes, **data, **kwargs)
     if weights is not None:
         load_weights(model, weights)
     return model

@@ -35,7 +35,7 @@ from feddg.models.base import FedModel
 SWIN_T: dict[str, Any] = {"embed_dim": 96, "depths": [2, 2, 6, 2], "num_heads": [3, 6, 12, 24]}
 #: a small stand-in for tests: channels 16, 32, 64, 128, two blocks a stage (regular and shifted windows)
 SWIN_TINY_TEST: dict[str, Any] = {"embed_dim": 16, "depths": [2, 2, 2, 2], "num_heads": [1, 2, 4, 8]}
-#: the ``SwinConfig`` fields model options may set
+#: the ``SwinConfig`` fields ``model.params`` may set (checked by models/registry.py: ``check_model_params``)
 OPTIONS = frozenset({"embed_dim", "depths", "num_heads", "patch_size", "window_size", "mlp_ratio", "drop_path_rate",
                      "hidden_dropout_prob", "attention_probs_dropout_prob", "qkv_bias", "hidden_act", "layer_norm_eps",
                      "use_absolute_embeddings", "initializer_range"})
@@ -96,8 +96,6 @@ def _swin(num_classes: int, in_channels: int, image_size: int, sizes: dict[str, 
           options: dict[str, Any]) -> SwinClassifier:
     from transformers import SwinConfig, SwinModel  # imported when a Swin is built
 
-    if unknown := sorted(set(options) - OPTIONS):
-        raise ValueError(f"swin: unknown model option {unknown[0]!r}; known: {', '.join(sorted(OPTIONS))}")
     if path is not None:
         if options:
             raise ValueError(f"swin: model.path {path} fixes the architecture; drop model.params {sorted(options)}")

@@ -75,6 +75,28 @@ def _positions(max_length: int, pad_token_id: int) -> int:
     return max_length + pad_token_id + 1
 
 
+#: DeBERTa-v3's disentangled attention (relative positions, ``p2c`` + ``c2p``, ``share_att_key``) for ``tiny-deberta``
+DISENTANGLED = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
+                "position_biased_input": False, "norm_rel_ebd": "layer_norm", "max_relative_positions": -1}
+#: the config fields the tiny models take from the data, never from ``model.params``
+FROM_DATA = frozenset({"vocab_size", "pad_token_id", "max_position_embeddings"})
+
+
+def roberta_options() -> frozenset[str]:
+    """The keys ``model.params`` may set for ``tiny-roberta``: ``RobertaConfig``'s fields but :data:`FROM_DATA`."""
+    from transformers import RobertaConfig
+
+    return frozenset(RobertaConfig().to_dict()) - FROM_DATA
+
+
+def deberta_options() -> frozenset[str]:
+    """The keys ``model.params`` may set for ``tiny-deberta``: ``DebertaV2Config``'s fields and those of
+    :data:`DISENTANGLED` (read by the model, not declared by the config), but :data:`FROM_DATA`."""
+    from transformers import DebertaV2Config
+
+    return (frozenset(DebertaV2Config().to_dict()) | set(DISENTANGLED)) - FROM_DATA
+
+
 def tiny_roberta(num_classes: int, vocab_size: int, max_length: int, pad_token_id: int = 1,
                  **params: Any) -> TextTransformer:
     """A small random RoBERTa (:data:`TINY`, eager attention); ``params`` override its ``RobertaConfig``."""
@@ -89,15 +111,13 @@ def tiny_roberta(num_classes: int, vocab_size: int, max_length: int, pad_token_i
 
 def tiny_deberta(num_classes: int, vocab_size: int, max_length: int, pad_token_id: int = 1,
                  **params: Any) -> TextTransformer:
-    """A small random DeBERTa-v2 (:data:`TINY`) with DeBERTa-v3's disentangled attention (relative positions,
-    ``p2c`` + ``c2p``, ``share_att_key``); ``params`` override its ``DebertaV2Config``."""
+    """A small random DeBERTa-v2 (:data:`TINY`) with DeBERTa-v3's disentangled attention (:data:`DISENTANGLED`);
+    ``params`` override its ``DebertaV2Config``."""
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
-    disentangled = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
-                    "position_biased_input": False, "norm_rel_ebd": "layer_norm", "max_relative_positions": -1}
     config = DebertaV2Config(vocab_size=vocab_size, pad_token_id=pad_token_id,
                              max_position_embeddings=_positions(max_length, pad_token_id),
-                             **{**TINY, **disentangled, **params})
+                             **{**TINY, **DISENTANGLED, **params})
     config.num_labels = num_classes
     config._attn_implementation = "eager"
     return TextTransformer(DebertaV2ForSequenceClassification(config))
