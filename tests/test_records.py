@@ -1,5 +1,5 @@
 """Nothing changes without a record (issue 23): dropped clients in results, tables and reports; overrides that merge
-and say which value won; sweeps that refuse colliding folders; --overwrite that keeps what feddg did not write;
+and say which value won; sweeps that refuse colliding folders or name an invalid cell; --overwrite that keeps what feddg did not write;
 resumes that refuse or say there is nothing to do; interrupts and full disks that say where the run is; runs that
 would have no id figures; reports that cannot mislead in small cases."""
 
@@ -90,6 +90,17 @@ def test_sweep_variants_that_share_a_folder_are_refused_before_any_run(tmp_path,
     with pytest.raises(ConfigError, match="'a b' and 'a_b' would share the folder 'a_b'"):
         run_sweep(tmp_path / "s.yaml", out_dir=tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "a_b").exists()
+
+
+def test_an_invalid_sweep_cell_names_its_variant_and_a_model_that_does_not_fit_is_refused_at_load(tmp_path, cache):
+    spec = {**TINY, "sweep": {"targets": ["uci"], "variants": {"ok": {}, "typo": {"model.params.widht": 3}}}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=r"^sweep variant 'typo', target uci, seed 0: model\.params\.widht: model "
+                                          r"lenet has no such option; it takes none$"):
+        run_sweep(tmp_path / "s.yaml", out_dir=tmp_path / "out", progress=False)
+    assert not list((tmp_path / "out").glob("*/*/seed0/results.json"))
+    with pytest.raises(ConfigError, match=r"^model\.name: model unet \(images → dense_masks\) does not fit"):
+        build_config(TINY, ["model.name=unet"])
 
 
 # 4 -------------------------------------------------------------------------------------------------------------

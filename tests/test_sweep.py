@@ -60,7 +60,7 @@ def test_sweep_runs_each_cell_once_tables_it_and_parallel_jobs_agree(sweep_file,
 def test_a_bad_variant_fails_before_any_run(sweep_file, tmp_path):
     bad = {**SWEEP, "sweep": {**SWEEP["sweep"], "variants": {"ok": {}, "bad": {"method.name": "nope"}}}}
     sweep_file.write_text(yaml.safe_dump(bad))
-    with pytest.raises((ConfigError, ValueError)):
+    with pytest.raises(ConfigError, match=r"^sweep variant 'bad', target \w+, seed 0: unknown method 'nope'"):
         run_sweep(sweep_file, out_dir=tmp_path / "out", progress=False)
     assert not list((tmp_path / "out").glob("*/*/seed0/results.json"))
     with pytest.raises(ValueError, match="jobs"):

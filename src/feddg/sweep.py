@@ -157,7 +157,10 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
         for label, split_over in _cells(spec, base):
             for seed in spec.seeds:
                 over = [_override(k, v) for k, v in extra.items()] + split_over + [f"seed={seed}"]
-                cfg = build_config(raw, over)  # every cell validated before anything runs
+                try:  # every cell validated before anything runs
+                    cfg = build_config(raw, over)
+                except ConfigError as err:
+                    raise ConfigError(f"sweep variant {variant!r}, target {label}, seed {seed}: {err}") from None
                 cells.append(({"variant": variant, "target": label, "seed": seed},
                               cfg, out / _safe(variant) / _safe(label) / f"seed{seed}"))
     if len({cfg.reproducibility for _, cfg, _ in cells}) > 1:
