@@ -1,7 +1,7 @@
 """Nothing changes without a record (issue 23): dropped clients in results, tables and reports; overrides that merge
-and say which value won; sweeps that refuse colliding folders or name an invalid cell; --overwrite that keeps what feddg did not write;
-resumes that refuse or say there is nothing to do; interrupts and full disks that say where the run is; runs that
-would have no id figures; reports that cannot mislead in small cases."""
+and say which value won; sweeps that refuse colliding folders or name an invalid cell; --overwrite that keeps what
+feddg did not write; resumes that refuse or say there is nothing to do; interrupts and full disks that say where the
+run is; runs that would have no id figures; reports that cannot mislead in small cases."""
 
 from __future__ import annotations
 
