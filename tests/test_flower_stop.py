@@ -15,7 +15,7 @@ from support.flower_local import APP_DIR, CONNECTION, LocalDeployment
 
 from feddg.config import build_config, dump_config
 from feddg.engines.flower.app import mark
-from feddg.engines.flower.launch import insecure_warning, settled_outcome
+from feddg.engines.flower.launch import flwr_command, insecure_warning, settled_outcome, submit
 
 BIN = Path(sys.executable).parent
 
@@ -37,6 +37,23 @@ def test_the_launcher_waits_for_a_running_mark_to_settle(tmp_path):
     t0 = time.monotonic()
     assert "without a mark" in settled_outcome(tmp_path, wait_s=0.5)
     assert time.monotonic() - t0 >= 0.5
+
+
+@pytest.mark.skipif(not (BIN / "flwr").is_file(), reason="no flwr beside this python (not a virtual environment)")
+def test_the_launcher_finds_its_environments_flwr_without_it_on_path(tmp_path, monkeypatch):
+    """`.venv/bin/feddg flower run` with the environment not activated: its own flwr, not "no flwr on PATH"."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert flwr_command() == str(BIN / "flwr")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert flwr_command() is None  # neither beside the interpreter nor on PATH
+
+
+@pytest.mark.skipif(flwr_command() is None, reason="no flwr command here")
+def test_a_missing_flower_app_is_refused_before_flwr_runs(tmp_path):
+    cfg = build_config({})
+    why = submit(cfg, tmp_path / "run", "local", tmp_path / "nowhere")
+    assert why == f"--app-dir {tmp_path / 'nowhere'}: no Flower App there (no pyproject.toml); feddg's is the " \
+                  "checkout's flower/ (docs/flower.md)"
 
 
 def test_an_insecure_connection_is_warned_about(tmp_path, monkeypatch):

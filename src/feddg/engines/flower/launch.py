@@ -8,6 +8,7 @@ the outcome is read from the run directory's ``status.json``, written by the Ser
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -54,12 +55,21 @@ def insecure_warning(connection: str) -> str | None:
     return None
 
 
+def flwr_command() -> str | None:
+    """The ``flwr`` command of this Python's environment (beside ``sys.executable``: a virtual environment's own,
+    activated or not), else the first on PATH."""
+    return shutil.which("flwr", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
 def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path) -> str | None:
     """``flwr run app_dir connection --run-config <cfg> --stream`` (its output goes to this terminal); returns
     :func:`outcome` of ``run_dir``, or why ``flwr run`` itself failed."""
-    flwr = shutil.which("flwr")
+    flwr = flwr_command()
     if flwr is None:
-        return "no `flwr` on PATH: install feddg with the [flower] extra"
+        return f"no `flwr` command beside {sys.executable} or on PATH: reinstall feddg with the [flower] extra"
+    if not (app_dir / "pyproject.toml").is_file():
+        return (f"--app-dir {app_dir}: no Flower App there (no pyproject.toml); feddg's is the checkout's flower/ "
+                "(docs/flower.md)")
     if (warning := insecure_warning(connection)) is not None:
         print(warning, file=sys.stderr, flush=True)
     (run_dir / STATUS).unlink(missing_ok=True)  # an earlier run's mark must not answer for this one
