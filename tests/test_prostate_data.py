@@ -136,7 +136,8 @@ def test_problems_fail_in_one_line_and_are_all_listed(root: Path) -> None:
     assert problems[6] == f"{isbi / 'Case01_Segmentation.nii.gz'} is empty (no foreground voxel)"
     assert problems[7].startswith(f"{isbi / 'Case02.nii.gz'} cannot be read: ")
     assert len(problems) == 8
-    with pytest.raises(ValueError, match=r"Case01.nii.gz has no mask .* \(and 4 more; check_prostate lists them\)"):
+    with pytest.raises(ValueError, match=r"Case01.nii.gz has no mask .* \(and 4 more: `feddg datasets prostate --root "
+                                         rf"{root} --check` lists them\)$"):
         read_sites(root)
 
 

@@ -71,7 +71,8 @@ def test_raw_reader_names_the_line_of_a_malformed_review(tmp_path: Path) -> None
     for domain in ("dvd", "electronics"):  # amazon-reviews reads all four domains
         _write(root / domain / "positive.review", "<review><review_text>fine</review_text></review>")
         _write(root / domain / "negative.review", "<review><review_text>bad</review_text></review>")
-    with pytest.raises(ValueError, match=r"^\S+negative.review:6: review has no <review_text> \(and 1 more"):
+    with pytest.raises(ValueError, match=r"^\S+negative.review:6: review has no <review_text> \(and 1 more: "
+                                         rf"`feddg datasets amazon-reviews --root {root} --check` lists them\)$"):
         load_dataset("amazon-reviews", root=str(root), cache_dir=tmp_path / "cache")
 
 

@@ -9,8 +9,9 @@ memory, not data copies.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,13 @@ import torch
 from torch import Tensor
 
 from feddg.devices import Inputs
+
+
+def first_problem(problems: Sequence[str], name: str, root: str | os.PathLike[str]) -> str:
+    """One line for a load to stop with: the first of ``problems`` and, where there are more, the command that lists
+    them all."""
+    more = len(problems) - 1
+    return problems[0] + (f" (and {more} more: `feddg datasets {name} --root {root} --check` lists them)" if more else "")
 
 
 class DomainDataset(ABC):

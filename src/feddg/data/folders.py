@@ -24,6 +24,7 @@ from PIL import Image
 from torch import Tensor
 
 from feddg.data.augment import BatchAugment
+from feddg.data.base import first_problem
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.data.transform_spec import TransformSpec, check_channels
 
@@ -125,9 +126,7 @@ class FolderScan:
 
     def error(self, name: str, root: Path) -> str:
         """One line: the first problem, and how to list the others."""
-        more = len(self.problems) - 1
-        hint = f" (and {more} more: `feddg datasets {name} --root {root} --check` lists them)" if more else ""
-        return f"{self.problems[0]}; {LAYOUT}{hint}"
+        return first_problem([f"{self.problems[0]}; {LAYOUT}", *self.problems[1:]], name, root)
 
 
 def _missing_classes(root: Path, domains: list[str], folders: dict[str, list[str]]) -> list[str]:

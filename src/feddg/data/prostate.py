@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from feddg.data.base import first_problem
 from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays
 from feddg.data.image_cache import cache_path
 from feddg.data.slices import KEYS, SliceDataset, Volume, slices_from_volumes
@@ -123,16 +124,11 @@ def read_case(case: Case) -> tuple[Volume | None, list[str]]:
     return (volume, labels), []
 
 
-def _one_line(problems: list[str]) -> str:
-    more = f" (and {len(problems) - 1} more; check_prostate lists them)" if len(problems) > 1 else ""
-    return problems[0] + more
-
-
-def _read_or_fail(cases: list[Case]) -> Iterator[Volume]:
+def _read_or_fail(cases: list[Case], root: str | os.PathLike[str]) -> Iterator[Volume]:
     for case in cases:
         volume, problems = read_case(case)
         if volume is None:
-            raise ValueError(_one_line(problems))
+            raise ValueError(first_problem(problems, NAME, root))
         yield volume
 
 
@@ -140,8 +136,8 @@ def read_sites(root: str | os.PathLike[str], sites: Sequence[str] | None = None)
     """Every case's ``(volume, labels)`` per site, slice axis first; a one-line ``ValueError`` on the first problem."""
     cases, problems = scan_cases(root, sites)
     if problems:
-        raise ValueError(_one_line(problems))
-    return {site: list(_read_or_fail([c for c in cases if c.site == site])) for site in select_sites(sites)}
+        raise ValueError(first_problem(problems, NAME, root))
+    return {site: list(_read_or_fail([c for c in cases if c.site == site], root)) for site in select_sites(sites)}
 
 
 def check_prostate(root: str | os.PathLike[str], sites: Sequence[str] | None = None) -> list[str]:
@@ -202,14 +198,14 @@ def load_prostate(
     chosen = select_sites(sites)
     cases, problems = scan_cases(root, chosen)
     if problems:
-        raise ValueError(_one_line(problems))
+        raise ValueError(first_problem(problems, NAME, root))
     files = [p for c in cases for p in (c.image, c.mask)]
     tag = f"{NAME}-{'fg' if drop_empty else 'all'}-{VERSION}"
     path = cache_path(resolve_cache_dir(cache_dir), tag, Path(root).expanduser(), files, image_size)
     arrays = _load_cache(path, image_size)
     if arrays is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        volumes = {site: _read_or_fail([c for c in cases if c.site == site]) for site in chosen}
+        volumes = {site: _read_or_fail([c for c in cases if c.site == site], root) for site in chosen}
         _save_cache(path, slices_from_volumes(volumes, image_size, drop_empty))
         arrays = _load_cache(path, image_size)
         if arrays is None:

@@ -2,7 +2,7 @@
 CSV / JSONL tables.
 
 Each reader returns per-domain samples and the list of every problem found, one line each as
-``path:line: what is wrong``; :func:`first_problem` turns that list into the one-line error a load stops with.
+``path:line: what is wrong``; ``data.base.first_problem`` turns that list into the one-line error a load stops with.
 
 Layouts (Blitzer, Dredze & Pereira, ACL 2007, "Biographies, Bollywood, Boom-boxes and Blenders"):
 
@@ -33,12 +33,6 @@ _TAG = re.compile(r"<(/?)(review|review_text)>")
 
 Labelled = list[tuple[str, int]]  # (text, class index) per review
 Counts = list[tuple[dict[str, int], int]]  # (feature counts, class index) per review
-
-
-def first_problem(problems: list[str]) -> str:
-    """The first problem, and how many more there are (``--check`` lists them all)."""
-    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-    return problems[0] + more
 
 
 def _read_text(path: Path) -> str:

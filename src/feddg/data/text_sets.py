@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from feddg.data import synthetic_text
+from feddg.data.base import first_problem
 from feddg.data.text import BowDataset, Corpus, TokenDataset, bag_of_words, files_key, tokenised
 from feddg.data.text_formats import (
     ACL_LAYOUT,
@@ -14,7 +15,6 @@ from feddg.data.text_formats import (
     RAW_LAYOUT,
     SENTIMENT,
     TABLE_LAYOUT,
-    first_problem,
     read_processed_acl,
     read_raw,
     read_table,
@@ -28,9 +28,9 @@ AMAZON_BOW = "amazon-bow"
 MAX_FEATURES = 5000  # MDAN's and KD3A's bag-of-words size for Amazon
 
 
-def _raise(problems: list[str]) -> None:
+def _raise(problems: list[str], name: str, root: str) -> None:
     if problems:
-        raise ValueError(first_problem(problems))
+        raise ValueError(first_problem(problems, name, root))
 
 
 def load_synthetic_sentiment(*, root: str | None, cache_dir: str | os.PathLike[str] | None, seed: int,
@@ -52,11 +52,11 @@ def load_amazon_reviews(*, root: str | None, cache_dir: str | os.PathLike[str] |
     if root is None:
         raise ValueError(f"dataset {AMAZON} needs root=<folder> laid out as {text_layout(AMAZON)}")
     files, problems = review_files(root)
-    _raise(problems)
+    _raise(problems, AMAZON, root)
 
     def read() -> Corpus:
         samples, bad = read_raw(root)
-        _raise(bad)
+        _raise(bad, AMAZON, root)
         return Corpus.from_domains(SENTIMENT, samples)
 
     return tokenised(AMAZON, files_key(Path(root), [f for _, f, _ in files]), read, cache_dir=cache_dir,
@@ -69,11 +69,11 @@ def load_text_table(*, root: str | None, cache_dir: str | os.PathLike[str] | Non
     if root is None:
         raise ValueError(f"dataset {TABLE} needs root=<file or folder>: {text_layout(TABLE)}")
     files, problems = table_files(root)
-    _raise(problems)
+    _raise(problems, TABLE, root)
 
     def read() -> Corpus:
         _, rows, bad = read_table(root)
-        _raise(bad)
+        _raise(bad, TABLE, root)
         classes = sorted({label for samples in rows.values() for _, label in samples})
         return Corpus.from_domains(classes, {d: [(t, classes.index(c)) for t, c in s] for d, s in rows.items()})
 
@@ -87,7 +87,7 @@ def load_amazon_bow(*, root: str | None, max_features: int = MAX_FEATURES) -> Bo
     if root is None:
         raise ValueError(f"dataset {AMAZON_BOW} needs root=<folder> laid out as {text_layout(AMAZON_BOW)}")
     samples, problems = read_processed_acl(root)
-    _raise(problems)
+    _raise(problems, AMAZON_BOW, root)
     features, labels, domain_ids, vocabulary = bag_of_words(samples, list(SENTIMENT), max_features)
     return BowDataset(AMAZON_BOW, features, labels, domain_ids, list(AMAZON_DOMAINS), list(SENTIMENT), vocabulary)
 
