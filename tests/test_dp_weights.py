@@ -2,6 +2,7 @@
 adaptive clip, the run's ε, and that noise 0 with a huge clip is FedAvg bit for bit on both engines."""
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -218,3 +219,19 @@ def test_batchnorm_running_statistics_are_warned_about_and_cnn_gn_has_none(tmp_p
                            [f"model.name={name}", *dp])
         Server(build_federation(cfg), tmp_path / name)
         assert ("BatchNorm running statistics" in caplog.text) == (name == "cnn"), name
+
+
+def test_orders_that_do_not_converge_are_left_out_quietly_and_epsilon_is_the_packages(caplog):
+    """At q = 0.1, z = 1 dp-accounting's series for the orders 1.1–1.5 does not converge; it leaves them out of the
+    minimum (ε stays an upper bound) and warned once per order, in every audit and DP run. The same ε, no warning."""
+    from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent
+    from dp_accounting.rdp import RdpAccountant
+
+    with caplog.at_level(logging.WARNING):
+        eps = sampled_gaussian_epsilon(1.0, 0.1, 2, 1e-5)
+    assert not [r for r in caplog.records if "converge" in r.getMessage()]
+    plain = RdpAccountant()
+    with caplog.at_level(logging.WARNING):
+        plain.compose(PoissonSampledDpEvent(0.1, GaussianDpEvent(1.0)), 2)
+        assert eps == plain.get_epsilon(1e-5)
+    assert any("failed to converge" in r.getMessage() for r in caplog.records)  # the package's own call still warns
