@@ -146,7 +146,6 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     spec, raw = load_sweep(path, overrides)
     base = build_config(raw)
     out = Path(out_dir) if out_dir is not None else Path(base.output_dir) / base.name
-    out.mkdir(parents=True, exist_ok=True)
     variants = search_variants(spec, raw)
     _distinct_folders("variant", list(variants))
     if spec.baseline is not None and spec.baseline not in variants:
@@ -166,6 +165,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     if len({cfg.reproducibility for _, cfg, _ in cells}) > 1:
         raise ConfigError("reproducibility: every cell of a sweep runs with the same CPU kernels; set it in the base "
                           "config, not in a variant")
+    out.mkdir(parents=True, exist_ok=True)  # only once every cell is valid: a refused sweep leaves no folder
     if jobs == 1:
         results = [_run_or_load(cfg, run_dir, progress) for _, cfg, run_dir in cells]
     else:
