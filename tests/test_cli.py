@@ -115,8 +115,12 @@ def test_report_and_datasets_commands(tmp_path, env, monkeypatch):
     out = runner.invoke(app, ["report", str(tmp_path / "r")])
     assert out.exit_code == 0, out.output
     assert (tmp_path / "r" / "curves.png").stat().st_size > 5000
-    out = runner.invoke(app, ["datasets"])
+    out = runner.invoke(app, ["datasets"], env={"COLUMNS": "250"})
     assert out.exit_code == 0 and "digits-dg" in out.output and "pacs" in out.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.output.splitlines() if line.count("│") == 7}
+    assert rows["synthetic-sentiment"][:2] == ["classification", "tokens"]  # what feddg models' "takes" must match
+    assert rows["amazon-bow"][1] == "features" and rows["synthetic-mri"][:2] == ["segmentation", "images"]
 
 
 def test_config_errors_are_one_line_with_the_key(tmp_path, env):

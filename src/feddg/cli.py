@@ -333,11 +333,11 @@ def datasets(
 
     if name is None:
         t = Table(title="datasets")
-        for col in ("name", "task", "domains", "classes", "needs --root"):
+        for col in ("name", "task", "inputs", "domains", "classes", "needs --root"):
             t.add_column(col)
         for n in list_datasets():
             info = dataset_info(n)
-            t.add_row(n, info["task"], ", ".join(info["domains"]) or "(from folders)",
+            t.add_row(n, info["task"], info["inputs"], ", ".join(info["domains"]) or "(from the data)",
                       str(info["num_classes"] or "?"), "yes" if info["needs_root"] else "no")
         out.print(t)
         return
