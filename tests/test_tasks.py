@@ -5,6 +5,7 @@ end to end (in-process, on Flower simulation, in a sweep and its report) under i
 from __future__ import annotations
 
 import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -66,8 +67,12 @@ def test_tallies_of_a_split_evaluation_sum_to_the_single_pass_figure_exactly():
     with compute_threads(1):  # as each worker computes
         whole = tally_by_domain(fed.model, fed.dataset, idx, fed.task, batch_size=64)
     halves = np.array_split(np.random.default_rng(0).permutation(idx), 2)
-    with mp.get_context("fork").Pool(2, initializer=use_one_thread) as pool:
-        parts = pool.map(_half_tally, halves)
+    # an executor, not multiprocessing.Pool: Pool's exit SIGTERMs its workers; a worker forked from this process
+    # (which holds Ray's Python SIGTERM handler once a Flower simulation ran) took the signal on an OpenBLAS thread
+    # while its main thread waited on the queue's lock, so the handler never ran and the join hung; the executor
+    # ends its workers with a sentinel, and fails (not hangs) if one dies
+    with ProcessPoolExecutor(2, mp_context=mp.get_context("fork"), initializer=use_one_thread) as pool:
+        parts = list(pool.map(_half_tally, halves))
     assert not np.array_equal(parts[0], whole)  # each worker saw only part of it
     np.testing.assert_array_equal(parts[0] + parts[1], whole)
     replies = [get_message(message_records({"tally": p, "num_examples": 1})) for p in parts]
