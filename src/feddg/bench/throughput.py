@@ -33,8 +33,7 @@ from feddg.algorithms.components.local import train_local
 from feddg.config import ExperimentConfig, load_config
 from feddg.data.base import DomainDataset
 from feddg.evaluation.plots import read_metrics
-from feddg.models import create_model
-from feddg.models.registry import model_capabilities
+from feddg.models import create_model, model_inputs
 from feddg.numerics import adam
 from feddg.tasks import Task
 
@@ -211,7 +210,7 @@ def loop_bench(name: str, image_size: int, batch: int, steps: int, options: Mapp
     from feddg.data.tensor_dataset import TensorDomainDataset
     from feddg.tasks import make_task
 
-    if "tokens" in model_capabilities(name):
+    if model_inputs(name) == "tokens":
         return _text_loop_bench(name, image_size, batch, steps, options)
     torch.manual_seed(0)
     probe = create_model(name, num_classes=2, in_channels=channels, image_size=image_size, **(options or {}))
