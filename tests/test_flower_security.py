@@ -3,6 +3,7 @@ warning, run-directory marks, and one loopback deployment with TLS + SuperNode a
 
 import ipaddress
 import json
+import os
 import shutil
 import sys
 from collections import OrderedDict
@@ -69,6 +70,31 @@ def test_node_keys_are_p384_openssh_pairs_that_flower_accepts(tmp_path):
     assert fp.startswith("SHA256:") and len(fp) == 7 + 43  # 32 bytes, unpadded base64
     with pytest.raises(ValueError, match="once"):
         make_node_keys(tmp_path, ["a", "a"])
+
+
+def test_keys_and_certificates_are_never_written_over_and_private_keys_are_never_readable_by_others(tmp_path):
+    old_umask = os.umask(0)  # the widest umask: the mode must come from the creation itself
+    try:
+        paths = make_certificates(tmp_path / "pki", ["127.0.0.1"])
+        (private, _), = make_node_keys(tmp_path / "keys", ["node0"])
+    finally:
+        os.umask(old_umask)
+    assert {k: oct(v.stat().st_mode & 0o777) for k, v in paths.items()} == {
+        "ca": "0o644", "ca-key": "0o600", "server": "0o644", "server-key": "0o600"}
+    assert oct(private.stat().st_mode & 0o777) == "0o600"
+    ca_key = paths["ca-key"].read_bytes()
+    with pytest.raises(FileExistsError, match="already holds ca.pem, ca.key, server.pem, server.key"):
+        make_certificates(tmp_path / "pki", ["127.0.0.1"])
+    assert paths["ca-key"].read_bytes() == ca_key  # the CA the nodes trust is kept
+    node0 = private.read_bytes()
+    with pytest.raises(FileExistsError, match="already holds node0, node0.pub"):
+        make_node_keys(tmp_path / "keys", ["node1", "node0"])
+    assert private.read_bytes() == node0 and not (tmp_path / "keys" / "node1").exists()  # nothing half-written
+    for bad in ("a/b", "..", ".hidden"):
+        with pytest.raises(ValueError, match="file name"):
+            make_node_keys(tmp_path / "more", [bad])
+    with pytest.raises(ValueError, match="--host"):
+        make_certificates(tmp_path / "blank", [" "])
 
 
 @pytest.fixture

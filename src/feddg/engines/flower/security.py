@@ -16,6 +16,7 @@ import base64
 import datetime
 import hashlib
 import ipaddress
+import os
 from pathlib import Path
 
 import yaml
@@ -28,13 +29,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: Flower's SuperNode authentication accepts EC keys on NIST curves; P-384 is what its docs suggest
 NODE_CURVE = ec.SECP384R1
+#: what :func:`make_certificates` writes
+CERTIFICATE_FILES = ("ca.pem", "ca.key", "server.pem", "server.key")
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> Path:
-    path.write_bytes(data)
-    if private:
-        path.chmod(0o600)
+    """A new file (never over an existing one); a private key is mode 600 from its creation, never readable by others."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644), "wb") as f:
+        f.write(data)
     return path
+
+
+def _refuse_existing(paths: list[Path], what: str) -> None:
+    """Keys and certificates already deployed are never replaced: one line naming them, before anything is written."""
+    if found := [p.name for p in paths if p.exists() or p.is_symlink()]:
+        raise FileExistsError(f"{paths[0].parent} already holds {', '.join(found)}: writing {what} there would replace "
+                              "what the deployment trusts; choose a new folder (or remove them first)")
 
 
 def _name(common_name: str) -> x509.Name:
@@ -52,8 +62,9 @@ def _san(host: str) -> x509.GeneralName:
 def make_certificates(out_dir: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
     """Write ``ca.pem``/``ca.key`` (a self-signed CA) and ``server.pem``/``server.key`` (signed by it, valid for
     ``hosts``) under ``out_dir``; returns the paths by file stem and kind (``ca``, ``ca-key``, ``server``, ``server-key``)."""
-    if not hosts:
+    if not hosts or not all(h.strip() for h in hosts):
         raise ValueError("name at least one --host (an IP address or DNS name the SuperLink is reached at)")
+    _refuse_existing([out_dir / n for n in CERTIFICATE_FILES], "a new CA")
     out_dir.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
@@ -89,6 +100,9 @@ def make_node_keys(out_dir: Path, names: list[str]) -> list[tuple[Path, Path]]:
     """Write ``NAME`` (OpenSSH private key, unencrypted: Flower reads it unattended) and ``NAME.pub`` for each name."""
     if not names or len(set(names)) != len(names):
         raise ValueError(f"name each node once with --node (got {names})")
+    if bad := [n for n in names if Path(n).name != n or n in (".", "..") or n.startswith(".")]:
+        raise ValueError(f"a node's name is its key's file name: no folders or leading dots (got {bad})")
+    _refuse_existing([out_dir / f for n in names for f in (n, f"{n}.pub")], "new node keys")
     out_dir.mkdir(parents=True, exist_ok=True)
     out = []
     for name in names:
