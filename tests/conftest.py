@@ -15,3 +15,14 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("FEDDG_TEST_CACHE", Path(__file__).parent.parent / ".cache" / "test-data"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _threads_kept() -> object:
+    """A test (or the feddg code it calls) that leaves torch's thread count changed fails, and the count goes back
+    to 1: otherwise every later test that compares bits would run on other threads and fail instead of it."""
+    yield
+    left = torch.get_num_threads()
+    if left != 1:
+        torch.set_num_threads(1)
+        pytest.fail(f"the test left torch at {left} threads (expected 1: conftest's)")

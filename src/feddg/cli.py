@@ -11,13 +11,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
 
+import click
 import typer
 import typer.core
+from pydantic import ValidationError
 from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
-from feddg.config import AuditConfig, ConfigError, load_config, one_line, parse_overrides, read_yaml
+from feddg.config import AuditConfig, ConfigError, format_errors, load_config, one_line, parse_overrides, read_yaml
 
 
 def _keep_argument_help() -> None:
@@ -45,6 +47,8 @@ _DEBUG = {"on": False}
 
 Overrides = Annotated[list[str] | None, typer.Option(
     "--set", "-o", help="override a config key, repeatable; the value is YAML: -o federation.rounds=5 -o method.name=fedprox")]
+#: a float option that must be above 0 (typer's ``min`` includes the bound)
+POSITIVE = click.FloatRange(min=0, min_open=True)
 
 
 @app.callback()
@@ -87,6 +91,8 @@ def _user_errors() -> Iterator[None]:
     except Interrupted as err:  # where the run stopped and how it continues; the shell's code for the signal
         out.print(f"[red]error:[/red] {escape(one_line(str(err)))}", soft_wrap=True, highlight=False)
         raise typer.Exit(err.code) from None
+    except ValidationError as err:  # a settings model built from options: its keys, not pydantic's page
+        _fail(format_errors(err))
     except (ConfigError, CheckpointError, RunStopped, OSError, ValueError) as err:
         _fail(str(err))
 
@@ -219,7 +225,7 @@ def sweep(
     overrides: Overrides = None,
     out_dir: Annotated[Path | None, typer.Option(help="where runs and tables go (default: output_dir/name)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
-    jobs: Annotated[int, typer.Option(help="runs at once, one torch thread each")] = 1,
+    jobs: Annotated[int, typer.Option(help="runs at once, one torch thread each", min=1)] = 1,
 ) -> None:
     """Run variants × target domains × seeds and write a mean ± std table with 95 % CIs (Markdown and CSV)."""
     from feddg.audit.sweep import audit_cells, markdown, summarise, write_tables
@@ -263,7 +269,7 @@ def eval_run(
     dataset: Annotated[str, typer.Option(help="a dataset with the run's classes (feddg datasets)")],
     root: Annotated[Path | None, typer.Option(help="its folder, for a folder dataset")] = None,
     domains: Annotated[list[str] | None, typer.Option(help="only these of its domains (repeat, or a,b)")] = None,
-    max_per_domain: Annotated[int | None, typer.Option(help="at most this many samples of each domain")] = None,
+    max_per_domain: Annotated[int | None, typer.Option(help="at most this many samples of each domain", min=1)] = None,
     device: Annotated[str | None, typer.Option(help="evaluate on this device (default: the run's own)")] = None,
 ) -> None:
     """Evaluate a run's last checkpoint on another dataset with the same classes (as eval.extra does during
@@ -323,7 +329,7 @@ def datasets(
         help="a dataset of the list (digits-dg, pacs, ...): show its domains, classes and counts")] = None,
     root: Annotated[Path | None, typer.Option(help="folder of a real dataset: root/<domain>/<class>/<image>")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="cache for built-in datasets")] = None,
-    image_size: Annotated[int | None, typer.Option(help="image side (= data.image_size)")] = None,
+    image_size: Annotated[int | None, typer.Option(help="image side (= data.image_size)", min=1)] = None,
     check: Annotated[bool, typer.Option(help="decode every image and list every problem; exit 1 on any")] = False,
 ) -> None:
     """List datasets; with NAME, its domains, classes and sample counts (a folder is scanned, not decoded)."""
@@ -377,8 +383,9 @@ def export(
     out_dir: Annotated[Path, typer.Argument(help="new or empty folder to write root/<domain>/<class>/<i>.png "
                                                  "(synthetic-mri: root/<SITE>/CaseNN.nii.gz) into")],
     cache_dir: Annotated[Path | None, typer.Option(help="cache for built-in datasets")] = None,
-    image_size: Annotated[int | None, typer.Option(help="image side (default: the dataset's native one)")] = None,
-    max_per_domain: Annotated[int | None, typer.Option(help="export at most this many images per domain")] = None,
+    image_size: Annotated[int | None, typer.Option(help="image side (default: the dataset's native one)", min=1)] = None,
+    max_per_domain: Annotated[int | None, typer.Option(help="export at most this many images per domain", min=1)] = (
+        None),
 ) -> None:
     """Write a built-in dataset to DomainBed folders (lossless PNG) plus a feddg.json of its defaults; synthetic-mri
     to the prostate layout (NIfTI volumes and masks)."""
@@ -466,7 +473,7 @@ def _print_all(items: Iterable[RenderableType]) -> None:
 @bench_app.command("all")
 def bench_all(
     quick: Annotated[bool, typer.Option(help="smaller sizes: a smoke run of every figure (minutes)")] = False,
-    repeats: Annotated[int, typer.Option(help="interleaved repeats of every timed figure")] = 3,
+    repeats: Annotated[int, typer.Option(help="interleaved repeats of every timed figure", min=1)] = 3,
 ) -> None:
     """The headline figures in one table: W1, M1, server memory, `feddg methods`, worker start, scale, with ratios
     and CPU seconds."""
@@ -481,14 +488,14 @@ def bench_all(
 def bench_models(
     names: Annotated[str, typer.Option(help="comma-separated model@size[:key=value...] list (unet@64:width=8)")] = (
         "cnn@28,lenet@28,resnet18@32"),
-    threads: Annotated[int, typer.Option(help="torch threads")] = 2,
-    seconds: Annotated[float, typer.Option(help="seconds per timing round")] = 2.0,
-    batch: Annotated[int, typer.Option(help="images per batch")] = 32,
-    repeats: Annotated[int, typer.Option(help="timing rounds (with --feddg: interleaved feddg, plain, ...)")] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 2,
+    seconds: Annotated[float, typer.Option(help="seconds per timing round", click_type=POSITIVE)] = 2.0,
+    batch: Annotated[int, typer.Option(help="images per batch", min=1)] = 32,
+    repeats: Annotated[int, typer.Option(help="timing rounds (with --feddg: interleaved feddg, plain, ...)", min=1)] = 3,
     feddg: Annotated[bool, typer.Option("--feddg", help="feddg's client loop (train_local, Adam, the task's loss, the "
                                         "dataset's batches) against a plain PyTorch loop on the same data as tensors; "
                                         "segmentation on synthetic-mri for dense-output models (unet)")] = False,
-    steps: Annotated[int, typer.Option(help="with --feddg: batches per timed run (0: about --seconds' worth)")] = 0,
+    steps: Annotated[int, typer.Option(help="with --feddg: batches per timed run (0: about --seconds' worth)", min=0)] = 0,
 ) -> None:
     """Training throughput (images/s, SGD on random data; with --feddg, feddg's loop next to a plain PyTorch loop) of
     zoo models on this machine's CPU."""
@@ -518,15 +525,15 @@ def bench_engine(
 
 @bench_app.command("data")
 def bench_data(
-    images: Annotated[int, typer.Option(help="JPEGs in the generated folder (4 domains × 7 classes)")] = 2100,
-    size: Annotated[int, typer.Option(help="training resolution (px)")] = 224,
-    repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant")] = 3,
-    threads: Annotated[int, typer.Option(help="torch threads")] = 1,
-    loader_workers: Annotated[int, typer.Option(help="also time epochs 2+ with this many DataLoader workers")] = 0,
+    images: Annotated[int, typer.Option(help="JPEGs in the generated folder (4 domains × 7 classes)", min=1)] = 2100,
+    size: Annotated[int, typer.Option(help="training resolution (px)", min=1)] = 224,
+    repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant", min=1)] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads", min=1)] = 1,
+    loader_workers: Annotated[int, typer.Option(help="also time epochs 2+ with this many DataLoader workers", min=0)] = 0,
     digits: Annotated[bool, typer.Option(help="also FedAvg on Digits-DG: built-in vs exported folders")] = True,
-    digits_rounds: Annotated[int, typer.Option(help="rounds of each Digits-DG run")] = 3,
-    digits_max_per_domain: Annotated[int, typer.Option(help="Digits-DG images per domain")] = 1000,
-    digits_seeds: Annotated[int, typer.Option(help="experiment seeds of each Digits-DG variant")] = 2,
+    digits_rounds: Annotated[int, typer.Option(help="rounds of each Digits-DG run", min=1)] = 3,
+    digits_max_per_domain: Annotated[int, typer.Option(help="Digits-DG images per domain", min=1)] = 1000,
+    digits_seeds: Annotated[int, typer.Option(help="experiment seeds of each Digits-DG variant", min=1)] = 2,
 ) -> None:
     """Folder data: images/s of epoch 1 (cache build) and epochs 2+ vs decoding every epoch; Digits-DG per round."""
     from feddg.bench.data import data_report
@@ -537,8 +544,8 @@ def bench_data(
 
 @bench_app.command("w1")
 def bench_w1(
-    repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant")] = 3,
-    images: Annotated[int, typer.Option(help="images per client (W1: 2000)")] = 2000,
+    repeats: Annotated[int, typer.Option(help="interleaved rounds of every variant", min=1)] = 3,
+    images: Annotated[int, typer.Option(help="images per client (W1: 2000)", min=1)] = 2000,
     variants: Annotated[str, typer.Option(help="comma-separated, among plain,1,1-threads-2,2,auto (plain: "
                                           "the yardstick, always run)")] = "plain,1,1-threads-2,2,auto",
     load: Annotated[int, typer.Option(help="busy-loop processes (one core each) running throughout: W1 under "
@@ -557,9 +564,10 @@ def bench_w1(
 
 @bench_app.command("memory")
 def bench_memory(
-    params: Annotated[int, typer.Option(help="model parameters (float32)")] = 1_000_000,
+    params: Annotated[int, typer.Option(help="model parameters (float32)", min=1)] = 1_000_000,
     clients: Annotated[str, typer.Option(help="comma-separated client counts")] = "100,200,1000,3400",
-    max_list_mb: Annotated[float, typer.Option(help="allocate the all-at-once list only up to this size")] = 1024.0,
+    max_list_mb: Annotated[float, typer.Option(help="allocate the all-at-once list only up to this size", min=0)] = (
+        1024.0),
     per_client: Annotated[str, typer.Option(help="instead: Local-only's per-client state on the server at these "
                                             "comma-separated client counts, per budget")] = "",
     budgets_mb: Annotated[str, typer.Option(help="with --per-client: federation.client_state_budget_mb values "
@@ -570,19 +578,38 @@ def bench_memory(
     if per_client:
         from feddg.bench.store_memory import store_memory_report
 
-        _print_all(store_memory_report([int(c) for c in per_client.split(",")], params,
-                                       [None if b.strip() == "none" else float(b) for b in budgets_mb.split(",")]))
+        _print_all(store_memory_report(_numbers(per_client, int, "--per-client"), params,
+                                       _numbers(budgets_mb, float, "--budgets-mb", budgets=True)))
         return
     from feddg.bench.memory import fold_memory_table
 
-    out.print(fold_memory_table(params, [int(c) for c in clients.split(",")], max_list_mb))
+    out.print(fold_memory_table(params, _numbers(clients, int, "--clients"), max_list_mb))
+
+
+def _numbers(text: str, kind: type[int] | type[float], option: str, budgets: bool = False) -> list[Any]:
+    """A comma-separated list of counts (> 0), or with ``budgets`` of sizes (>= 0) and ``none``; else a one-line usage
+    error naming the option."""
+    values: list[Any] = []
+    for item in (i.strip() for i in text.split(",")):
+        if budgets and item == "none":
+            values.append(None)
+            continue
+        try:
+            value = kind(item)
+        except ValueError:
+            value = None
+        if value is None or not value >= 0 or (value == 0 and not budgets):  # "not >=": NaN too
+            what = "sizes >= 0 or none" if budgets else "whole numbers > 0" if kind is int else "numbers > 0"
+            raise typer.BadParameter(f"expected comma-separated {what}, got {text!r}", param_hint=option)
+        values.append(value)
+    return values
 
 
 @bench_app.command("scale")
 def bench_scale(
     configs: Annotated[list[Path] | None, typer.Argument(help="experiment YAMLs")] = None,
-    rounds: Annotated[int, typer.Option(help="rounds of each config")] = 2,
-    repeats: Annotated[int, typer.Option(help="interleaved runs of feddg and of the plain loop")] = 2,
+    rounds: Annotated[int, typer.Option(help="rounds of each config", min=1)] = 2,
+    repeats: Annotated[int, typer.Option(help="interleaved runs of feddg and of the plain loop", min=1)] = 2,
     overrides: Overrides = None,
 ) -> None:
     """The papers' client counts end to end: each config's last round against a plain PyTorch loop of the same
@@ -599,7 +626,7 @@ def bench_scale(
                    "kernels and with the pinned ones, interleaved")  # one line: a docstring's line break would show
 def bench_portable(
     config: Annotated[Path, typer.Argument(help="experiment YAML")] = Path("configs/demo.yaml"),
-    repeats: Annotated[int, typer.Option(help="interleaved runs of each kernel choice")] = 3,
+    repeats: Annotated[int, typer.Option(help="interleaved runs of each kernel choice", min=1)] = 3,
     overrides: Overrides = None,
 ) -> None:
     from feddg.bench.portable import portable_table
@@ -621,7 +648,7 @@ app.add_typer(flower_app, name="flower")
 def flower_certs(
     out_dir: Annotated[Path, typer.Argument(help="where ca.pem, ca.key, server.pem and server.key go")],
     host: Annotated[list[str], typer.Option(help="a name or IP the SuperLink is reached at (repeat)")],
-    days: Annotated[int, typer.Option(help="validity in days")] = 365,
+    days: Annotated[int, typer.Option(help="validity in days", min=1)] = 365,
 ) -> None:
     """A test CA and a SuperLink certificate for the given hosts (a real deployment uses its own PKI)."""
     from feddg.engines.flower.security import make_certificates
@@ -696,13 +723,13 @@ def audit_privacy(
     attack: Annotated[list[str] | None, typer.Option(help="an attack (repeat; default: the run's audit.attacks, else "
                                                       "those on what its method shares, and update-dlg); 'all' for "
                                                       "every one")] = None,
-    noise: Annotated[list[float] | None, typer.Option(help="a DP noise multiplier z (repeat; 0: no DP)")] = None,
+    noise: Annotated[list[float] | None, typer.Option(help="a DP noise multiplier z (repeat; 0: no DP)", min=0)] = None,
     per_client: Annotated[int | None, typer.Option(
-        help="victim images per client (default: the run's audit.per_client, else 32)")] = None,
+        help="victim images per client (default: the run's audit.per_client, else 32)", min=1)] = None,
     steps: Annotated[int | None, typer.Option(
-        help="generator training steps (default: the run's audit.generator_steps, else 300)")] = None,
+        help="generator training steps (default: the run's audit.generator_steps, else 300)", min=1)] = None,
     seed: Annotated[int | None, typer.Option(
-        help="the audit's seed: images, generator, noise (default: the run's audit.seed, else 0)")] = None,
+        help="the audit's seed: images, generator, noise (default: the run's audit.seed, else 0)", min=0)] = None,
     fid: Annotated[bool | None, typer.Option("--fid/--no-fid", help="compute FID (EfficientNet-Lite0 features) "
                                              "(default: the run's audit.fid, else yes)")] = None,
     style_path: Annotated[str | None, typer.Option(help="the style attacks' path (pixel | feature | adain-vgg); "

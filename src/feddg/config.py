@@ -31,7 +31,7 @@ class DataConfig(Strict):
     image_size: int | None = None
     domains: list[str] | None = Field(None, description="use only these domains")
     max_per_domain: int | None = Field(None, ge=1)
-    seed: int = Field(0, description="seed of the built-in datasets' synthesis (fixed across experiment seeds)")
+    seed: int = Field(0, ge=0, description="seed of the built-in datasets' synthesis (fixed across experiment seeds)")
     transforms: Any = Field(  # a preset name or a mapping; checked by _transforms_valid with one clear line
         None, description="training augmentation and normalisation: a preset (none | digits | domainbed) or a "
         "mapping of preset, crop_scale, crop_ratio, flip, jitter, grayscale, pad_crop, mean, std (docs/data.md); "
@@ -318,7 +318,7 @@ class AuditConfig(Strict):
     dlg_victims: int = Field(4, ge=1, description="clients whose one-step update DLG inverts")
     dlg_iterations: int = Field(20, ge=1, description="L-BFGS iterations of DLG")
     fid: bool = Field(True, description="FID (EfficientNet-Lite0 features)")
-    seed: int = Field(0, description="the audit's seed (images, generator, noise)")
+    seed: int = Field(0, ge=0, description="the audit's seed (images, generator, noise)")
     style_path: Literal["pixel", "feature", "adain-vgg"] | None = Field(
         None, description="the style attacks' path; null: the run's (pixel unless its method says)")
 
@@ -376,7 +376,7 @@ class LoggingConfig(Strict):
 
 class ExperimentConfig(Strict):
     name: str = "experiment"
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:k]'")
     reproducibility: Literal["native", "portable"] = Field(
         "native", description="native: this CPU's fastest float kernels (a run repeats bit for bit on the same "

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import Field, ValidationError
+from pydantic import Field, NonNegativeInt, ValidationError
 from rich.markup import escape
 
 from feddg.algorithms.registry import labelled, method_class
@@ -61,13 +61,13 @@ class SearchSpec(Strict):
     ``search_space`` (draw 0 keeps the method's defaults), seeded so a sweep is reproducible."""
 
     n: int = Field(ge=1, description="configurations per variant (the first keeps the defaults)")
-    seed: int = Field(0, description="seed of the draws (independent of the experiment seeds)")
+    seed: int = Field(0, ge=0, description="seed of the draws (independent of the experiment seeds)")
 
 
 class SweepSpec(Strict):
     targets: list[str] | str = "all"
     pairs: list[tuple[str, str]] | None = Field(None, description="ltdo (val, test) pairs; default all ordered pairs")
-    seeds: list[int] = Field(default_factory=lambda: [0])
+    seeds: list[NonNegativeInt] = Field(default_factory=lambda: [0])
     variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": dict[str, Any]()})
     metrics: list[str] | None = Field(None, description="the tables' metric keys; default: the task's ood and id means "
                                       "(ood_acc, id_acc for classification)")

@@ -24,6 +24,7 @@ from rich.table import Table
 from feddg.data import iterate_batches, load_dataset
 from feddg.data.folders import load_image
 from feddg.data.transforms import train_transform
+from feddg.engines.workers import compute_threads
 
 DOMAINS = ("photo", "sketch", "cartoon", "art")
 CLASSES = 7
@@ -161,28 +162,28 @@ def data_report(
     """``feddg bench data``, each line or table as soon as it is measured: the load average, the folder table
     (:func:`folder_throughput`), the Digits-DG table when ``digits`` gives its ``(rounds, max_per_domain, seeds)``
     (:func:`digits_rounds`), the load average."""
-    torch.set_num_threads(threads)
-    yield f"load average before: {load_average()}"
-    times = folder_throughput(images, size, repeats, loader_workers)
-    count = times.pop("images")[0]
-    t = Table(title=f"{int(count)} JPEGs at {size}px, batch 32, {threads} torch thread(s), "
-              f"{repeats} interleaved rounds")
-    for col in ("variant", "min s", "median s", "img/s (best)", "× decode every epoch"):
-        t.add_column(col, justify="left" if col == "variant" else "right")
-    yardstick = min(times["decode every epoch"])
-    for name, secs in times.items():
-        t.add_row(name, f"{min(secs):.2f}", f"{statistics.median(secs):.2f}", f"{count / min(secs):,.0f}",
-                  f"{yardstick / min(secs):.2f}")
-    yield t
-    if digits is not None:
-        rounds, max_per_domain, seeds = digits
-        runs = digits_rounds(rounds, max_per_domain, seeds)
-        t = Table(title=f"FedAvg on Digits-DG ({max_per_domain}/domain, 6 clients, {rounds} rounds, "
-                  "target mnistm), interleaved, seeds 0, 1, ...")
-        for col in ("data path", "s/round (median, each seed)", "total s", "ood acc", "id acc"):
-            t.add_column(col, justify="left" if col == "data path" else "right")
-        for name, rows in runs.items():
-            t.add_row(name, *(" ".join(f"{r[k]:.{2 if k == 'round_s' else 1}f}" for r in rows)
-                              for k in ("round_s", "total_s", "ood_acc", "id_acc")))
+    with compute_threads(threads):  # the caller's thread counts restored after
+        yield f"load average before: {load_average()}"
+        times = folder_throughput(images, size, repeats, loader_workers)
+        count = times.pop("images")[0]
+        t = Table(title=f"{int(count)} JPEGs at {size}px, batch 32, {threads} torch thread(s), "
+                  f"{repeats} interleaved rounds")
+        for col in ("variant", "min s", "median s", "img/s (best)", "× decode every epoch"):
+            t.add_column(col, justify="left" if col == "variant" else "right")
+        yardstick = min(times["decode every epoch"])
+        for name, secs in times.items():
+            t.add_row(name, f"{min(secs):.2f}", f"{statistics.median(secs):.2f}", f"{count / min(secs):,.0f}",
+                      f"{yardstick / min(secs):.2f}")
         yield t
-    yield f"load average after: {load_average()}"
+        if digits is not None:
+            rounds, max_per_domain, seeds = digits
+            runs = digits_rounds(rounds, max_per_domain, seeds)
+            t = Table(title=f"FedAvg on Digits-DG ({max_per_domain}/domain, 6 clients, {rounds} rounds, "
+                      "target mnistm), interleaved, seeds 0, 1, ...")
+            for col in ("data path", "s/round (median, each seed)", "total s", "ood acc", "id acc"):
+                t.add_column(col, justify="left" if col == "data path" else "right")
+            for name, rows in runs.items():
+                t.add_row(name, *(" ".join(f"{r[k]:.{2 if k == 'round_s' else 1}f}" for r in rows)
+                                  for k in ("round_s", "total_s", "ood_acc", "id_acc")))
+            yield t
+        yield f"load average after: {load_average()}"

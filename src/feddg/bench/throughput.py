@@ -32,6 +32,7 @@ from feddg.algorithms.base import ClientContext, OptimSettings
 from feddg.algorithms.components.local import train_local
 from feddg.config import ExperimentConfig, load_config
 from feddg.data.base import DomainDataset
+from feddg.engines.workers import compute_threads
 from feddg.evaluation.plots import read_metrics
 from feddg.models import create_model, model_inputs
 from feddg.numerics import adam
@@ -107,6 +108,9 @@ def parse_model_spec(spec: str) -> tuple[str, int, dict[str, object]]:
             except ValueError:
                 pass
         options[key] = value
+    if px and not (px.isdigit() and int(px) > 0):
+        raise ValueError(f"{spec!r}: the size after @ is a positive whole number (pixels; tokens for text models), "
+                         f"got {px!r}")
     return name, int(px or 28), options
 
 
@@ -116,16 +120,16 @@ def _label(name: str, options: Mapping[str, Any]) -> str:
 
 def models_table(models: list[str], threads: int, seconds: float, batch: int = 32, repeats: int = 3) -> Table:
     """``feddg bench models``: training images/s of each ``model@size[:key=value...]`` (:func:`parse_model_spec`)
-    with ``threads`` torch threads, best of ``repeats``."""
-    torch.set_num_threads(threads)
+    with ``threads`` torch threads (the caller's restored after), best of ``repeats``."""
+    specs = [parse_model_spec(m) for m in models]  # every spec read before anything is timed
     t = Table(title=f"training throughput, batch {batch}, {threads} torch threads")
     t.add_column("model")
     t.add_column("px", justify="right")
     t.add_column("img/s", justify="right")
-    for item in models:
-        name, px, options = parse_model_spec(item)
-        ips = train_images_per_second(name, px, batch=batch, seconds=seconds, rounds=repeats, options=options)
-        t.add_row(_label(name, options), str(px), f"{ips:,.0f}")
+    with compute_threads(threads):
+        for name, px, options in specs:
+            ips = train_images_per_second(name, px, batch=batch, seconds=seconds, rounds=repeats, options=options)
+            t.add_row(_label(name, options), str(px), f"{ips:,.0f}")
     return t
 
 
@@ -287,15 +291,16 @@ def loops_table(models: list[str], threads: int, seconds: float, batch: int = 32
     """``feddg bench models --feddg``: images/s of feddg's client loop and of the plain PyTorch loop of each
     ``model@size[:key=value...]`` on the same data (:class:`LoopBench`), ``repeats`` interleaved runs of ``steps``
     batches each (0: as many as take the plain loop about ``seconds``), with ``threads`` torch threads; best
-    (from the minimum time) and median images/s and feddg / plain of each; the load average in the caption."""
-    torch.set_num_threads(threads)
+    (from the minimum time) and median images/s and feddg / plain of each; the load average in the caption. The
+    caller's thread counts are restored after."""
     specs = [parse_model_spec(m) for m in models]
     before = load_average()
     rows = []
-    for name, px, options in specs:
-        n = steps or _calibrated_steps(name, px, batch, seconds, options)
-        bench = loop_bench(name, px, batch, n, options)
-        rows.append((name, px, options, bench.task.name, n, time_loops(bench, repeats), bench.units))
+    with compute_threads(threads):
+        for name, px, options in specs:
+            n = steps or _calibrated_steps(name, px, batch, seconds, options)
+            bench = loop_bench(name, px, batch, n, options)
+            rows.append((name, px, options, bench.task.name, n, time_loops(bench, repeats), bench.units))
     shown = ", ".join(f"{_label(name, options)} @ {px} px" for name, px, options in specs)
     t = Table(title=f"training throughput, feddg's client loop vs a plain PyTorch loop: {shown}; batch {batch}, "
               f"Adam, {threads} torch threads, {repeats} interleaved repeats",
