@@ -9,7 +9,7 @@ from toy import ToyDomains, toy_federation
 from typer.testing import CliRunner
 
 from feddg.cli import app
-from feddg.config import ExtraEvalConfig, build_config
+from feddg.config import ConfigError, ExtraEvalConfig, build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from feddg.federation.setup import ExtraTarget, load_extra_target
@@ -49,6 +49,27 @@ def test_an_extra_target_needs_the_training_datas_classes_and_image_shape(cache_
                           _digits_like(ToyDomains()))
     with pytest.raises(ValueError, match=r"^eval.extra d: bad domains \['mars'\] for digits-dg"):
         load_extra_target(ExtraEvalConfig(name="d", dataset="digits-dg", domains=["mars"]), cfg, ToyDomains())
+
+
+@pytest.mark.parametrize(("data", "extra", "why"), [
+    ("digits-dg", "synthetic-sentiment", "synthetic-sentiment is a classification dataset of tokens, the training "
+     "data digits-dg a classification dataset of images: an extra target needs the same task and inputs"),
+    ("digits-dg", "synthetic-mri", "synthetic-mri is a segmentation dataset of images, the training data digits-dg a "
+     "classification dataset of images"),
+    ("digits-dg", "cifar10", "cifar10 has classes ['airplane', "),
+    ("digits-dg", "nosuch", "unknown dataset 'nosuch'"),
+])
+def test_an_extra_target_of_another_task_inputs_or_classes_is_refused_when_the_config_loads(data, extra, why):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [f"data.dataset={data}", f"eval.extra=[{{name: x, dataset: {extra}}}]"])
+    assert str(err.value).startswith(f"eval.extra.0 (x): {why}")
+
+
+def test_feddg_eval_refuses_another_kind_of_dataset_before_loading_it(cache_dir):
+    cfg = build_config({}, [f"data.cache_dir={cache_dir}"])
+    with pytest.raises(ValueError, match=r"^eval.extra t: synthetic-sentiment is a classification dataset of tokens"):
+        load_extra_target(ExtraEvalConfig(name="t", dataset="synthetic-sentiment"), cfg, _digits_like(ToyDomains()))
+    assert build_config({}, ["eval.extra=[{name: f, dataset: folder, root: /nowhere}]"])  # a folder's classes: at load
 
 
 def _digits_like(ds: ToyDomains) -> ToyDomains:

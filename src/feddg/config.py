@@ -438,6 +438,21 @@ class ExperimentConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _extra_targets_fit(self) -> ExperimentConfig:
+        """Every ``eval.extra`` dataset is of the training data's task, inputs and (where both are known) classes,
+        before any data loads."""
+        from feddg.data.registry import evaluation_mismatch
+
+        for i, spec in enumerate(self.eval.extra):
+            try:
+                why = evaluation_mismatch(spec.dataset, self.data.dataset)
+            except ValueError as err:  # an unknown dataset name
+                why = str(err)
+            if why:
+                raise ValueError(f"eval.extra.{i} ({spec.name}): {why}")
+        return self
+
+    @model_validator(mode="after")
     def _method_params_known(self) -> ExperimentConfig:
         from feddg.algorithms.registry import method_class  # lazy: methods import torch
 

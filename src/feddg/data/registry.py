@@ -261,6 +261,20 @@ def dataset_info(name: str) -> dict[str, Any]:
             "needs_root": needs_root, "image_size": image_size, "task": task, "inputs": inputs}
 
 
+def evaluation_mismatch(extra: str, data: str) -> str | None:
+    """Why dataset ``extra`` cannot evaluate a model trained on ``data`` (another task, other inputs, other known
+    classes), from the registry alone; ``None`` when it can as far as the registry knows (a folder's classes are read
+    when it loads)."""
+    a, b = dataset_info(extra), dataset_info(data)
+    if (a["task"], a["inputs"]) != (b["task"], b["inputs"]):
+        return (f"{extra} is a {a['task']} dataset of {a['inputs']}, the training data {data} a {b['task']} dataset of "
+                f"{b['inputs']}: an extra target needs the same task and inputs")
+    if a["classes"] and b["classes"] and a["classes"] != b["classes"]:
+        return (f"{extra} has classes {a['classes']}, the training data {b['classes']}; an extra target needs the "
+                "same classes in the same order")
+    return None
+
+
 def _select(name: str, available: list[str], requested: list[str] | None) -> list[str]:
     """``requested`` (in its order) after checking it against ``available``; all of them if ``None``."""
     if requested is None:
