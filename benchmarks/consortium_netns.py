@@ -271,8 +271,8 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
 
     workdir = args.out.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    for throwaway in ("pki", "keys"):  # the rehearsal's own test PKI, made anew each time (never over old keys)
-        shutil.rmtree(workdir / throwaway, ignore_errors=True)
+    for throwaway in ["pki", "keys", *(p.name for p in workdir.glob("run-*"))]:  # its own test PKI and runs, made
+        shutil.rmtree(workdir / throwaway, ignore_errors=True)                   # anew (feddg never writes over them)
     tls = make_certificates(workdir / "pki", [LINK_HOST, "127.0.0.1"])
     names = [f"node{k}" for k in range(args.clients)]
     keys = [private for private, _ in make_node_keys(workdir / "keys", names)]

@@ -8,13 +8,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from support.flower_local import APP_DIR, CONNECTION, LocalDeployment
 
 from feddg.config import build_config, dump_config
-from feddg.engines.flower.app import mark
+from feddg.engines.flower.app import main as server_main
+from feddg.engines.flower.app import mark, used_run_dir
 from feddg.engines.flower.launch import flwr_command, insecure_warning, settled_outcome, submit
 
 BIN = Path(sys.executable).parent
@@ -54,6 +56,25 @@ def test_a_missing_flower_app_is_refused_before_flwr_runs(tmp_path):
     why = submit(cfg, tmp_path / "run", "local", tmp_path / "nowhere")
     assert why == f"--app-dir {tmp_path / 'nowhere'}: no Flower App there (no pyproject.toml); feddg's is the " \
                   "checkout's flower/ (docs/flower.md)"
+
+
+@pytest.mark.skipif(flwr_command() is None, reason="no flwr command here")
+def test_a_used_run_directory_is_refused_by_the_launcher_and_the_server_app_before_either_touches_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    earlier = {"status.json": '{"status": "completed"}\n', "metrics.jsonl": '{"round": 1}\n'}
+    for name, text in earlier.items():
+        (run / name).write_text(text)
+    cfg = build_config({})
+    assert submit(cfg, run, "local", APP_DIR) == (f"--run-dir {run} is not empty: a new run needs a new or empty "
+                                                  "directory (nothing was submitted)")
+    context = SimpleNamespace(run_config={"config": dump_config(cfg), "run-dir": str(run), "resume": False})
+    with pytest.raises(ValueError, match=r"is not empty: a new run needs a new or empty one \(resume = true"):
+        server_main(None, context)  # as `flwr run` with a hand-written run config would start it
+    assert {p.name: p.read_text() for p in run.iterdir()} == earlier  # the earlier run and its mark, untouched
+    assert not used_run_dir(tmp_path / "absent") and not used_run_dir(tmp_path / "absent2" / "x")
+    (tmp_path / "empty").mkdir()
+    assert not used_run_dir(tmp_path / "empty")
 
 
 def test_an_insecure_connection_is_warned_about(tmp_path, monkeypatch):

@@ -62,6 +62,12 @@ def mark(run_dir: Path, status: str, error: str = "") -> None:
     tmp.replace(run_dir / STATUS)
 
 
+def used_run_dir(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a file or a folder with anything in it: a new run writes neither over another run's
+    files nor over its mark."""
+    return run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
+
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the experiment of the run config on the SuperNodes connected to this SuperLink; mark the run directory
@@ -76,9 +82,13 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     cfg = config_from_text(str(rc.get("config", "")))
     run_dir = Path(str(rc.get("run-dir", "")) or default_run_dir(cfg))
+    resume = bool(rc.get("resume", False))
+    if not resume and used_run_dir(run_dir):  # Server would start the run over the files (and mark) of another
+        raise ValueError(f"run directory {run_dir} is not empty: a new run needs a new or empty one (resume = true "
+                         "in the run config continues the run there)")
     mark(run_dir, "running")
     try:
-        server = Server(build_federation(cfg), run_dir, resume=bool(rc.get("resume", False)))
+        server = Server(build_federation(cfg), run_dir, resume=resume)
         results = run_on_grid(server, PollingGrid(grid), on_round=_round_logger(server.fed.task.metric))
     except (KeyboardInterrupt, SystemExit) as err:  # flwr stop: the task heartbeat raises SIGINT here
         mark(run_dir, "stopped", f"stopped from outside ({type(err).__name__}) before the last round")

@@ -20,7 +20,7 @@ from pathlib import Path
 from flwr.supercore.utils import get_flwr_home
 
 from feddg.config import ExperimentConfig
-from feddg.engines.flower.app import STATUS, run_config_toml
+from feddg.engines.flower.app import STATUS, run_config_toml, used_run_dir
 
 #: how long to wait, after ``flwr run`` returned, for a ServerApp still marked ``running`` to write its end: on
 #: ``flwr stop`` the stream ends before the ServerApp has handled its SIGINT (measured on a loaded 2-core machine)
@@ -70,9 +70,10 @@ def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path)
     if not (app_dir / "pyproject.toml").is_file():
         return (f"--app-dir {app_dir}: no Flower App there (no pyproject.toml); feddg's is the checkout's flower/ "
                 "(docs/flower.md)")
+    if used_run_dir(run_dir):  # where the run directory is readable here (else the ServerApp refuses it)
+        return f"--run-dir {run_dir} is not empty: a new run needs a new or empty directory (nothing was submitted)"
     if (warning := insecure_warning(connection)) is not None:
         print(warning, file=sys.stderr, flush=True)
-    (run_dir / STATUS).unlink(missing_ok=True)  # an earlier run's mark must not answer for this one
     with tempfile.TemporaryDirectory() as tmp:
         toml = Path(tmp) / "run.toml"
         toml.write_text(run_config_toml(cfg, run_dir))
