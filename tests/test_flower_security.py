@@ -21,7 +21,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from support.flower_local import LocalDeployment
 from toy import toy_federation_of
 
-from feddg.config import build_config, dump_config
+from feddg.config import ConfigError, build_config, dump_config
 from feddg.engines.flower import client as flower_client
 from feddg.engines.flower.app import mark
 from feddg.engines.flower.client import IDENTIFY, ROUTE, make_client_app
@@ -95,6 +95,15 @@ def test_keys_and_certificates_are_never_written_over_and_private_keys_are_never
             make_node_keys(tmp_path / "more", [bad])
     with pytest.raises(ValueError, match="--host"):
         make_certificates(tmp_path / "blank", [" "])
+
+
+def test_a_relative_roster_path_is_refused_when_the_config_loads(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^flower.roster: give an absolute path \(the ServerApp reads it from its "
+                                          r"own working directory\), got 'keys/roster.yaml'$"):
+        build_config({}, ["flower.roster=keys/roster.yaml"])
+    assert build_config({}, [f"flower.roster={tmp_path}/r.yaml"]).flower.roster == f"{tmp_path}/r.yaml"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert build_config({}, ["flower.roster=~/r.yaml"]).flower.roster == f"{tmp_path}/r.yaml"
 
 
 @pytest.fixture

@@ -277,6 +277,15 @@ class FlowerConfig(Strict):
     )
     secaggplus: SecAggPlusConfig = SecAggPlusConfig()
 
+    @field_validator("roster")
+    @classmethod
+    def _roster_absolute(cls, roster: str | None) -> str | None:
+        """The ServerApp reads the roster from its own working directory (the SuperLink's executor), not the user's."""
+        if roster is not None and not Path(roster).expanduser().is_absolute():
+            raise ValueError(f"give an absolute path (the ServerApp reads it from its own working directory), got "
+                             f"{roster!r}")
+        return None if roster is None else str(Path(roster).expanduser())
+
 
 class AdaptiveClipConfig(Strict):
     """``dp_weights.adaptive``: the clip norm follows a quantile of the update norms (Andrew et al. 2021)."""
