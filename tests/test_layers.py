@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "feddg"
 
 #: lower number = lower layer; a module may import its own layer or lower ones
 LAYERS = {
-    "messages": 0, "seeds": 0, "reproducibility": 0, "numerics": 0, "devices": 0, "data": 0, "models": 0,
+    "messages": 0, "settings": 0, "seeds": 0, "reproducibility": 0, "numerics": 0, "devices": 0, "data": 0, "models": 0,
     "tasks": 1, "aggregation": 1, "evaluation": 1,
     "algorithms": 2,
     "config": 3, "catalog": 3,

@@ -17,14 +17,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from feddg.settings import Settings
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DataConfig(Strict):
+class DataConfig(Settings):
     dataset: str = "digits-dg"
     root: str | None = Field(None, description="folder of a real dataset (root/<domain>/<class>/<image>)")
     cache_dir: str | None = None
@@ -58,7 +56,7 @@ class DataConfig(Strict):
         return self
 
 
-class SplitConfig(Strict):
+class SplitConfig(Settings):
     protocol: Literal["lodo", "ltdo", "federated"] = Field(
         "lodo", description="lodo: hold out split.target; ltdo: an ood validation and a test domain; federated: "
         "every domain trains, figures are each client's own holdout (id) only (FedFA Tables 3-5)")
@@ -75,7 +73,7 @@ class SplitConfig(Strict):
     )
 
 
-class PartitionConfig(Strict):
+class PartitionConfig(Settings):
     kind: str = Field("by_domain", description="how source samples are dealt to clients (docs/partitions.md); "
                       "natural: each natural group of the dataset (a writer, a camera) is one client")
     num_clients: int = Field(4, ge=1, description="clients (natural: decided by the groups; leave it unset)")
@@ -88,7 +86,7 @@ class PartitionConfig(Strict):
                            "per client (all it has if fewer); FedFA's mini-ProstateMRI keeps max(N/6, 32)")
 
 
-class ModelConfig(Strict):
+class ModelConfig(Settings):
     name: str = "cnn"
     weights: str | None = Field(None, description="local .pth state_dict to start from")
     path: str | None = Field(None, description="a local Hugging Face model directory (config.json, model.safetensors, "
@@ -100,12 +98,12 @@ class ModelConfig(Strict):
     )
 
 
-class MethodConfig(Strict):
+class MethodConfig(Settings):
     name: str = "fedavg"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class OptimConfig(Strict):
+class OptimConfig(Settings):
     name: Literal["sgd", "adam", "adamw"] = Field(
         "sgd", description="sgd | adam (L2 weight decay) | adamw (decoupled weight decay; HFedATM's Amazon Reviews)")
     lr: float = Field(0.01, gt=0)
@@ -135,7 +133,7 @@ class OptimConfig(Strict):
         return [s.model_dump() for s in parse_augment(items)]
 
 
-class FederationConfig(Strict):
+class FederationConfig(Settings):
     engine: Literal["inprocess", "flower"] = "inprocess"
     rounds: int = Field(10, ge=1)
     client_fraction: float = Field(1.0, gt=0, le=1)
@@ -212,7 +210,7 @@ class FederationConfig(Strict):
         return self
 
 
-class HierarchyConfig(Strict):
+class HierarchyConfig(Settings):
     """A station topology, clients -> stations -> server (HFedATM); absent means a flat federation."""
 
     stations: int = Field(2, ge=1)
@@ -243,7 +241,7 @@ class HierarchyConfig(Strict):
         return name
 
 
-class SecAggPlusConfig(Strict):
+class SecAggPlusConfig(Settings):
     """Flower's SecAgg+ (``flwr.server.workflow.SecAggPlusWorkflow``; docs/flower.md, "Secure aggregation")."""
 
     num_shares: int | float = Field(1.0, gt=0, description="key shares per client: an int > 2, or a fraction of "
@@ -258,7 +256,7 @@ class SecAggPlusConfig(Strict):
                                      "client's training examples, which the server knows)")
 
 
-class FlowerConfig(Strict):
+class FlowerConfig(Settings):
     """Settings of the Flower engine (``federation.engine: flower``); see docs/flower.md."""
 
     client_num_cpus: float = Field(1.0, gt=0, description="simulation: CPUs reserved per ClientApp (Ray actor)")
@@ -287,7 +285,7 @@ class FlowerConfig(Strict):
         return None if roster is None else str(Path(roster).expanduser())
 
 
-class AdaptiveClipConfig(Strict):
+class AdaptiveClipConfig(Settings):
     """``dp_weights.adaptive``: the clip norm follows a quantile of the update norms (Andrew et al. 2021)."""
 
     target_quantile: float = Field(0.5, ge=0, le=1, description="γ: the share of updates to leave unclipped")
@@ -296,7 +294,7 @@ class AdaptiveClipConfig(Strict):
                                     "clients per round / 20)")
 
 
-class WeightDPConfig(Strict):
+class WeightDPConfig(Settings):
     """DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights"): each update w_k - w_sent clipped to
     norm ``clip`` on the server, Gaussian noise z·C·max_k p_k (z·C/m for equal weights) on the aggregate."""
 
@@ -310,7 +308,7 @@ class WeightDPConfig(Strict):
 PrivacyAttack = Literal["sample-style", "client-style", "fedfa-moments", "fpl-prototypes", "gram", "update-dlg"]
 
 
-class AuditConfig(Strict):
+class AuditConfig(Settings):
     """``audit:``: the privacy audit of a finished run (docs/privacy.md, "Auditing what leaves a client").
     ``feddg audit privacy`` reads it as its defaults; with it, ``feddg run`` and ``feddg sweep`` audit each run
     after training (a sweep also writes audit.md / audit.csv over its cells). Not part of the run's config hash:
@@ -339,7 +337,7 @@ class AuditConfig(Strict):
         return zs
 
 
-class ExtraEvalConfig(Strict):
+class ExtraEvalConfig(Settings):
     """A further dataset with the training data's classes, evaluated like the held-out domain."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="the metrics' key: extra/<name>_acc[/<domain>]")
@@ -349,7 +347,7 @@ class ExtraEvalConfig(Strict):
     max_per_domain: int | None = Field(None, ge=1, description="at most this many samples of each domain")
 
 
-class EvalConfig(Strict):
+class EvalConfig(Settings):
     every: int = Field(1, ge=1, description="evaluate every k rounds (and always after the last)")
     batch_size: int = Field(256, ge=1)
     per_domain: bool = Field(
@@ -374,7 +372,7 @@ class EvalConfig(Strict):
         return extra
 
 
-class LoggingConfig(Strict):
+class LoggingConfig(Settings):
     """Copies of the metrics for experiment trackers (``pip install 'feddg[logging]'``); metrics.jsonl stays the record."""
 
     tensorboard: bool = Field(False, description="TensorBoard scalars per round and hparams at the end, in the run dir")
@@ -383,7 +381,7 @@ class LoggingConfig(Strict):
     )
 
 
-class ExperimentConfig(Strict):
+class ExperimentConfig(Settings):
     name: str = "experiment"
     seed: int = Field(0, ge=0)
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:k]'")

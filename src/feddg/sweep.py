@@ -36,7 +36,6 @@ from feddg.algorithms.registry import labelled, method_class
 from feddg.config import (
     ConfigError,
     ExperimentConfig,
-    Strict,
     build_config,
     config_tree,
     format_errors,
@@ -53,10 +52,11 @@ from feddg.federation.checkpoint import CheckpointError, has_checkpoint
 from feddg.federation.provenance import config_hash, stored_config_hash
 from feddg.federation.server import RESULTS
 from feddg.seeds import derived_seed
+from feddg.settings import Settings
 from feddg.tasks import TaskInfo, metric_key
 
 
-class SearchSpec(Strict):
+class SearchSpec(Settings):
     """Random hyper-parameter search, DomainBed style: ``n`` draws per variant from its method's
     ``search_space`` (draw 0 keeps the method's defaults), seeded so a sweep is reproducible."""
 
@@ -64,7 +64,7 @@ class SearchSpec(Strict):
     seed: int = Field(0, ge=0, description="seed of the draws (independent of the experiment seeds)")
 
 
-class SweepSpec(Strict):
+class SweepSpec(Settings):
     targets: list[str] | str = "all"
     pairs: list[tuple[str, str]] | None = Field(None, description="ltdo (val, test) pairs; default all ordered pairs")
     seeds: list[NonNegativeInt] = Field(default_factory=lambda: [0])

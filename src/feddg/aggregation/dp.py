@@ -26,9 +26,11 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from scipy.special import log_ndtr, ndtr
 from torch import Tensor
+
+from feddg.settings import Settings
 
 Mechanism = Literal["analytic", "classic"]
 Accountant = Literal["rdp", "pld"]
@@ -100,7 +102,7 @@ def basic_composition(epsilon: float, delta: float, releases: int) -> tuple[floa
 # ------------------------------------------------------------------ client-level DP of a statistic
 
 
-class StatisticDP(BaseModel):
+class StatisticDP(Settings):
     """``method.params.dp``: clip a client's released statistic to L2 norm ``clip`` and add Gaussian noise
     ``σ = noise_multiplier · Δ`` (``Δ = 2 · clip``), or the ``σ`` that makes one release ``(epsilon, delta)``-DP
     (analytic Gaussian mechanism). ``accountant`` composes the run's releases (results.json ``privacy``)."""

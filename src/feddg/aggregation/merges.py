@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from feddg.aggregation.dp import gaussian_sigma, gram_sensitivity
 from feddg.aggregation.fot import Solver, align_to_reference
@@ -31,13 +31,14 @@ from feddg.aggregation.regmean import regmean
 from feddg.aggregation.threads import map_on_threads
 from feddg.messages import WEIGHT_PREFIX, Message, subset
 from feddg.models.permutation import PermutationSpec, RowGather, permute_grams, row_indices
+from feddg.settings import Settings
 
 Grams = dict[str, np.ndarray]  # nn.Linear module name -> G (its inputs' X^T X)
 GRAM_FLAG = "collect_gram"  # server -> client: also send Grams this round
 GRAM_PREFIX = "gram/"  # client -> station: "gram/<nn.Linear module name>" = X^T X of its inputs
 
 
-class StationParams(BaseModel):
+class StationParams(Settings):
     """``hierarchy.params`` of every station topology (the ``avg`` merge takes only these)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

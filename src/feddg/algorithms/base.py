@@ -36,13 +36,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from torch import Tensor, nn
 
 from feddg.aggregation.mean import WeightedSum
 from feddg.data.base import DomainDataset, iterate_batches
 from feddg.devices import Inputs, autocast, to_device
 from feddg.messages import WEIGHT_PREFIX, Message, weights_of
+from feddg.settings import Settings
 from feddg.tasks import Task
 
 ServerState = dict[str, Any]
@@ -50,8 +51,8 @@ ClientState = Message
 Metrics = dict[str, float]
 
 
-class Params(BaseModel):
-    """Base of every method's hyper-parameters: unknown keys are errors."""
+class Params(Settings):
+    """Base of every method's hyper-parameters: unknown keys are errors, and a boolean is not a number."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -37,18 +37,18 @@ from typing import Annotated, ClassVar, Literal, Self
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 from torch import Tensor, nn
 
 from feddg.numerics import sqrt
+from feddg.settings import Settings
 from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
 #: variance epsilon of the MixStyle / MoEx standard deviations
 EPS = 1e-6
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Spec(Settings):
     #: what the augmentation needs of the task and the model (``feddg.tasks`` capabilities)
     requires: ClassVar[frozenset[str]]
 

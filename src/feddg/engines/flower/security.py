@@ -25,7 +25,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
+
+from feddg.settings import Settings
 
 #: Flower's SuperNode authentication accepts EC keys on NIST curves; P-384 is what its docs suggest
 NODE_CURVE = ec.SECP384R1
@@ -164,10 +166,9 @@ def verify(key: ec.EllipticCurvePublicKey, statement: bytes, signature: str) -> 
     return True
 
 
-class RosterEntry(BaseModel):
+class RosterEntry(Settings):
     """One client's identity: ``public_key`` is a ``.pub`` file (relative to the roster) or its ``SHA256:`` fingerprint."""
 
-    model_config = ConfigDict(extra="forbid")
     client: int = Field(ge=0)
     name: str = Field(min_length=1)
     public_key: str = Field(min_length=1)

@@ -1,0 +1,84 @@
+"""Settings models never read a boolean as a number (YAML's yes/on/true), wherever they sit in a config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pytest
+from pydantic import Field
+
+from feddg.config import ConfigError, build_config
+from feddg.settings import Settings, booleans_for_numbers
+from feddg.sweep import load_sweep
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "feddg"
+
+
+@pytest.mark.parametrize(("annotation", "value", "found"), [
+    (int, True, [((), True)]),
+    (float, False, [((), False)]),
+    (int | None, True, [((), True)]),
+    (int | Literal["auto"], True, [((), True)]),
+    (Annotated[int, Field(ge=0)], True, [((), True)]),
+    (list[int], [0, True, 2, False], [((1,), True), ((3,), False)]),
+    (list[Annotated[int, Field(ge=0)]] | None, [True], [((0,), True)]),
+    (bool, True, []),
+    (int | bool, True, []),
+    (Any, True, []),
+    (Literal[True, "x"], True, []),
+    (str, True, []),  # pydantic refuses it itself
+    (list[str], [True], []),
+    (int, 1, []),
+    (float, 0.5, []),
+])
+def test_booleans_for_numbers_finds_exactly_the_booleans_a_number_field_would_coerce(annotation, value, found):
+    assert booleans_for_numbers(annotation, value) == found
+
+
+@pytest.mark.parametrize(("override", "where"), [
+    ("federation.rounds=yes", "federation.rounds"),
+    ("federation.rounds=true", "federation.rounds"),
+    ("optim.lr=on", "optim.lr"),
+    ("data.max_per_domain=true", "data.max_per_domain"),
+    ("federation.workers=true", "federation.workers"),  # int | "auto"
+    ("hierarchy.params.lambda_ot=true", "hierarchy.params.lambda_ot"),  # a merge's parameters
+    ("optim.augment=[{name: mixup, alpha: true}]", "optim.augment.0.mixup.alpha"),  # a discriminated union's member
+])
+def test_a_boolean_for_a_number_is_refused_at_its_key(override, where):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [override])
+    assert str(err.value) == f"{where}: expected a number, got a boolean"
+
+
+def test_method_parameters_and_booleans_where_they_belong():
+    with pytest.raises(ConfigError, match=r"^method.params.mu: expected a number, got a boolean$"):
+        build_config({}, ["method.name=fedprox", "method.params.mu=yes"])
+    cfg = build_config({}, ["eval.per_domain=false", "model.channels_last=true", "federation.rounds=3"])
+    assert (cfg.eval.per_domain, cfg.model.channels_last, cfg.federation.rounds) == (False, True, 3)
+
+
+def test_every_settings_model_of_feddg_derives_from_settings():
+    plain = [f"{p.relative_to(SRC)}: {m}" for p in SRC.rglob("*.py") if p.name != "settings.py"
+             for m in re.findall(r"^class (\w+)\(BaseModel\)", p.read_text(), flags=re.M)]
+    assert plain == []
+
+
+def test_a_model_of_its_own_gets_the_check_and_keeps_unknown_keys_refused():
+    class Own(Settings):
+        steps: int = 1
+        ratio: float | None = None
+
+    with pytest.raises(ValueError, match=r"steps\n  expected a number, got a boolean"):
+        Own.model_validate({"steps": True})
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        Own.model_validate({"stpes": 2})
+    assert Own.model_validate({"steps": 2, "ratio": 1}).ratio == 1.0
+
+
+def test_a_sweep_seed_given_as_a_boolean_is_refused(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nsweep:\n  seeds: [0, true]\n")
+    with pytest.raises(ValueError, match=r"^sweep.seeds.1: expected a number, got a boolean$"):
+        load_sweep(path, [])
