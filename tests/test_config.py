@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from feddg.config import ConfigError, build_config, dump_config, load_config
+from feddg.sweep import load_sweep
 
 
 def test_defaults_and_overrides_are_typed():
@@ -119,3 +120,18 @@ def test_device_is_checked_at_load(monkeypatch):
     assert build_config({}, ["device=cuda:0"]).device == "cuda:0"
     with pytest.raises(ConfigError, match="cuda:1 requested but torch sees 1 CUDA device"):
         build_config({}, ["device=cuda:1"])
+
+
+def test_a_domain_named_by_a_whole_number_is_taken_by_its_name(tmp_path):
+    # rotated-mnist's domains are "0", "15", ...: YAML reads `-o split.target=15` as the integer 15
+    cfg = build_config({}, ["data.dataset=rotated-mnist", "split.target=15", "data.domains=[0, 15, 30]",
+                            "eval.extra=[{name: r, dataset: rotated-mnist, domains: [45]}]"])
+    assert (cfg.split.target, cfg.data.domains, cfg.eval.extra[0].domains) == ("15", ["0", "15", "30"], ["45"])
+    assert build_config({}, ["split.protocol=ltdo", "split.target=[15, 30]", "split.val_domain=0",
+                             "data.dataset=rotated-mnist"]).split.val_domain == "0"
+    with pytest.raises(ConfigError, match=r"^split.target.str: Input should be a valid string"):
+        build_config({}, ["split.target=yes"])  # a boolean is not a name
+    path = tmp_path / "s.yaml"
+    path.write_text("data: {dataset: rotated-mnist}\nsweep:\n  targets: [15, 30]\n  pairs: [[0, 15]]\n")
+    spec, _ = load_sweep(path)
+    assert spec.targets == ["15", "30"] and spec.pairs == [("0", "15")]

@@ -22,12 +22,21 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from feddg.settings import Settings
 
 
+def domain_names(value: Any) -> Any:
+    """Domain names written as whole numbers as the names they spell: rotated-mnist's domains are ``"0"``, ``"15"``,
+    ..., and YAML reads ``-o split.target=15`` as an integer (lists, and lists of pairs, item by item)."""
+    if isinstance(value, list | tuple):
+        return [domain_names(v) for v in value]
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 class DataConfig(Settings):
     dataset: str = "digits-dg"
     root: str | None = Field(None, description="folder of a real dataset (root/<domain>/<class>/<image>)")
     cache_dir: str | None = None
     image_size: int | None = None
     domains: list[str] | None = Field(None, description="use only these domains")
+    numbered_domains = field_validator("domains", mode="before")(domain_names)
     max_per_domain: int | None = Field(None, ge=1)
     seed: int = Field(0, ge=0, description="seed of the built-in datasets' synthesis (fixed across experiment seeds)")
     transforms: Any = Field(  # a preset name or a mapping; checked by _transforms_valid with one clear line
@@ -67,6 +76,7 @@ class SplitConfig(Settings):
         "whole domains, a seeded draw) instead of split.target"
     )
     val_domain: str | None = Field(None, description="ood validation domain (ltdo only)")
+    numbered_domains = field_validator("target", "val_domain", mode="before")(domain_names)
     few_shot_k: int = Field(
         0, ge=0, description="few-shot mode (hFedF Fig. 3): k target-domain samples added to every client's "
         "training data, distinct per client and removed from the ood test set"
@@ -344,6 +354,7 @@ class ExtraEvalConfig(Settings):
     dataset: str = Field(description="a dataset name (feddg datasets), loaded at the training data's image size")
     root: str | None = Field(None, description="its folder, for a folder dataset")
     domains: list[str] | None = Field(None, description="only these of its domains (default: all)")
+    numbered_domains = field_validator("domains", mode="before")(domain_names)
     max_per_domain: int | None = Field(None, ge=1, description="at most this many samples of each domain")
 
 

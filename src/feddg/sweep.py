@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import Field, NonNegativeInt, ValidationError
+from pydantic import Field, NonNegativeInt, ValidationError, field_validator
 from rich.markup import escape
 
 from feddg.algorithms.registry import labelled, method_class
@@ -38,6 +38,7 @@ from feddg.config import (
     ExperimentConfig,
     build_config,
     config_tree,
+    domain_names,
     format_errors,
     parse_overrides,
     read_yaml,
@@ -67,6 +68,7 @@ class SearchSpec(Settings):
 class SweepSpec(Settings):
     targets: list[str] | str = "all"
     pairs: list[tuple[str, str]] | None = Field(None, description="ltdo (val, test) pairs; default all ordered pairs")
+    numbered_domains = field_validator("targets", "pairs", mode="before")(domain_names)
     seeds: list[NonNegativeInt] = Field(default_factory=lambda: [0])
     variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": dict[str, Any]()})
     metrics: list[str] | None = Field(None, description="the tables' metric keys; default: the task's ood and id means "
