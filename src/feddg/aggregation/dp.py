@@ -107,7 +107,7 @@ class StatisticDP(Settings):
     ``σ = noise_multiplier · Δ`` (``Δ = 2 · clip``), or the ``σ`` that makes one release ``(epsilon, delta)``-DP
     (analytic Gaussian mechanism). ``accountant`` composes the run's releases (results.json ``privacy``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)  # and Settings's extra="forbid"
 
     clip: float = Field(1.0, gt=0, description="L2 bound C of a client's released statistic (all its arrays)")
     noise_multiplier: float | None = Field(None, gt=0, description="σ / Δ with Δ = 2C; or give epsilon")

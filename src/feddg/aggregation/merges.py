@@ -41,7 +41,7 @@ GRAM_PREFIX = "gram/"  # client -> station: "gram/<nn.Linear module name>" = X^T
 class StationParams(Settings):
     """``hierarchy.params`` of every station topology (the ``avg`` merge takes only these)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)  # and Settings's extra="forbid"
 
     client_pull: Literal["station", "global"] = Field(
         "station", description="clients start each station round from their station's model, or from the global one"

@@ -54,7 +54,7 @@ Metrics = dict[str, float]
 class Params(Settings):
     """Base of every method's hyper-parameters: unknown keys are errors, and a boolean is not a number."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)  # and Settings's extra="forbid"
 
 
 @dataclass(frozen=True)
