@@ -9,8 +9,9 @@ from toy import ToyDomains, toy_federation
 from typer.testing import CliRunner
 
 from feddg.cli import app
-from feddg.config import ConfigError, ExtraEvalConfig, build_config
+from feddg.config import ConfigError, ExtraEvalConfig, build_config, dump_config
 from feddg.engines.inprocess import run_inprocess
+from feddg.federation.extra_eval import evaluate_run
 from feddg.federation.server import Server
 from feddg.federation.setup import ExtraTarget, load_extra_target
 
@@ -65,10 +66,10 @@ def test_an_extra_target_of_another_task_inputs_or_classes_is_refused_when_the_c
     assert str(err.value).startswith(f"eval.extra.0 (x): {why}")
 
 
-def test_feddg_eval_refuses_another_kind_of_dataset_before_loading_it(cache_dir):
-    cfg = build_config({}, [f"data.cache_dir={cache_dir}"])
+def test_feddg_eval_refuses_another_kind_of_dataset_before_loading_it(tmp_path, cache_dir):
+    (tmp_path / "config.yaml").write_text(dump_config(build_config({}, [f"data.cache_dir={cache_dir}"])))
     with pytest.raises(ValueError, match=r"^eval.extra t: synthetic-sentiment is a classification dataset of tokens"):
-        load_extra_target(ExtraEvalConfig(name="t", dataset="synthetic-sentiment"), cfg, _digits_like(ToyDomains()))
+        evaluate_run(tmp_path, ExtraEvalConfig(name="t", dataset="synthetic-sentiment"))  # no checkpoint, no data read
     assert build_config({}, ["eval.extra=[{name: f, dataset: folder, root: /nowhere}]"])  # a folder's classes: at load
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from feddg.config import ExtraEvalConfig, load_config
+from feddg.data.registry import evaluation_mismatch
 from feddg.federation.client_store import open_checkpoint
 from feddg.federation.evaluator import Evaluator
 from feddg.federation.setup import ExtraTarget, build_federation, load_extra_target
@@ -19,11 +20,14 @@ def evaluate_run(run_dir: str | Path, spec: ExtraEvalConfig, device: str | None 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
+    overrides = ["eval.extra=[]"] + ([f"device={device}"] if device is not None else [])
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    if why := evaluation_mismatch(spec.dataset, cfg.data.dataset):  # the config's own check of eval.extra, here
+        raise ValueError(f"eval.extra {spec.name}: {why}")         # before the run's data load
     ckpt = open_checkpoint(run_dir)
     if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint.pt to evaluate")
-    overrides = ["eval.extra=[]"] + ([f"device={device}"] if device is not None else [])
-    fed = build_federation(load_config(run_dir / "config.yaml", overrides))
+    fed = build_federation(cfg)
     target = load_extra_target(spec, fed.cfg, fed.dataset)
     return (Evaluator(fed).extra(ckpt["server_state"], target), target, int(ckpt["round"]),
             TaskInfo.of(fed.task.info()))
