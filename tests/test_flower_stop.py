@@ -16,8 +16,9 @@ from support.flower_local import APP_DIR, CONNECTION, LocalDeployment
 
 from feddg.config import build_config, dump_config
 from feddg.engines.flower.app import main as server_main
-from feddg.engines.flower.app import mark, used_run_dir
+from feddg.engines.flower.app import mark
 from feddg.engines.flower.launch import flwr_command, insecure_warning, settled_outcome, submit
+from feddg.federation.server import used_run_dir
 
 BIN = Path(sys.executable).parent
 

@@ -21,7 +21,7 @@ from feddg.evaluation.plots import plot_run
 from feddg.federation.checkpoint import has_checkpoint
 from feddg.federation.examples import write_examples
 from feddg.federation.provenance import record_resume
-from feddg.federation.server import CONFIG, RESULTS, Server, default_run_dir
+from feddg.federation.server import CONFIG, RESULTS, Server, default_run_dir, used_run_dir
 from feddg.federation.setup import build_federation
 from feddg.tasks import Task, metric_key
 from feddg.tracking import Tracking
@@ -136,7 +136,7 @@ def _fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
     """Make sure a fresh run does not mix with files of another run in ``run_dir``."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run directory {run_dir} is a file")
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+    if not used_run_dir(run_dir):
         return
     if not overwrite:
         raise RunDirError(f"run directory {run_dir} is not empty; --resume {run_dir} continues that run, "

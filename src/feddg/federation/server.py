@@ -58,6 +58,12 @@ def default_run_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.output_dir) / f"{cfg.name}-{cfg.method.name}-{target}-s{cfg.seed}-{stamp}"
 
 
+def used_run_dir(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a file or a folder with anything in it: a new run writes neither over another run's
+    files nor over its mark."""
+    return run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
+
+
 @dataclass
 class RoundFold:
     """A round in progress: the topology's accumulator and per-reply scalars. Replies are held only

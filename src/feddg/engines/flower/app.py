@@ -62,12 +62,6 @@ def mark(run_dir: Path, status: str, error: str = "") -> None:
     tmp.replace(run_dir / STATUS)
 
 
-def used_run_dir(run_dir: Path) -> bool:
-    """Whether ``run_dir`` is a file or a folder with anything in it: a new run writes neither over another run's
-    files nor over its mark."""
-    return run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
-
-
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the experiment of the run config on the SuperNodes connected to this SuperLink; mark the run directory
@@ -76,7 +70,7 @@ def main(grid: Grid, context: Context) -> None:
     from feddg.engines.flower.server import PollingGrid, run_on_grid
     from feddg.evaluation.plots import plot_run  # matplotlib: only where the run directory is written
     from feddg.federation.examples import write_examples
-    from feddg.federation.server import Server, default_run_dir
+    from feddg.federation.server import Server, default_run_dir, used_run_dir
     from feddg.federation.setup import build_federation
 
     rc = context.run_config

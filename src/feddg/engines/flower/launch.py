@@ -20,7 +20,8 @@ from pathlib import Path
 from flwr.supercore.utils import get_flwr_home
 
 from feddg.config import ExperimentConfig
-from feddg.engines.flower.app import STATUS, run_config_toml, used_run_dir
+from feddg.engines.flower.app import STATUS, run_config_toml
+from feddg.federation.server import used_run_dir
 
 #: how long to wait, after ``flwr run`` returned, for a ServerApp still marked ``running`` to write its end: on
 #: ``flwr stop`` the stream ends before the ServerApp has handled its SIGINT (measured on a loaded 2-core machine)
