@@ -289,10 +289,12 @@ class FlowerConfig(Settings):
     @classmethod
     def _roster_absolute(cls, roster: str | None) -> str | None:
         """The ServerApp reads the roster from its own working directory (the SuperLink's executor), not the user's."""
-        if roster is not None and not Path(roster).expanduser().is_absolute():
+        if roster is None:
+            return None
+        if not (path := Path(roster).expanduser()).is_absolute():
             raise ValueError(f"give an absolute path (the ServerApp reads it from its own working directory), got "
                              f"{roster!r}")
-        return None if roster is None else str(Path(roster).expanduser())
+        return str(path)
 
 
 class AdaptiveClipConfig(Settings):
