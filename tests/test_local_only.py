@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 from toy import toy_federation
 
 from feddg.engines.inprocess import run_inprocess
@@ -58,3 +60,25 @@ def test_global_diagnostic_is_the_weighted_mean_and_results_are_personalised(tmp
     expect = (n[0] * st["clients"][0][key] + n[1] * st["clients"][1][key]) / sum(n)
     assert np.allclose(server.fed.method.eval_weights(st, None)[key], expect, atol=1e-6)
     assert {"id_acc", "ood_acc", "global_ood_acc"} <= set(res["final"])
+
+
+def _accuracy(fed, weights, indices) -> float:
+    """The percentage of ``indices`` that ``weights`` classify right, by hand."""
+    load_weights(fed.model, weights)
+    fed.model.eval()
+    with torch.no_grad():
+        x, y = fed.dataset.get_batch(indices, train=False)
+        return 100.0 * float((fed.model(x).argmax(1) == y).float().mean())
+
+
+def test_under_ltdo_the_validation_domain_is_scored_like_the_test_domain(tmp_path):
+    # the lodo selection rule picks by val_acc: a personalised method must write it (the clients' models' mean)
+    server, res, _ = _run(tmp_path, "split.protocol=ltdo", "split.val_domain=b", "split.target=c")
+    fed, st, final = server.fed, server.state, res["final"]
+    method, val, test = fed.method, fed.split.val_idx, fed.split.test_idx
+    for role, idx in (("val", val), ("ood", test)):
+        per_client = [_accuracy(fed, method.eval_weights(st, c), idx) for c in (0, 1)]
+        assert final[f"{role}_acc"] == pytest.approx(np.mean(per_client))
+        assert final[f"global_{role}_acc"] == pytest.approx(_accuracy(fed, method.eval_weights(st, None), idx))
+    assert set(final) == server.evaluator.keys()  # every key the evaluator promises (counts), and no other
+    assert res["counts"]["val_acc"] == res["counts"]["global_val_acc"] == len(val)

@@ -10,9 +10,16 @@ import numpy as np
 import pytest
 import yaml
 
-from feddg.evaluation.selection import default_rules, federated_validation, pick_notes, select, unavailable
+from feddg.evaluation.selection import (
+    default_rules,
+    federated_validation,
+    pick_notes,
+    picks_by,
+    select,
+    unavailable,
+)
 from feddg.reports.sweep import sweep_report
-from feddg.sweep import SweepSpec, run_sweep, write_rule_tables
+from feddg.sweep import SweepSpec, _per_domain_rows, run_sweep, write_rule_tables
 from feddg.tasks import TaskInfo, make_task
 
 ACC = TaskInfo("classification", "acc", "accuracy", "%", (0.0, 100.0), True, 10.0)
@@ -31,7 +38,7 @@ def _row(variant: str, target: str, seed: int, run_dir: str) -> dict:
     """A runs.jsonl row: the cell, its run directory and its final figures (the last evaluated round's)."""
     metrics = Path(run_dir) / "metrics.jsonl"
     final = json.loads(metrics.read_text().splitlines()[-1]) if metrics.is_file() else {}
-    final = {k: v for k, v in final.items() if k.endswith("_acc")}
+    final = {k: v for k, v in final.items() if k.endswith(("_acc", "_err"))}
     return {"variant": variant, "target": target, "seed": seed, "run_dir": run_dir, "dropped": 0, **final}
 
 
@@ -64,10 +71,14 @@ def test_training_domain_validation_picks_by_id_and_breaks_ties_by_first_draw_th
     assert pick_notes(chosen) == {("FedAvg", "mnist"): "#0 r4, #0 r2 of 4/2"}
 
 
-def test_the_oracle_picks_by_the_unseen_domain_and_is_never_a_default(lodo_rows):
-    assert _picked(select(lodo_rows, "oracle", ACC)) == {0: (1, 4, 4, 90.0), 1: (0, 4, 2, 45.0)}
-    assert "oracle" not in default_rules(lodo_rows)
-    assert "oracle" not in default_rules([{"target": "svhn→mnist"}])
+def test_the_oracle_picks_by_the_unseen_domain_at_each_draws_last_round_and_is_never_a_default(lodo_rows, tmp_path):
+    # DomainBed's oracle: the draws' last checkpoints only (no early stopping on the test domain)
+    assert _picked(select(lodo_rows, "oracle", ACC)) == {0: (1, 4, 2, 90.0), 1: (0, 4, 1, 45.0)}
+    early = [_row("X #0", "t", 0, _run(tmp_path, "e0", {2: {"ood_acc": 71.0}, 4: {"ood_acc": 60.0}})),
+             _row("X #1", "t", 0, _run(tmp_path, "e1", {2: {"ood_acc": 50.0}, 4: {"ood_acc": 65.0}}))]
+    assert _picked(select(early, "oracle", ACC)) == {0: (1, 4, 2, 65.0)}  # not draw 0's round 2 (71)
+    assert "oracle" not in default_rules(lodo_rows, ACC)
+    assert "oracle" not in default_rules([{"target": "svhn→mnist"}], ACC)
     assert SweepSpec().selection is None  # the sweep's default is default_rules'
 
 
@@ -97,7 +108,7 @@ def test_leave_one_domain_out_averages_the_validation_domains_of_each_test_domai
     [chosen] = select(rows, "lodo", ACC)
     assert (chosen["target"], chosen["draw"], chosen["round"], chosen["candidates"]) == ("c", 1, 2, 4)
     assert (chosen["score"], chosen["ood_acc"]) == (85.0, 70.0)
-    assert default_rules(rows) == ["train_domain", "lodo", "last"]
+    assert default_rules(rows, ACC) == ["train_domain", "lodo", "last"]
 
 
 def test_lodo_without_ltdo_pairs_is_unavailable_in_one_line(lodo_rows):
@@ -166,3 +177,29 @@ def test_a_searched_sweep_writes_a_table_per_rule_with_the_rounds_metrics_jsonl_
     assert json.loads((out / "sweep.json").read_text())["selection"] == ["train_domain", "oracle", "last"]
     html = sweep_report(out).read_text()  # the report shows each rule's table, never as a metric of its own
     assert "Model selection" in html and "<h3>ood_acc_oracle</h3>" in html and 'id="ood_acc_oracle"' not in html
+
+
+def test_a_selection_method_never_reports_the_figures_it_picks_by(lodo_rows, tmp_path, capsys):
+    spec = SweepSpec(seeds=[0, 1], metrics=["ood_acc", "id_acc"])
+    write_rule_tables(tmp_path, "train_domain", lodo_rows, lodo_rows, spec, ACC, None)
+    assert "| FedAvg | 47.5 ± 10.6" in (tmp_path / "table_ood_acc_train_domain.md").read_text()
+    why = "train_domain: no id_acc table, id_acc is scored on the data this rule picks by"
+    assert (tmp_path / "table_id_acc_train_domain.md").read_text().startswith(why)
+    assert not (tmp_path / "table_id_acc_train_domain.csv").exists() and why in capsys.readouterr().err
+    assert not picks_by("oracle", "ood_acc") and picks_by("lodo", "val_acc/b") and picks_by("train_domain", "global_id_acc")
+
+
+def test_a_federated_sweep_has_no_training_domain_table_and_no_mean_in_a_domains_column(tmp_path):
+    # split.protocol: federated: the clients' holdouts are the only figures, so picking by them is test-set selection
+    run = _run(tmp_path, "fed", {2: {"id_acc": 76.0}, 4: {"id_acc": 68.0}})  # eval.per_domain: false: means only
+    rows = [{**_row("A", "all", 0, run), "id_acc/a": 60.0, "id_acc/b": 76.0}]  # the final figures have domains
+    assert default_rules(rows, ACC) == ["last"]
+    [a, b] = _per_domain_rows(rows, ["id_acc"], ["a", "b"])
+    assert (a["target"], a["id_acc"], b["target"], b["id_acc"]) == ("a", 60.0, "b", 76.0)
+    assert "id_acc" not in _per_domain_rows([{"target": "all", "id_acc": 68.0}], ["id_acc"], ["a"])[0]
+
+
+def test_training_domain_validation_without_id_figures_is_unavailable_in_one_line(tmp_path):
+    rows = [_row("A", "t", 0, _run(tmp_path, "r", {2: {"ood_acc": 50.0}}))]  # partition.holdout: 0
+    assert unavailable("train_domain", rows, ACC) == (
+        "train_domain: unavailable, the runs have no id figures (partition.holdout: 0 keeps no client holdout)")

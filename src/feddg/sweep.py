@@ -46,7 +46,16 @@ from feddg.config import (
 )
 from feddg.data import dataset_info
 from feddg.engines.workers import exit_with_parent, use_one_thread
-from feddg.evaluation.selection import ORACLE_NOTE, Rule, default_rules, pick_notes, select, split_draw, unavailable
+from feddg.evaluation.selection import (
+    ORACLE_NOTE,
+    Rule,
+    default_rules,
+    pick_notes,
+    picks_by,
+    select,
+    split_draw,
+    unavailable,
+)
 from feddg.evaluation.tables import STATS_NOTE, csv_table, markdown_table
 from feddg.experiment import console, progress_bar, run_experiment
 from feddg.federation.checkpoint import CheckpointError, has_checkpoint
@@ -185,7 +194,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
         spec.metrics = [task.key("id")] if federated else [task.key("ood"), task.key("id")]
     table_rows = _per_domain_rows(rows, spec.metrics, results[0]["source"]) if federated else rows
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec.selection = spec.selection or default_rules(rows)  # resolved, for sweep.json
+    spec.selection = spec.selection or default_rules(rows, task)  # resolved, for sweep.json
     record = {**spec.model_dump(mode="json"), "expanded": {labelled(v, build_config(raw, [
         _override(k, x) for k, x in extra.items()]).method.name): extra for v, extra in variants.items()}}
     (out / "sweep.json").write_text(json.dumps(record, indent=1))
@@ -203,7 +212,8 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
 def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_rows: list[dict[str, Any]],
                  spec: SweepSpec, task: TaskInfo, domains: list[str] | None) -> None:
     """table_<metric>_<rule>.md/.csv: the cells each selection rule picks (evaluation/selection.py), with the
-    chosen draw and round beside each; ``last`` is table.md's content; an unavailable rule is one line."""
+    chosen draw and round beside each; ``last`` is table.md's content; an unavailable rule, or a metric the rule
+    picks by (selection on the reported data), is one line."""
     assert spec.metrics is not None
     if (why := unavailable(rule, rows, task)) is not None:
         _say(why)
@@ -220,6 +230,12 @@ def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_row
            "lodo": "leave-one-domain-out validation (val, mean over the source domains)", "oracle": ORACLE_NOTE,
            "last": "none: the last round, every draw its own row"}[rule]
     for m in spec.metrics:
+        if picks_by(rule, m):
+            why = (f"{rule}: no {m} table, {m} is scored on the data this rule picks by (selection on the reported "
+                   "data)")
+            _say(why)
+            (out / f"table_{m}_{rule}.md").write_text(why + "\n")
+            continue
         note = "" if picks is None else "; beside each cell: per seed, the chosen search draw #k and round, of N candidates"
         md = markdown_table(chosen, m, baseline, task.bounds, picks)
         (out / f"table_{m}_{rule}.md").write_text(
@@ -229,8 +245,10 @@ def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_row
 
 def _per_domain_rows(rows: list[dict[str, Any]], metrics: list[str], domains: list[str]) -> list[dict[str, Any]]:
     """Federated sweeps (every domain trains): a table column per domain, from each run's ``<metric>/<domain>``, so
-    the table's avg is the mean over domains (FedFA Table 4's "Average")."""
-    return [{**r, "target": d, **{m: r[f"{m}/{d}"] for m in metrics if f"{m}/{d}" in r}} for r in rows for d in domains]
+    the table's avg is the mean over domains (FedFA Table 4's "Average"); a run without ``<metric>/<domain>`` has no
+    figure in that column (never its mean over domains)."""
+    return [{**{k: v for k, v in r.items() if k not in metrics}, "target": d,
+             **{m: r[f"{m}/{d}"] for m in metrics if f"{m}/{d}" in r}} for r in rows for d in domains]
 
 
 def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jobs: int,

@@ -11,12 +11,14 @@ candidates, and the best one's figures stand for the cell (per seed, as DomainBe
 - ``lodo``: for test domain T, the mean over source domains D ≠ T of the ``val_<metric>`` of the runs that hold
   out D as validation and T as test (``split.protocol: ltdo`` pairs "D→T"); the reported figures are those runs'
   means at the chosen draw and round. Without such runs the rule is unavailable (:func:`unavailable`).
-- ``oracle``: the unseen domain's own metric, ``ood_<metric>``: an upper bound, never a selection method, never
-  the default.
+- ``oracle``: the unseen domain's own metric, ``ood_<metric>``, at each draw's last evaluated round (DomainBed's
+  oracle: no early stopping): an upper bound, never a selection method, never the default.
 - ``last``: no selection: the last round, every draw its own row (the sweep's ``table.md``).
 
 Ties break towards the first draw, then the earliest round. A (draw, round) whose run is missing, or that lacks
 the rule's score, is no candidate; a (variant, target, seed) with none has no figure (the cell shows fewer seeds).
+A selection method never reports the figures it picks by (:func:`picks_by`): that would be selection on the
+reported data (a federated sweep's only figures are the clients' holdouts, so it has no ``train_domain`` table).
 """
 
 from __future__ import annotations
@@ -56,10 +58,20 @@ def score_key(rule: str, task: TaskInfo) -> str:
     return task.key(roles[rule])
 
 
-def default_rules(rows: list[dict[str, Any]]) -> list[Rule]:
-    """train_domain and last, plus lodo when the sweep holds ltdo pairs; never the oracle."""
+def default_rules(rows: list[dict[str, Any]], task: TaskInfo) -> list[Rule]:
+    """train_domain (where a domain is held out: else the id figures it picks by are the only ones) and last, plus
+    lodo when the sweep holds ltdo pairs; never the oracle."""
+    train: list[Rule] = ["train_domain"] if any(task.key("ood") in r for r in rows) else []
     lodo: list[Rule] = ["lodo"] if any(PAIR in str(r["target"]) for r in rows) else []
-    return ["train_domain", *lodo, "last"]
+    return [*train, *lodo, "last"]
+
+
+def picks_by(rule: str, metric: str) -> bool:
+    """Whether ``metric`` (``id_acc``, ``val_macro_f1/uci``, ...) is scored on the data a selection method picks by:
+    the id holdouts for train_domain, the validation domains for lodo (the oracle, an upper bound by design, picks
+    by the figures it reports)."""
+    role = {"train_domain": "id", "lodo": "val"}.get(rule)
+    return role is not None and metric.startswith((f"{role}_", f"global_{role}_"))
 
 
 def unavailable(rule: str, rows: list[dict[str, Any]], task: TaskInfo) -> str | None:
@@ -71,6 +83,8 @@ def unavailable(rule: str, rows: list[dict[str, Any]], task: TaskInfo) -> str | 
                 "domain (split.protocol: ltdo pairs)")
     if rule == "oracle" and not any(task.key("ood") in r for r in rows):
         return "oracle: unavailable, the runs hold out no test domain (no ood figures)"
+    if rule == "train_domain" and not any(task.key("id") in r for r in rows):
+        return "train_domain: unavailable, the runs have no id figures (partition.holdout: 0 keeps no client holdout)"
     return None
 
 
@@ -95,8 +109,8 @@ def select(rows: list[dict[str, Any]], rule: str, task: TaskInfo,
     groups = _lodo_groups(rows) if rule == "lodo" else _groups(rows)
     out = []
     for (variant, target, seed), draws in groups.items():
-        candidates = [(draw, rnd, figures) for draw, runs in sorted(draws.items())
-                      for rnd, figures in _rounds(runs, key, evaluations)]
+        candidates = [(draw, rnd, figures) for draw, runs in sorted(draws.items())  # the oracle: the last round only
+                      for rnd, figures in _rounds(runs, key, evaluations)[-1 if rule == "oracle" else 0:]]
         if not candidates:
             continue
         best = candidates[0]

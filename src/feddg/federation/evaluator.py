@@ -1,10 +1,11 @@
 """The run's evaluation and its results.json, driven by the dataset's task.
 
 Each evaluation computes the task's per-domain tallies (``feddg.evaluation.tally``) of the global model — or, for
-a personalised method, of every client's model — on the clients' holdouts (``id``), the held-out domains (``ood``,
-``val``) and the extra targets (``eval.extra``), and turns them into the task's metric under its keys
-(``<role>_<metric>[/<domain>]``, :func:`feddg.tasks.metric_key`): ``ood_acc/uci`` for classification,
-``ood_dice/BIDMC`` for segmentation (and ``eval.metrics``' further ones: ``ood_macro_f1``). Which keys a run
+a personalised method, of every client's model (and the global one's, ``global_<role>``) — on the clients'
+holdouts (``id``), the held-out domains (``ood``, ``val``) and the extra targets (``eval.extra``), and turns them
+into the task's metric under its keys (``<role>_<metric>[/<domain>]``, :func:`feddg.tasks.metric_key`):
+``ood_acc/uci`` for classification, ``ood_dice/BIDMC`` for segmentation (and ``eval.metrics``' further ones:
+``ood_macro_f1``). Which keys a run
 writes, and how many samples stand behind each, follow from its split and clients alone (:meth:`Evaluator.keys`,
 :meth:`Evaluator.counts`), so results.json records both with the task's block (name, metric, bounds, chance) and
 every consumer reads that instead of sniffing key names.
@@ -86,18 +87,23 @@ class Evaluator:
             self._load(state, None)
             for role, idx in self._roles().items():
                 out.update(self._figures(self.tally(idx), role))
-        else:  # each client's own model on its holdout (tallies summed) and on the unseen domain(s) (figures averaged)
-            id_tally, ood_figures = None, []
+        else:  # each client's own model on its holdout (tallies summed) and on the held-out domains (figures averaged)
+            unseen = {role: idx for role, idx in self._roles().items() if role != "id"}  # ood, and val under ltdo
+            id_tally: np.ndarray | None = None
+            per_client: dict[str, list[dict[str, float]]] = {role: [] for role in unseen}
             for cid, client in enumerate(fed.clients):
                 self._load(state, cid)
                 t = self.tally(client.holdout_idx)
                 id_tally = t if id_tally is None else id_tally + t
-                ood_figures.append(self._metrics(self.tally(fed.split.test_idx), ds.domains, "ood"))
+                for role, idx in unseen.items():
+                    per_client[role].append(self._metrics(self.tally(idx), ds.domains, role))
             assert id_tally is not None
             out.update(self._metrics(id_tally, ds.domains, "id"))
-            out.update({k: float(np.mean([f[k] for f in ood_figures])) for k in ood_figures[0]})
+            for figures in per_client.values():
+                out.update({k: float(np.mean([f[k] for f in figures])) for k in figures[0]})
             self._load(state, None)
-            out.update(self._figures(self.tally(fed.split.test_idx), "global_ood"))
+            for role, idx in unseen.items():
+                out.update(self._figures(self.tally(idx), f"global_{role}"))
             out.update(self._figures(self.tally(self.holdouts), "global_id"))  # on every holdout
         for target in fed.extra:
             out.update(self.extra(state, target))
@@ -134,7 +140,7 @@ class Evaluator:
 
         roles = self._roles()
         if fed.method.personalized:
-            roles |= {"global_id": self.holdouts, "global_ood": fed.split.test_idx}
+            roles |= {f"global_{role}": idx for role, idx in roles.items()}
         for role, idx in roles.items():
             add(role, fed.dataset.domain_ids[idx], fed.dataset.domains)
         for t in fed.extra:

@@ -17,8 +17,7 @@ from feddg.reports.counts import run_counts
 from feddg.reports.page import REPORT, file_uri, page_context, render
 from feddg.reports.style_grid import style_grid
 from feddg.tasks import TaskInfo
-
-ROLE_ORDER = ("id", "val", "ood", "global_id", "global_ood")
+from feddg.tasks.base import ROLES
 
 
 def method_figures(run_dir: str | Path) -> list[Path]:
@@ -66,7 +65,7 @@ def domain_rows(final: dict[str, float], counts: dict[str, int], task: TaskInfo)
         parsed = task.parse(key)
         if parsed is not None and parsed[1] is not None:
             rows.append({"domain": parsed[1], "role": parsed[0], "value": value, "n": counts.get(key)})
-    rank = {r: i for i, r in enumerate(ROLE_ORDER)}
+    rank = {r: i for i, r in enumerate(ROLES)}
     return sorted(rows, key=lambda r: rank.get(r["role"], len(rank)))
 
 

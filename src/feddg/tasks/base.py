@@ -44,7 +44,7 @@ INPUT_KINDS = frozenset({IMAGES, TOKENS, FEATURES})
 
 #: the roles a metric is reported for: the clients' holdouts, the held-out (test) and validation domains, and for a
 #: personalised method the global model's
-ROLES = ("id", "val", "ood", "global_id", "global_ood")
+ROLES = ("id", "val", "ood", "global_id", "global_val", "global_ood")
 
 
 def metric_key(role: str, metric: str, domain: str | None = None) -> str:
