@@ -32,8 +32,8 @@ def _volume(site: int, case: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _save(path: Path, array: np.ndarray) -> None:
-    """Write a ``[depth, H, W]`` array as NIfTI (``[H, W, depth]``)."""
-    nibabel.save(nibabel.Nifti1Image(np.moveaxis(array, 0, 2), np.eye(4)), path)
+    """Write a ``[depth, H, W]`` array as NIfTI (``[W, H, depth]``: x, y, z)."""
+    nibabel.save(nibabel.Nifti1Image(np.transpose(array, (2, 1, 0)), np.eye(4)), path)
 
 
 @pytest.fixture
@@ -118,6 +118,27 @@ def test_batches_normalise_and_flip_image_and_mask_together(root: Path) -> None:
     assert torch.equal(yt[~flipped], y[~flipped])
 
 
+def test_a_slice_is_read_as_simpleitk_reads_it_and_the_flip_is_left_right(tmp_path: Path) -> None:
+    # NIfTI voxels [x, y, z] (nibabel's order): the bright half at x < 8, the prostate at x 1..4, y 5..9; the
+    # reference loaders read SimpleITK's [z, y, x], so a slice's columns are x and flipping them mirrors left-right
+    volume = np.where(np.arange(SIZE)[:, None, None] < 8, 1000.0, 0.0) * np.ones((SIZE, SIZE, DEPTH))
+    mask = np.zeros((SIZE, SIZE, DEPTH), dtype=np.uint8)
+    mask[1:5, 5:10, :] = 1
+    folder = tmp_path / "data" / "BIDMC"
+    folder.mkdir(parents=True)
+    nibabel.save(nibabel.Nifti1Image(volume.astype(np.float32), np.eye(4)), folder / "Case00.nii.gz")
+    nibabel.save(nibabel.Nifti1Image(mask, np.eye(4)), folder / "Case00_segmentation.nii.gz")
+    ds = load_prostate(tmp_path / "data", image_size=SIZE, sites=["BIDMC"], cache_dir=tmp_path / "cache")
+    image, truth = ds.images[0, 1], ds.masks[0]  # the middle channel: the slice itself
+    assert (image[:, :8] > image[:, 8:].max()).all()  # bright columns: x < 8
+    assert np.array_equal(np.argwhere(truth.any(0)).ravel(), [1, 2, 3, 4])  # columns: x
+    assert np.array_equal(np.argwhere(truth.any(1)).ravel(), [5, 6, 7, 8, 9])  # rows: y
+    masks = ds.get_batch(np.zeros(16, dtype=np.int64), train=True, generator=torch.Generator().manual_seed(0))[1]
+    kept, mirrored = torch.from_numpy(truth).long(), torch.from_numpy(truth[:, ::-1].copy()).long()
+    assert all(torch.equal(m, kept) or torch.equal(m, mirrored) for m in masks)
+    assert any(torch.equal(m, mirrored) for m in masks)  # x mirrored: the prostate at columns 11..14
+
+
 def test_problems_fail_in_one_line_and_are_all_listed(root: Path) -> None:
     (root / "BIDMC" / "Case01_segmentation.nii.gz").unlink()
     with pytest.raises(ValueError) as err:
@@ -132,7 +153,7 @@ def test_problems_fail_in_one_line_and_are_all_listed(root: Path) -> None:
     isbi = root / "ISBI_1.5"
     assert problems[0] == message
     assert problems[1:5] == [f"{root / s}: missing site folder" for s in ("HK", "I2CVB", "ISBI", "UCL")]
-    assert problems[5] == f"{isbi / 'Case00_Segmentation.nii.gz'} has shape 16×15×5 but Case00.nii.gz has 16×16×5"
+    assert problems[5] == f"{isbi / 'Case00_Segmentation.nii.gz'} has shape 15×16×5 but Case00.nii.gz has 16×16×5"
     assert problems[6] == f"{isbi / 'Case01_Segmentation.nii.gz'} is empty (no foreground voxel)"
     assert problems[7].startswith(f"{isbi / 'Case02.nii.gz'} cannot be read: ")
     assert len(problems) == 8

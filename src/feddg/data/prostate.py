@@ -33,7 +33,7 @@ SITES = ["BIDMC", "HK", "I2CVB", "ISBI", "ISBI_1.5", "UCL"]
 MASK_SUFFIX = {site: "_Segmentation" if site == "ISBI_1.5" else "_segmentation" for site in SITES}
 DEFAULT_IMAGE_SIZE = 384
 LAYOUT = "root/<SITE>/CaseNN.nii.gz with CaseNN_segmentation.nii.gz beside it, SITE among " + ", ".join(SITES)
-VERSION = "v2"  # v2: fixed normalisation (0.5, 0.5)
+VERSION = "v3"  # v2: fixed normalisation (0.5, 0.5); v3: slices [y, x] as SimpleITK reads them (were [x, y])
 META_KEYS = tuple(k for k in KEYS if k not in ("images", "masks"))
 _CASE = re.compile(r"(Case\d+)(\.nii(?:\.gz)?)")
 _MASK = re.compile(r"(Case\d+)_[sS]egmentation(\.nii(?:\.gz)?)")
@@ -89,7 +89,8 @@ def scan_cases(root: str | os.PathLike[str], sites: Sequence[str] | None = None)
 
 
 def _read_volume(path: Path) -> np.ndarray:
-    """A NIfTI file's float32 array, slice axis first (``[depth, H, W]``)."""
+    """A NIfTI file's float32 array as ``[depth, H, W]``: nibabel's ``[x, y, z]`` reversed, SimpleITK's order, in
+    which the reference loaders read it (a slice's rows are y, its columns x: flipping the last axis is left-right)."""
     import nibabel  # only where NIfTI files are read: a cached dataset loads without it
 
     data = nibabel.load(path).get_fdata(dtype=np.float32)  # type: ignore[attr-defined]
@@ -97,12 +98,12 @@ def _read_volume(path: Path) -> np.ndarray:
         data = data[..., 0]
     if data.ndim != 3:
         raise ValueError(f"expected a 3-D volume, got shape {data.shape}")
-    return np.ascontiguousarray(np.moveaxis(data, 2, 0))
+    return np.ascontiguousarray(np.transpose(data, (2, 1, 0)))
 
 
 def _shape(volume: np.ndarray) -> str:
-    """The file's ``H×W×depth`` of a volume read by :func:`_read_volume`."""
-    return "×".join(str(n) for n in (*volume.shape[1:], volume.shape[0]))
+    """The file's shape (``x×y×z``) of a volume read by :func:`_read_volume`."""
+    return "×".join(str(n) for n in reversed(volume.shape))
 
 
 def read_case(case: Case) -> tuple[Volume | None, list[str]]:

@@ -161,7 +161,8 @@ def export_nifti(
     out_dir: str | os.PathLike[str], seed: int = 0, cases: int = 8, depth: int = 24, size: int = 64
 ) -> Path:
     """Write the synthetic sites in the SAML layout (``<out>/<SITE>/CaseNN.nii.gz`` and its mask; ISBI_1.5 with the
-    ``_Segmentation`` spelling), NIfTI arrays ``[H, W, depth]``; returns the folder."""
+    ``_Segmentation`` spelling), NIfTI arrays ``[W, H, depth]`` (x, y, z: what ``prostate`` reads back as the
+    volumes' ``[depth, H, W]``); returns the folder."""
     import nibabel
 
     out = Path(out_dir).expanduser()
@@ -170,7 +171,7 @@ def export_nifti(
         folder = out / site
         folder.mkdir(parents=True, exist_ok=True)
         for i, (volume, mask) in enumerate(volumes):
-            nibabel.save(nibabel.Nifti1Image(np.moveaxis(volume, 0, 2), affine), folder / f"Case{i:02d}.nii.gz")
-            nibabel.save(nibabel.Nifti1Image(np.moveaxis(mask, 0, 2), affine),
+            nibabel.save(nibabel.Nifti1Image(np.transpose(volume, (2, 1, 0)), affine), folder / f"Case{i:02d}.nii.gz")
+            nibabel.save(nibabel.Nifti1Image(np.transpose(mask, (2, 1, 0)), affine),
                          folder / f"Case{i:02d}{MASK_SUFFIX[site]}.nii.gz")
     return out
