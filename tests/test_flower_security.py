@@ -106,6 +106,21 @@ def test_a_relative_roster_path_is_refused_when_the_config_loads(tmp_path, monke
     assert build_config({}, ["flower.roster=~/r.yaml"]).flower.roster == f"{tmp_path}/r.yaml"
 
 
+@pytest.mark.parametrize("engine", ["inprocess", "flower"])
+def test_a_roster_outside_a_deployment_is_refused_before_the_run_directory_is_made(tmp_path, engine):
+    from typer.testing import CliRunner
+
+    from feddg.cli import app
+
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", "configs/demo.yaml", "--run-dir", str(run_dir), "--engine", engine,
+                                      "-o", f"flower.roster={tmp_path}/roster.yaml"])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "error: flower.roster is for deployments (feddg flower run: its nodes prove their keys); the simulation and "
+        "the in-process engine have no keys"]
+    assert not run_dir.exists()
+
+
 @pytest.fixture
 def keys(tmp_path):
     pairs = make_node_keys(tmp_path, ["node0", "node1", "rogue"])

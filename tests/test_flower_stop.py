@@ -54,9 +54,10 @@ def test_the_launcher_finds_its_environments_flwr_without_it_on_path(tmp_path, m
 @pytest.mark.skipif(flwr_command() is None, reason="no flwr command here")
 def test_a_missing_flower_app_is_refused_before_flwr_runs(tmp_path):
     cfg = build_config({})
-    why = submit(cfg, tmp_path / "run", "local", tmp_path / "nowhere")
-    assert why == f"--app-dir {tmp_path / 'nowhere'}: no Flower App there (no pyproject.toml); feddg's is the " \
-                  "checkout's flower/ (docs/flower.md)"
+    with pytest.raises(ValueError) as err:  # a user's mistake: the CLI exits 2 (a run that fails: 1)
+        submit(cfg, tmp_path / "run", "local", tmp_path / "nowhere")
+    assert str(err.value) == f"--app-dir {tmp_path / 'nowhere'}: no Flower App there (no pyproject.toml); feddg's " \
+                             "is the checkout's flower/ (docs/flower.md)"
 
 
 @pytest.mark.skipif(flwr_command() is None, reason="no flwr command here")
@@ -67,8 +68,9 @@ def test_a_used_run_directory_is_refused_by_the_launcher_and_the_server_app_befo
     for name, text in earlier.items():
         (run / name).write_text(text)
     cfg = build_config({})
-    assert submit(cfg, run, "local", APP_DIR) == (f"--run-dir {run} is not empty: a new run needs a new or empty "
-                                                  "directory (nothing was submitted)")
+    with pytest.raises(ValueError) as err:
+        submit(cfg, run, "local", APP_DIR)
+    assert str(err.value) == f"--run-dir {run} is not empty: a new run needs a new or empty directory (nothing was submitted)"
     context = SimpleNamespace(run_config={"config": dump_config(cfg), "run-dir": str(run), "resume": False})
     with pytest.raises(ValueError, match=r"is not empty: a new run needs a new or empty one \(resume = true"):
         server_main(None, context)  # as `flwr run` with a hand-written run config would start it

@@ -1,5 +1,5 @@
-"""Every method and every station merge reproduces, bit for bit, the recorded metrics and final weights: a
-refactor changes the house, not the numbers.
+"""Every method (but FedDG-ELCFS, a segmentation method: these runs classify) and every station merge reproduces,
+bit for bit, the recorded metrics and final weights: a refactor changes the house, not the numbers.
 
 The cases run in a process of their own with ``reproducibility: portable``'s kernels (support/golden.py), whose
 bits are meant to be the same on any x86-64 CPU with AVX2: the figures match on a real AMD EPYC (Zen 5) and under
@@ -41,3 +41,13 @@ def test_digits_runs_match_the_recorded_figures(name, computed):
     got = computed["digits"][name]
     assert got["metrics"] == DIGITS["cases"][name]["metrics"]
     assert got["weights"] == DIGITS["cases"][name]["weights"]
+
+
+def test_every_method_of_the_registry_has_a_golden_run():
+    from feddg.algorithms.registry import METHODS
+
+    named = {o.split("=", 1)[1] for case in [*TOY.values(), *DIGITS["cases"].values()] for o in case["overrides"]
+             if o.startswith("method.name=")}
+    registered = {name for name, cls in METHODS.items()  # feddg's own, not a test's (a lazy entry becomes its class)
+                  if (cls if isinstance(cls, str) else cls.__module__).startswith("feddg.algorithms.")}
+    assert registered - named - {"fedavg"} == {"elcfs"}  # fedavg: the default; ELCFS segments, these runs classify

@@ -16,7 +16,7 @@ from feddg.aggregation.robust import coordinate_median, krum_scores, krum_select
 from feddg.algorithms.base import Accumulator, ClientContext, ClientState, Params, Reply
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.registry import METHODS
-from feddg.config import build_config
+from feddg.config import ConfigError, build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.checkpoint import load_checkpoint
 from feddg.federation.integrity import LossGuard, NormBound, cap_examples, non_finite
@@ -215,15 +215,21 @@ def test_robust_rules_keep_an_attacker_out_without_the_norm_bound(tmp_path, rule
         assert "3" in rows(server)[-1]["clients_left_out"]
 
 
-@pytest.mark.parametrize(("method", "hierarchy", "what"), [
-    ("local", None, "local, which does not average weights"),
-    ("fedavg", {"stations": 2}, "a station topology (hierarchy)"),
+@pytest.mark.parametrize(("over", "why"), [
+    (["method.name=local", "federation.aggregation=median"], "federation.aggregation: median is for flat federations of "
+     "methods that average weights, not local, which does not average weights"),
+    (["hierarchy={stations: 2}", "federation.aggregation=median"], "federation.aggregation: median is for flat "
+     "federations of methods that average weights, not a station topology (hierarchy)"),
+    (["method.name=hfedf", "federation.reject_outliers=3"], "federation.reject_outliers: hfedf does not average "
+     "weights, so a reply's update norm is not defined"),
+    (["partition.holdout=0", "federation.rollback_loss_factor=2"], "federation.rollback_loss_factor needs the "
+     "clients' holdouts (partition.holdout > 0)"),
 ])
-def test_robust_rules_are_refused_where_they_are_not_defined(tmp_path, method, hierarchy, what):
-    cfg = build_config({**BASE, "method": {"name": method}, "hierarchy": hierarchy}, ["federation.aggregation=median"])
-    with pytest.raises(ValueError, match=f"^federation.aggregation: median is for flat federations of methods that "
-                                         f"average weights, not {what}$".replace("(", r"\(").replace(")", r"\)")):
-        Server(toy_federation_of(cfg), tmp_path / "run")
+def test_defences_are_refused_where_they_are_not_defined_when_the_config_loads(over, why):
+    # at load, so a sweep refuses the cell before any run and feddg run before making its run directory
+    with pytest.raises(ConfigError) as err:
+        build_config(BASE, over)
+    assert str(err.value) == why
 
 
 def test_a_non_finite_aggregate_is_rolled_back_never_checkpointed_and_resume_goes_on(tmp_path):

@@ -22,9 +22,11 @@ def test_the_hash_follows_what_is_computed_not_where_or_how_fast():
     assert base == config_hash(build_config({}))
     assert len(base) == 64
     for same in ("output_dir=elsewhere", "name=other", "federation.workers=4", "device=cpu",
-                 "federation.checkpoint_every=3", "logging.tensorboard=true", "data.loader_workers=2"):
+                 "federation.checkpoint_every=3", "logging.tensorboard=true", "data.loader_workers=2",
+                 "flower.round_timeout_s=60", "flower.client_num_cpus=2"):
         assert config_hash(build_config({}, [same])) == base, same
-    for different in ("optim.lr=0.02", "seed=1", "federation.rounds=11", "eval.every=2", "method.name=fedprox"):
+    for different in ("optim.lr=0.02", "seed=1", "federation.rounds=11", "eval.every=2", "method.name=fedprox",
+                      "flower.secaggplus.clipping_range=4"):  # SecAgg+'s quantisation changes the aggregate
         assert config_hash(build_config({}, [different])) != base, different
 
 

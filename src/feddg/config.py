@@ -266,6 +266,11 @@ class SecAggPlusConfig(Settings):
                                      "client's training examples, which the server knows)")
 
 
+#: ``flower.roster`` outside a deployment: ``feddg run`` (in-process or Flower's simulation) and sweeps have no nodes
+ROSTER_NEEDS_DEPLOYMENT = ("flower.roster is for deployments (feddg flower run: its nodes prove their keys); the "
+                           "simulation and the in-process engine have no keys")
+
+
 class FlowerConfig(Settings):
     """Settings of the Flower engine (``federation.engine: flower``); see docs/flower.md."""
 
@@ -556,6 +561,28 @@ class ExperimentConfig(Settings):
                              f"num_examples (federation.aggregation=mean), not {problem}")
         return self
 
+
+    @model_validator(mode="after")
+    def _defences_fit(self) -> ExperimentConfig:
+        """The server's defences where they are defined: robust rules and outlier rejection combine ``w/`` arrays
+        (flat federations of methods that average weights), the loss rollback needs the clients' holdouts."""
+        fc = self.federation
+        if fc.aggregation == "mean" and fc.reject_outliers is None and fc.rollback_loss_factor is None:
+            return self
+        from feddg.algorithms.registry import create_method  # lazy: methods import torch
+
+        method = create_method(self.method.name, self.method.params)
+        if fc.aggregation != "mean" and (not method.averages_weights or self.hierarchy is not None):
+            what = ("a station topology (hierarchy)" if self.hierarchy is not None
+                    else f"{method.name}, which does not average weights")
+            raise ValueError(f"federation.aggregation: {fc.aggregation} is for flat federations of methods that "
+                             f"average weights, not {what}")
+        if fc.reject_outliers is not None and not method.averages_weights:
+            raise ValueError(f"federation.reject_outliers: {method.name} does not average weights, so a reply's "
+                             "update norm is not defined")
+        if fc.rollback_loss_factor is not None and self.partition.holdout == 0:
+            raise ValueError("federation.rollback_loss_factor needs the clients' holdouts (partition.holdout > 0)")
+        return self
 
     @model_validator(mode="after")
     def _secure_aggregation_fits(self) -> ExperimentConfig:

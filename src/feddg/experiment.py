@@ -15,7 +15,15 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from feddg.config import ConfigError, ExperimentConfig, build_config, dump_config, parse_overrides, read_yaml
+from feddg.config import (
+    ROSTER_NEEDS_DEPLOYMENT,
+    ConfigError,
+    ExperimentConfig,
+    build_config,
+    dump_config,
+    parse_overrides,
+    read_yaml,
+)
 from feddg.engines.inprocess import run_inprocess
 from feddg.evaluation.plots import plot_run
 from feddg.federation.checkpoint import has_checkpoint
@@ -64,6 +72,8 @@ def run_experiment(
 
     A fresh run refuses a non-empty ``run_dir`` unless ``overwrite`` (which clears it first).
     """
+    if cfg.flower.roster:  # before the run directory is made
+        raise ValueError(ROSTER_NEEDS_DEPLOYMENT)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     if not resume:
         _fresh_run_dir(run_dir, overwrite)

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from feddg.aggregation.robust import coordinate_median, krum_select, trimmed_mean
-from feddg.algorithms.base import Method, Reply
-from feddg.config import ExperimentConfig, FederationConfig
+from feddg.algorithms.base import Reply
+from feddg.config import FederationConfig
 from feddg.messages import WEIGHT_PREFIX, Message
 
 
@@ -83,17 +83,6 @@ def cap_examples(reply: Reply, known: int) -> tuple[Reply, int | None]:
     if claimed <= known:
         return reply, None
     return Reply(reply.client_id, {**reply.message, "num_examples": known}), claimed
-
-
-def check_aggregation(cfg: ExperimentConfig, method: Method) -> None:
-    """Refuse, in one line, a robust ``federation.aggregation`` where it is not defined: methods that do not
-    average weights (no ``w/`` arrays to combine) and station topologies (each station folds its own clients)."""
-    rule = cfg.federation.aggregation
-    if rule != "mean" and (not method.averages_weights or cfg.hierarchy is not None):
-        what = ("a station topology (hierarchy)" if cfg.hierarchy is not None
-                else f"{method.name}, which does not average weights")
-        raise ValueError(f"federation.aggregation: {rule} is for flat federations of methods that average weights, "
-                         f"not {what}")
 
 
 def robust_replies(replies: list[Reply], fc: FederationConfig) -> tuple[list[Reply], dict[int, str]]:

@@ -41,7 +41,12 @@ HASH_EXCLUDES = (
     "federation.checkpoint_every",  # resumes are bit-identical whatever the checkpoint interval
     "federation.client_timeout_s",  # a time limit, not a computation
     "federation.client_state_budget_mb",  # where client state is kept (RAM or disk), not what it is: same bits
-    "flower",  # Ray resources and timeouts of the Flower engine
+    "flower.client_num_cpus",  # Ray resources and time limits of the Flower engine; not flower.secure_aggregation,
+    "flower.client_num_gpus",  # whose quantisation changes the aggregate (docs/flower.md, "Secure aggregation")
+    "flower.ray_num_cpus",
+    "flower.round_timeout_s",
+    "flower.node_wait_s",
+    "flower.roster",  # who each client is (which node proves its key), not what it computes
     "logging",  # copies of the metrics for TensorBoard / MLflow
     "audit",  # the privacy audit after training: post-processing of the run, not the run
 )

@@ -28,7 +28,6 @@ from feddg.federation.integrity import (
     LossGuard,
     NormBound,
     cap_examples,
-    check_aggregation,
     non_finite,
     robust_replies,
 )
@@ -124,12 +123,6 @@ class Server:
         self.warned_caps: set[int] = set()
         self.declared = shapes_of(weights_of(fed.model))  # what a reply's w/ arrays may be
         self.evaluator = Evaluator(fed)
-        if fed.cfg.federation.reject_outliers is not None and not fed.method.averages_weights:
-            raise ValueError(f"federation.reject_outliers: {fed.method.name} does not average weights, so a "
-                             "reply's update norm is not defined")
-        check_aggregation(fed.cfg, fed.method)
-        if self.loss_guard is not None and not len(self.evaluator.holdouts):
-            raise ValueError("federation.rollback_loss_factor needs the clients' holdouts (partition.holdout > 0)")
         dp = fed.cfg.dp_weights  # DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights")
         self.dp = None if dp is None else WeightPrivacy(dp, len(fed.clients), fc.client_fraction, fed.cfg.seed,
                                                         ckpt.get("dp_weights_clip") if ckpt is not None else None)

@@ -64,15 +64,17 @@ def flwr_command() -> str | None:
 
 def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path) -> str | None:
     """``flwr run app_dir connection --run-config <cfg> --stream`` (its output goes to this terminal); returns
-    :func:`outcome` of ``run_dir``, or why ``flwr run`` itself failed."""
+    :func:`outcome` of ``run_dir``, or why ``flwr run`` itself failed. What is refused before submitting (no
+    ``flwr``, no app, a used run directory: a user's mistake) raises ValueError."""
     flwr = flwr_command()
     if flwr is None:
-        return f"no `flwr` command beside {sys.executable} or on PATH: reinstall feddg with the [flower] extra"
+        raise ValueError(f"no `flwr` command beside {sys.executable} or on PATH: reinstall feddg with the [flower] extra")
     if not (app_dir / "pyproject.toml").is_file():
-        return (f"--app-dir {app_dir}: no Flower App there (no pyproject.toml); feddg's is the checkout's flower/ "
-                "(docs/flower.md)")
+        raise ValueError(f"--app-dir {app_dir}: no Flower App there (no pyproject.toml); feddg's is the checkout's "
+                         "flower/ (docs/flower.md)")
     if used_run_dir(run_dir):  # where the run directory is readable here (else the ServerApp refuses it)
-        return f"--run-dir {run_dir} is not empty: a new run needs a new or empty directory (nothing was submitted)"
+        raise ValueError(f"--run-dir {run_dir} is not empty: a new run needs a new or empty directory (nothing was "
+                         "submitted)")
     if (warning := insecure_warning(connection)) is not None:
         print(warning, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:

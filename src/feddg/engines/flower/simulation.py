@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 from flwr.supercore.logger import update_console_handler
 
-from feddg.config import dump_config
+from feddg.config import ROSTER_NEEDS_DEPLOYMENT, dump_config
 from feddg.engines.flower.client import FederationFactory, client_federation, make_client_app
 from feddg.engines.flower.server import RoundCallback, run_on_grid
 from feddg.federation.server import Server
@@ -76,7 +76,7 @@ def run_flower(
     ``factory`` rebuilds the Federation from the config inside each ClientApp (tests pass a toy one).
     """
     if server.fed.cfg.flower.roster:
-        raise ValueError("flower.roster is for deployments (its nodes prove their keys); the simulation has no keys")
+        raise ValueError(ROSTER_NEEDS_DEPLOYMENT)
     results: dict[str, Any] = {}
     stopped: list[RunStopped] = []
     server_app = ServerApp()
