@@ -202,6 +202,18 @@ def test_error_class_missing_from_one_domain_and_empty_class(tmp_path: Path) -> 
     _one_line_error(exc, str(root / "b" / "zebra"), "has no images")
 
 
+def test_images_in_hidden_subfolders_are_not_samples(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "data", ["a", "b"], ["cat", "dog"], per_class=2)
+    _png(root / "a" / "cat" / "nested" / "2.png", (9, 9, 9))  # an ordinary sub-folder still counts
+    _png(root / "a" / "cat" / ".ipynb_checkpoints" / "0-checkpoint.png", (1, 1, 1))
+    (root / "b" / "dog" / ".thumbs" / "deep").mkdir(parents=True)
+    (root / "b" / "dog" / ".thumbs" / "deep" / "0.png").write_bytes(b"not an image")
+    ds = load_dataset("folder", root=str(root), image_size=8)
+    assert len(ds) == 9 and root / "a" / "cat" / "nested" / "2.png" in ds.files
+    assert not any(part.startswith(".") for f in ds.files for part in f.relative_to(root).parts)
+    assert check_dataset("folder", root=str(root)) == []
+
+
 def test_check_lists_every_problem(tmp_path: Path) -> None:
     root = make_tree(tmp_path / "data", ["a", "b", "c"], ["cat", "dog"], per_class=2)
     (root / "b" / "dog").rename(root / "b" / "dgo")

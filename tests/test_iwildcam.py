@@ -79,6 +79,16 @@ def test_a_malformed_metadata_file_is_one_line_naming_it(tmp_path, edit, message
     assert "\n" not in str(err.value) and str(table) in str(err.value)
 
 
+def test_an_image_in_two_splits_is_one_line_naming_both_rows(tmp_path):
+    table = iwildcam_tree(tmp_path) / "iwildcam_v2.0" / "metadata.csv"
+    table.write_text(table.read_text() + "test,40,140,99,0,0001.jpg,2013-06-01 08:00:00\n")  # line 2's image again
+    with pytest.raises(ValueError) as err:
+        _load(tmp_path)
+    image = tmp_path / "iwildcam_v2.0" / "train" / "0001.jpg"
+    assert str(err.value) == f"{table}: line 25: image {image} (test) is already listed on line 3 (train); list each " \
+                             "image once"
+
+
 def _hand_tally(task, domains):
     """y = [0, 0, 1 | 1, 2, 2], predictions [0, 1, 1 | 1, 0, 3] (4 classes; class 3 predicted, never true)."""
     y, pred = torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([0, 1, 1, 1, 0, 3])

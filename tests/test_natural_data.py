@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from PIL import Image
-from support.natural_fixtures import cifar_batches, leaf_blob, tiny_imagenet_tree, write_json
+from support.natural_fixtures import cifar_batches, iwildcam_tree, leaf_blob, tiny_imagenet_tree, write_json
 
 from feddg.config import build_config
 from feddg.data import load_dataset
+from feddg.data.inspect import check_dataset
 from feddg.data.writers import build_writers, draw, writer_styles
 from feddg.federation.setup import make_clients, make_split
 
@@ -56,6 +57,66 @@ def test_metadata_csv_splits_are_the_domains_and_its_domain_column_the_writers(t
     assert [ds.classes[k] for k in ds.labels] == ["4", "Z", "C"] and ds.image_shape == (1, 28, 28)
     x, _ = ds.get_batch(np.arange(3), train=False)
     np.testing.assert_allclose(x[:, 0, 5, 5].numpy(), [-1.0, 51 / 255 * 2 - 1, 1.0], atol=1e-6)
+
+
+def _wilds_femnist(root, rows):
+    """FedDG_Benchmark's ``root/femnist_v1.0/metadata.csv`` (pandas' unnamed index first) and its images."""
+    folder = root / "femnist_v1.0"
+    lines = [",path,y,split,domain_remapped"]
+    for i, (path, split, writer) in enumerate(rows):
+        _png(folder / path, 20 * i)
+        lines.append(f"{i},{path},{i},{split},{writer}")
+    (folder / "metadata.csv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_the_wilds_femnist_release_loads_from_its_parent_with_the_id_splits_left_out(tmp_path):
+    rows = [("data/0.png", "train", 3), ("data/1.png", "id_val", 3), ("data/2.png", "val", 7), ("data/3.png", "2", 5),
+            ("data/4.png", "id_test", 5), ("data/5.png", "0", 5)]
+    folder = _wilds_femnist(tmp_path, rows)
+    for root in (tmp_path, folder):
+        ds = load_dataset("femnist", root=str(root), cache_dir=tmp_path / "cache")
+        assert ds.domains == ["test", "train", "val"] and ds.group_names == ["3", "5", "7"]
+        np.testing.assert_array_equal(ds.labels, [0, 2, 3, 5])  # rows 1 and 4 (id_val, id_test) left out
+        np.testing.assert_array_equal(ds.domain_ids, [1, 2, 0, 1])  # codes 2 and 0 read as test and train
+        np.testing.assert_array_equal(ds.groups, [0, 2, 1, 1])
+        assert ds.files[1] == folder / "data" / "2.png"
+
+
+def test_an_image_listed_on_two_lines_of_metadata_csv_is_one_line_naming_both(tmp_path):
+    folder = _wilds_femnist(tmp_path, [("a.png", "train", 1), ("b.png", "train", 1), ("./a.png", "test", 2)])
+    with pytest.raises(ValueError, match=r"^[^\n]*$") as err:
+        load_dataset("femnist", root=str(tmp_path), cache_dir=tmp_path / "cache")
+    assert f"{folder / 'metadata.csv'}: line 4: image {folder / './a.png'} (test) is already listed on line 2 " \
+           "(train)" in str(err.value)
+
+
+def _broken_leaf(root):
+    write_json(root / "all_data_0.json", leaf_blob({"u": ([0.5], [1])}))
+    return []
+
+
+def _broken_tiny(root):
+    tiny_imagenet_tree(root)
+    (root / "val" / "images" / "val_1.JPEG").write_bytes(b"not a JPEG")
+    return [f"cannot read image {root / 'val' / 'images' / 'val_1.JPEG'}: "]
+
+
+def _broken_iwildcam(root):
+    iwildcam_tree(root)
+    image = root / "iwildcam_v2.0" / "train" / "0003.jpg"
+    image.write_bytes(image.read_bytes()[:200])  # truncated: the header opens, the pixels do not
+    return [f"cannot read image {image}: "]
+
+
+@pytest.mark.parametrize(("name", "make"), [("femnist", _broken_leaf), ("tiny-imagenet", _broken_tiny),
+                                            ("iwildcam", _broken_iwildcam)])
+def test_check_decodes_every_image_and_writes_no_cache(tmp_path, monkeypatch, name, make):
+    monkeypatch.setenv("FEDDG_CACHE", str(tmp_path / "cache"))
+    expected = make(tmp_path / "data")
+    problems = check_dataset(name, root=str(tmp_path / "data"))
+    assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected, strict=True))
+    assert not (tmp_path / "cache").exists()
 
 
 def test_cifar10_pickles_give_the_official_test_split_as_the_default_lodo_target(tmp_path):

@@ -4,6 +4,7 @@ the synthetic corpus, and ``model_args`` for each kind of inputs."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,52 @@ def test_table_reader_names_every_malformed_line(tmp_path: Path) -> None:
                                              "label, domain"]
     assert len(check_dataset("text-table", root=str(tmp_path / "t"))) == 3
 
+
+
+def test_table_reader_drops_a_utf8_bom(tmp_path: Path) -> None:  # Excel's "CSV UTF-8" starts with one
+    root = tmp_path / "t"
+    (root / "a.csv").parent.mkdir()
+    (root / "a.csv").write_bytes("\ufefftext,label,domain\r\ncafé,positive,web\r\n".encode())
+    (root / "b.jsonl").write_bytes(("\ufeff" + json.dumps({"text": "ok", "label": 0, "domain": "mail"}) + "\n").encode())
+    assert read_table(root) == (["mail", "web"], {"mail": [("ok", "negative")], "web": [("café", "positive")]}, [])
+
+
+def test_table_that_is_not_utf8_is_named_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "t" / "a.csv"
+    bad.parent.mkdir()
+    bad.write_bytes("text,label,domain\nadoré,1,web\n".encode("latin-1"))
+    problem = f"{bad}:2: not UTF-8 text (byte 0xe9 at offset 22)"
+    assert read_table(bad.parent)[2] == check_dataset("text-table", root=str(bad.parent)) == [problem]
+    with pytest.raises(ValueError, match=f"^{re.escape(problem)}$"):
+        load_dataset("text-table", root=str(bad.parent), cache_dir=tmp_path / "cache")
+
+
+def test_table_folder_skips_hidden_files(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    _write(root / "a.csv", "text,label,domain\nfine,1,web\n")
+    (root / "._a.csv").write_bytes(b"\x00\x05\x16\x07\x00\x02Mac OS X\xb0\xff")  # macOS AppleDouble companion
+    _write(root / ".b.jsonl", "not json\n")
+    assert read_table(root) == (["web"], {"web": [("fine", "positive")]}, [])
+
+
+def test_table_extensions_are_case_insensitive(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    _write(root / "a.csv", "text,label,domain\nfine,1,web\n")
+    _write(root / "b.CSV", "text,label,domain\nsturdy,1,kitchen\n")
+    _write(root / "c.JSONL", json.dumps({"text": "dull", "label": 0, "domain": "books"}) + "\n")
+    assert read_table(root) == (["books", "kitchen", "web"], {"books": [("dull", "negative")],
+                                "kitchen": [("sturdy", "positive")], "web": [("fine", "positive")]}, [])
+    assert read_table(root / "b.CSV") == (["kitchen"], {"kitchen": [("sturdy", "positive")]}, [])
+
+
+def test_table_labels_are_renamed_only_when_binary(tmp_path: Path) -> None:
+    stars = _write(tmp_path / "stars.jsonl", "".join(json.dumps({"text": f"{s} stars", "label": s, "domain": "d"}) + "\n"
+                                                     for s in range(1, 6)))
+    assert read_table(stars)[1] == {"d": [(f"{s} stars", str(s)) for s in range(1, 6)]}
+    binary = _write(tmp_path / "binary.csv", "text,label,domain\ngood,1,d\nbad,0,d\n")
+    assert read_table(binary)[1] == {"d": [("good", "positive"), ("bad", "negative")]}
+    ones = _write(tmp_path / "ones.csv", "text,label,domain\na,1,d\nb,2,d\n")
+    assert read_table(ones)[1] == {"d": [("a", "1"), ("b", "2")]}
 
 def test_processed_acl_reader_and_bag_of_words(tmp_path: Path) -> None:
     root = tmp_path / "acl"

@@ -6,8 +6,11 @@ Two on-disk formats:
   "y": [int]}}}`` in ``root/all_data_*.json`` (or ``root/all_data/*.json``: every writer is then a domain) or in
   ``root/train/*.json`` + ``root/test/*.json`` (LEAF's split: the domains are ``test`` and ``train``). Users with
   no samples are skipped.
-* **WILDS-style** ``root/metadata.csv`` with columns ``path, y, split, domain`` (``path`` relative to the root,
-  an image file): the ``split`` values are the domains, the ``domain`` column (the writer) the natural group.
+* **WILDS-style** (FedDG_Benchmark's release) ``root/femnist_v1.0/metadata.csv`` (or ``root/metadata.csv``) with
+  columns ``path, y, split, domain_remapped`` (or ``domain``), ``path`` an image file relative to the csv's folder:
+  the ``split`` column holds WILDS' names or codes (train 0, val 1, test 2, id_val 3, id_test 4); ``train``, ``val``
+  and ``test`` are the domains and the id splits are left out, as for IWildCam. The writer column is the natural
+  group. An image listed on two lines is refused.
 
 Labels 0-9 are the digits, 10-35 the upper-case and 36-61 the lower-case letters; images are 28 px grayscale.
 """
@@ -23,16 +26,19 @@ import numpy as np
 
 from feddg.data import image_cache
 from feddg.data.cache import cached
-from feddg.data.natural import Samples, Source, split_order
+from feddg.data.natural import WILDS_ID_SPLITS, Samples, Source, listed_once, split_order, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "femnist"
 CLASSES = [*string.digits, *string.ascii_uppercase, *string.ascii_lowercase]
 SIZE = 28
 PIXELS = SIZE * SIZE
-COLUMNS = ("path", "y", "split", "domain")
-LAYOUT = ("root/all_data_*.json or root/{train,test}/*.json (LEAF), or root/metadata.csv with columns "
-          "path, y, split, domain and the images")
+WILDS_FOLDER = "femnist_v1.0"
+COLUMNS = ("path", "y", "split")
+WRITER_COLUMNS = ("domain_remapped", "domain")  # FedDG_Benchmark's name first
+HEADER = "path, y, split, domain_remapped (or domain)"
+LAYOUT = (f"root/all_data_*.json or root/{{train,test}}/*.json (LEAF), or root/{WILDS_FOLDER}/metadata.csv "
+          f"(or root/metadata.csv) with columns {HEADER} and the images")
 
 
 def _label(value: object) -> int:
@@ -121,41 +127,63 @@ def read_leaf(root: Path, cache_dir: Path) -> Samples:
     return Samples(list(files), CLASSES, arrays["y"], arrays["split"], SIZE, 1, groups, names, arrays["x"])
 
 
-def read_metadata(root: Path) -> Samples:
-    """FEMNIST from ``root/metadata.csv`` (``path, y, split, domain``) and its image files."""
-    table = root / "metadata.csv"
+def _metadata_rows(table: Path) -> tuple[list[dict[str, str]], str]:
+    """The rows of ``table`` and the name of its writer column; one line naming it when unreadable or incomplete."""
     try:
         with table.open(newline="") as f:
-            rows = list(csv.DictReader(f))
+            reader = csv.DictReader(f)
+            rows, header = list(reader), reader.fieldnames or []
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise ValueError(f"{table}: not a readable CSV ({' '.join(str(err).split())})") from None
-    if not rows or any(c not in rows[0] for c in COLUMNS):
-        raise ValueError(f"{table}: expected a header with columns {', '.join(COLUMNS)} and one row per image")
+    writer = next((c for c in WRITER_COLUMNS if c in header), None)
+    if not rows or writer is None or any(c not in header for c in COLUMNS):
+        raise ValueError(f"{table}: expected a header with columns {HEADER} and one row per image")
+    return rows, writer
+
+
+def _metadata_row(folder: Path, row: dict[str, str], writer: str) -> tuple[str, int, Path, str]:
+    """A row's split name, label, image file and writer; ``ValueError`` when one is malformed or missing."""
+    if empty := [c for c in (*COLUMNS, writer) if not (row.get(c) or "").strip()]:
+        raise ValueError(f"empty {', '.join(empty)}")
+    split, label, file = wilds_split(row["split"]), _label(row["y"].strip()), folder / row["path"].strip()
+    if not file.is_file():
+        raise ValueError(f"no image {file}")
+    return split, label, file, row[writer].strip()
+
+
+def read_metadata(folder: Path) -> Samples:
+    """FEMNIST from ``folder/metadata.csv`` (``path, y, split, domain_remapped``) and its image files: the train,
+    val and test splits (the id splits left out)."""
+    table = folder / "metadata.csv"
+    rows, writer = _metadata_rows(table)
     files, labels, splits, writers = [], [], [], []
+    seen: dict[str, tuple[int, str]] = {}
     for line, row in enumerate(rows, start=2):
         try:
-            if any(not row.get(c) for c in COLUMNS):
-                raise ValueError(f"empty {', '.join(c for c in COLUMNS if not row.get(c))}")
-            labels.append(_label(row["y"].strip()))
-            file = root / row["path"]
-            if not file.is_file():
-                raise ValueError(f"no image {file}")
+            split, label, file, who = _metadata_row(folder, row, writer)
+            listed_once(seen, file, line, split)
         except ValueError as err:
             raise ValueError(f"{table}: line {line}: {err}") from None
-        files.append(file)
-        splits.append(row["split"])
-        writers.append(row["domain"])
+        if split not in WILDS_ID_SPLITS:
+            files.append(file)
+            labels.append(label)
+            splits.append(split)
+            writers.append(who)
+    if "train" not in splits:
+        raise ValueError(f"{table}: no row of the train split")
     domains = split_order(set(splits))
     names, groups = np.unique(np.array(writers), return_inverse=True)
     domain_ids = np.array([domains.index(s) for s in splits], dtype=np.int64)
     return Samples(domains, CLASSES, np.array(labels, dtype=np.int64), domain_ids, SIZE, 1, groups,
-                   [str(n) for n in names], files=files, root=root)
+                   [str(n) for n in names], files=files, root=folder)
 
 
 def read_femnist(root: Path | None, seed: int, cache_dir: Path) -> Samples:
-    """FEMNIST from ``root`` in either format (``metadata.csv`` if present, else LEAF json); ``seed`` is unused."""
+    """FEMNIST from ``root`` in either format (a ``metadata.csv`` in ``root/femnist_v1.0`` or ``root`` if there is
+    one, else LEAF json); ``seed`` is unused."""
     assert root is not None
-    return read_metadata(root) if (root / "metadata.csv").is_file() else read_leaf(root, cache_dir)
+    folder = next((f for f in (root / WILDS_FOLDER, root) if (f / "metadata.csv").is_file()), None)
+    return read_leaf(root, cache_dir) if folder is None else read_metadata(folder)
 
 
 SOURCE = Source(read_femnist, [], CLASSES, SIZE, TransformSpec(mean=(0.5,), std=(0.5,)), layout=LAYOUT)

@@ -85,6 +85,13 @@ def _is_image(path: Path) -> bool:
     return path.is_file() and not path.name.startswith(".") and path.suffix.lower() in IMAGE_EXTENSIONS
 
 
+def _images_under(folder: Path) -> list[Path]:
+    """The images anywhere under ``folder``, sorted; hidden files and whatever lies in a hidden folder
+    (``.ipynb_checkpoints/``) left out."""
+    return sorted(p for p in folder.rglob("*")
+                  if _is_image(p) and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
 def _subfolders(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
@@ -172,7 +179,7 @@ def scan_tree(root: Path, domains: list[str], classes: list[str], fixed: bool = 
         scan.problems += _domain_problems(root / name, classes, fixed)
         count = 0
         for c in known[name]:
-            images = sorted(p for p in (root / name / c).rglob("*") if _is_image(p))
+            images = _images_under(root / name / c)
             if not images:
                 scan.problems.append(f"class folder {root / name / c} has no images")
             scan.files += images

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from feddg.data import image_cache, prostate, synthetic_mri
+from feddg.data import image_cache, natural, prostate, synthetic_mri
 from feddg.data.folders import PRESETS, FolderScan, check_root, discover_classes, discover_domains, scan_tree
 from feddg.data.registry import (
     BUILTINS,
@@ -83,23 +85,35 @@ def describe_dataset(
     return Summary(name, domains, classes, counts, (3, size, size), spec, len(labels))
 
 
+def _check_natural(name: str, root: str | None, workers: int | None) -> list[str]:
+    """The first malformed file of natural dataset ``name``, else every image file it lists that cannot be decoded.
+
+    Like the folder check it writes no cache (so ``--image-size`` and ``--cache-dir`` do not matter): the images are
+    only decoded, and LEAF json's parsed arrays go to a throwaway folder.
+    """
+    source = NATURAL_SOURCES[name]
+    try:
+        with tempfile.TemporaryDirectory(prefix="feddg-check-") as scratch:
+            samples = source.read(natural.check_root(name, source, root), 0, Path(scratch))
+    except ValueError as err:  # the readers stop at the first malformed file with one line naming it
+        return [str(err)]
+    bad = image_cache.unreadable(samples.files or [], workers)
+    return [f"cannot read image {file}: {reason}" for file, reason in bad]
+
+
 def check_dataset(name: str, *, root: str | None = None, workers: int | None = None) -> list[str]:
     """Every problem of folder dataset ``name``: the layout ones, then each image that cannot be decoded (for
-    prostate: each case that cannot be read or whose mask does not match it).
+    prostate: each case that cannot be read or whose mask does not match it). Nothing is cached.
 
     Built-in datasets have nothing to check (``[]``); text datasets list every malformed file and line; the natural
-    datasets (FEMNIST, CIFAR-10, Tiny-ImageNet) their first malformed file.
+    datasets (FEMNIST, CIFAR-10, Tiny-ImageNet, IWildCam) their first malformed file, else every undecodable image.
     """
     if name in TEXTS:
         return check_text(name, root)
     if name in BUILTINS or name == synthetic_mri.NAME:
         return []
-    if name in NATURAL_SOURCES:  # their readers stop at the first malformed file with one line naming it
-        try:
-            load_dataset(name, root=root)
-        except ValueError as err:
-            return [str(err)]
-        return []
+    if name in NATURAL_SOURCES:
+        return _check_natural(name, root, workers)
     if name == prostate.NAME:
         if root is None:
             raise ValueError(f"dataset prostate needs --root <folder> laid out as {prostate.LAYOUT}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feddg.data.natural import Samples, Source
+from feddg.data.natural import WILDS_ID_SPLITS, Samples, Source, listed_once, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "iwildcam"
@@ -30,22 +30,11 @@ NUM_CLASSES = 182
 CLASSES = [str(y) for y in range(NUM_CLASSES)]
 SIZE = 448  # WILDS' resolution (its transform resizes to 448 × 448); the image cache holds one size per config
 COLUMNS = ("split", "location_remapped", "y", "filename")
-SPLITS = {"train": 0, "val": 1, "test": 2, "id_val": 3, "id_test": 4}
-POOLED = {1: "val", 2: "test"}  # the ood splits, each one domain
+POOLED = ("test", "val")  # the ood splits, each one domain (test first: a LODO split's default target)
 LAYOUT = (f"root/{FOLDER}/metadata.csv (columns {', '.join(COLUMNS)}) and root/{FOLDER}/train/<filename> "
           "(or those in root itself)")
 # ImageNet statistics and a flip, WILDS' training transform for IWildCam besides the resize.
 TRANSFORMS = TransformSpec(flip=0.5, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
-
-
-def split_code(value: str) -> int:
-    """WILDS' split of a row, given by name (``val``) or code (``1``); ``ValueError`` for any other value."""
-    value = value.strip()
-    if value in SPLITS:
-        return SPLITS[value]
-    if value.isdigit() and int(value) in SPLITS.values():
-        return int(value)
-    raise ValueError(f"unknown split {value!r}; expected one of {', '.join(f'{n} ({c})' for n, c in SPLITS.items())}")
 
 
 def _integer(column: str, value: str, high: int | None = None) -> int:
@@ -72,6 +61,17 @@ def read_rows(table: Path) -> list[dict[str, str]]:
     return rows
 
 
+def _row(folder: Path, row: dict[str, str]) -> tuple[str, int, int, Path]:
+    """A row's split name, location, label and image file; ``ValueError`` when one is malformed or missing."""
+    split = wilds_split(row["split"] or "")
+    location = _integer("location_remapped", row["location_remapped"] or "")
+    label = _integer("y", row["y"] or "", NUM_CLASSES)
+    file = folder / "train" / (row["filename"] or "").strip()
+    if not file.is_file():
+        raise ValueError(f"no image {file}")
+    return split, location, label, file
+
+
 def read_iwildcam(root: Path | None, seed: int, cache_dir: Path) -> Samples:
     """IWildCam's train, val and test splits from ``metadata.csv`` (``seed`` and ``cache_dir`` are unused: the
     images are decoded later, once, into the image cache)."""
@@ -81,23 +81,20 @@ def read_iwildcam(root: Path | None, seed: int, cache_dir: Path) -> Samples:
     if not table.is_file():
         raise ValueError(f"{root}: no {FOLDER}/metadata.csv; expected {LAYOUT}")
     files, labels, splits, locations = [], [], [], []
+    seen: dict[str, tuple[int, str]] = {}
     for line, row in enumerate(read_rows(table), start=2):
         try:
-            split = split_code(row["split"] or "")
-            location = _integer("location_remapped", row["location_remapped"] or "")
-            label = _integer("y", row["y"] or "", NUM_CLASSES)
-            file = folder / "train" / (row["filename"] or "").strip()
-            if not file.is_file():
-                raise ValueError(f"no image {file}")
+            split, location, label, file = _row(folder, row)
+            listed_once(seen, file, line, split)
         except ValueError as err:
             raise ValueError(f"{table}: line {line}: {err}") from None
-        if split in (SPLITS["id_val"], SPLITS["id_test"]):
+        if split in WILDS_ID_SPLITS:
             continue
         files.append(file)
         labels.append(label)
         splits.append(split)
         locations.append(location)
-    if SPLITS["train"] not in splits:
+    if "train" not in splits:
         raise ValueError(f"{table}: no row of the train split")
     return _samples(folder, files, np.array(labels, dtype=np.int64), np.array(splits), np.array(locations))
 
@@ -105,14 +102,13 @@ def read_iwildcam(root: Path | None, seed: int, cache_dir: Path) -> Samples:
 def _samples(folder: Path, files: list[Path], labels: np.ndarray, splits: np.ndarray,
              locations: np.ndarray) -> Samples:
     """Domains ``test``, ``val`` (those present), then each training location; every location a natural group."""
-    train = splits == SPLITS["train"]
-    pooled = [(code, name) for code, name in sorted(POOLED.items(), key=lambda kv: kv[1] != "test")
-              if np.any(splits == code)]
+    train = splits == "train"
+    pooled = [name for name in POOLED if np.any(splits == name)]
     train_locations = np.unique(locations[train])
-    domains = [name for _, name in pooled] + [f"location_{n}" for n in train_locations]
+    domains = pooled + [f"location_{n}" for n in train_locations]
     domain_ids = np.empty(len(labels), dtype=np.int64)
-    for d, (code, _) in enumerate(pooled):
-        domain_ids[splits == code] = d
+    for d, name in enumerate(pooled):
+        domain_ids[splits == name] = d
     domain_ids[train] = len(pooled) + np.searchsorted(train_locations, locations[train])
     names, groups = np.unique(locations, return_inverse=True)
     return Samples(domains, CLASSES, labels, domain_ids, SIZE, 3, groups.astype(np.int64),

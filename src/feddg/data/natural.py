@@ -8,6 +8,7 @@ target holds it out), else each writer is a domain (so ``split.target_fraction``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -90,6 +91,30 @@ def check_root(name: str, source: Source, root: str | None) -> Path | None:
     if not path.is_dir():
         raise ValueError(f"dataset {name}: root {path} is not a folder; expected {source.layout}")
     return path
+
+
+# WILDS' split names and codes (its metadata.csv holds either); val and test are its ood splits, id_val and id_test
+# hold out images of the training domains.
+WILDS_SPLITS = {"train": 0, "val": 1, "test": 2, "id_val": 3, "id_test": 4}
+WILDS_ID_SPLITS = ("id_val", "id_test")
+
+
+def wilds_split(value: str) -> str:
+    """WILDS' split of a row, given by name (``val``) or code (``1``), as its name; ``ValueError`` for another value."""
+    value = value.strip()
+    names = {str(code): name for name, code in WILDS_SPLITS.items()}
+    if value in WILDS_SPLITS or value in names:
+        return names.get(value, value)
+    choices = ", ".join(f"{n} ({c})" for n, c in WILDS_SPLITS.items())
+    raise ValueError(f"unknown split {value!r}; expected one of {choices}")
+
+
+def listed_once(seen: dict[str, tuple[int, str]], file: Path, line: int, split: str) -> None:
+    """Note that ``line`` of a metadata table lists ``file`` in ``split``; ``ValueError`` naming both lines when an
+    earlier line listed it too (an image in two splits leaks between training and test)."""
+    first, where = seen.setdefault(os.path.normpath(file), (line, split))
+    if first != line:
+        raise ValueError(f"image {file} ({split}) is already listed on line {first} ({where}); list each image once")
 
 
 def split_order(names: set[str]) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import html
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ RAW_LAYOUT = "root/<domain>/{positive,negative}.review (Blitzer et al.'s release
 ACL_LAYOUT = "root/<domain>/{positive,negative}.review with lines `tok:count ... #label#:positive|negative`"
 TABLE_LAYOUT = "a .csv or .jsonl file (or a folder of them) with columns text, label, domain"
 TABLE_COLUMNS = ("text", "label", "domain")
+TABLE_SUFFIXES = (".csv", ".jsonl")  # compared lower-cased
 _TAG = re.compile(r"<(/?)(review|review_text)>")
 
 Labelled = list[tuple[str, int]]  # (text, class index) per review
@@ -163,48 +165,67 @@ def read_processed_acl(root: str | Path, domains: tuple[str, ...] = AMAZON_DOMAI
     return out, problems
 
 
+def _is_table(path: Path) -> bool:
+    """A visible ``.csv`` / ``.jsonl`` file, any case (hidden files, e.g. macOS ``._a.csv``, are not tables)."""
+    return path.is_file() and not path.name.startswith(".") and path.suffix.lower() in TABLE_SUFFIXES
+
+
 def table_files(root: str | Path) -> tuple[list[Path], list[str]]:
     """The ``.csv`` / ``.jsonl`` files of ``root`` (a file, or a folder's, sorted), and the layout's problems."""
     path = Path(root).expanduser()
     if path.is_file():
-        files = [path]
+        files = [path] if path.suffix.lower() in TABLE_SUFFIXES else []
     elif path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".csv", ".jsonl") and p.is_file())
+        files = sorted(p for p in path.iterdir() if _is_table(p))
     else:
         return [], [f"{path}: no such file or folder; expected {TABLE_LAYOUT}"]
-    if not files or any(f.suffix not in (".csv", ".jsonl") for f in files):
+    if not files:
         return [], [f"{path}: no .csv or .jsonl file; expected {TABLE_LAYOUT}"]
     return files, []
 
 
-def _rows(path: Path) -> Iterator[tuple[int, dict[str, object] | str]]:
-    """``(line, row)`` of a table file, or ``(line, problem)`` for a row that cannot be read."""
-    if path.suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in TABLE_COLUMNS if c not in (reader.fieldnames or [])]
-            if missing:
-                yield 1, f"the header lacks column(s) {', '.join(missing)}; expected {', '.join(TABLE_COLUMNS)}"
-                return
-            for row in reader:
-                yield reader.line_num, dict(row)
+def _csv_rows(text: str) -> Iterator[tuple[int, dict[str, object] | str]]:
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    missing = [c for c in TABLE_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        yield 1, f"the header lacks column(s) {', '.join(missing)}; expected {', '.join(TABLE_COLUMNS)}"
         return
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield number, f"not JSON ({err.msg})"
-                continue
-            yield number, row if isinstance(row, dict) else "not a JSON object"
+    for row in reader:
+        yield reader.line_num, dict(row)
 
 
-def _label_name(value: object) -> str:
-    """A label as a class name: 0/1 are negative/positive, anything else its own name."""
-    name = str(value).strip()
-    return {"0": "negative", "1": "positive"}.get(name, name)
+def _jsonl_rows(text: str) -> Iterator[tuple[int, dict[str, object] | str]]:
+    for number, line in enumerate(io.StringIO(text, newline=None), 1):  # lines end at \n, \r\n or \r
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            yield number, f"not JSON ({err.msg})"
+            continue
+        yield number, row if isinstance(row, dict) else "not a JSON object"
+
+
+def _rows(path: Path) -> Iterator[tuple[int, dict[str, object] | str]]:
+    """``(line, row)`` of a UTF-8 table file (a leading BOM, as Excel writes, is dropped), or ``(line, problem)``
+    for a row that cannot be read."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")  # not utf-8-sig: err.start stays the file's offset
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        yield line, f"not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})"
+        return
+    yield from _csv_rows(text) if path.suffix.lower() == ".csv" else _jsonl_rows(text)
+
+
+def _class_names(labels: set[str]) -> dict[str, str]:
+    """Each label's class name: 0/1 are negative/positive when every label is 0, 1, negative or positive (binary
+    sentiment); otherwise every label keeps its own name (star ratings 1-5 stay ``1`` ... ``5``)."""
+    binary = dict(zip(("0", "1"), SENTIMENT, strict=True))
+    if labels <= {*binary, *SENTIMENT}:
+        return {label: binary.get(label, label) for label in labels}
+    return {label: label for label in labels}
 
 
 def read_table(root: str | Path) -> tuple[list[str], dict[str, list[tuple[str, str]]], list[str]]:
@@ -222,5 +243,6 @@ def read_table(root: str | Path) -> tuple[list[str], dict[str, list[tuple[str, s
                 what = f"lacks {', '.join(missing)}" if missing else "has an empty text, label or domain"
                 problems.append(f"{file}:{number}: the row {what}")
                 continue
-            out.setdefault(domain, []).append((" ".join(text.split()), _label_name(label)))
-    return sorted(out), {d: out[d] for d in sorted(out)}, problems
+            out.setdefault(domain, []).append((" ".join(text.split()), label))
+    names = _class_names({label for samples in out.values() for _, label in samples})
+    return sorted(out), {d: [(t, names[label]) for t, label in out[d]] for d in sorted(out)}, problems
