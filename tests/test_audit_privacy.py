@@ -5,6 +5,7 @@ degrading each attack as ε falls, and ``feddg audit privacy`` on a tiny run."""
 import csv
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from feddg.audit.inversion import Victims, noised, vector_inversion
 from feddg.audit.metrics import (
     FID_NAME,
     PSNR_CAP,
+    denormalise,
     fid_effnet,
     frechet_distance,
     psnr,
@@ -27,7 +29,7 @@ from feddg.audit.metrics import (
     ssim,
     to_unit,
 )
-from feddg.audit.privacy import attacks_for
+from feddg.audit.privacy import Replay, attacks_for
 from feddg.cli import app
 from feddg.config import AuditConfig, ConfigError, build_config
 from feddg.experiment import resume_experiment, run_experiment
@@ -84,6 +86,20 @@ def test_reidentification_counts_reconstructions_nearest_to_their_victims_images
     recon = np.stack([np.full((1, 2, 2), v) for v in (0.1, 0.9, 0.6)])  # nearest: 0.0 (c0), 1.0 (c1), 0.7 (c1)
     assert reidentification(recon, np.array([0, 0, 1]), pool, owners) == pytest.approx(2 / 3)
     assert to_unit(np.array([-1.0, 0.0, 3.0]), -1, 1).tolist() == [0.0, 0.5, 1.0]
+
+
+def test_images_are_scored_in_0_1_with_the_datasets_own_normalisation_undone():
+    # ImageNet statistics per channel: one min/max over all channels would shift each channel (by up to 0.08 here)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    pixels = np.random.default_rng(0).uniform(size=(2, 3, 4, 4))
+    pixels[0, :, 0, 0], pixels[1, :, 0, 1] = 0.0, 1.0  # every channel spans [0, 1]
+    normalised = (pixels - np.reshape(mean, (1, 3, 1, 1))) / np.reshape(std, (1, 3, 1, 1))
+    np.testing.assert_allclose(denormalise(normalised, mean, std), pixels, atol=1e-12)
+    replay = SimpleNamespace(fed=SimpleNamespace(dataset=SimpleNamespace(mean=mean, std=std)),
+                             lo=float(normalised.min()), hi=float(normalised.max()))
+    np.testing.assert_allclose(Replay.unit(replay, normalised), pixels, atol=1e-12)
+    replay.fed.dataset = SimpleNamespace(mean=None, std=None)  # no statistics known: the value range, as before
+    assert np.array_equal(Replay.unit(replay, normalised), to_unit(normalised, replay.lo, replay.hi))
 
 
 # --------------------------------------------------------------------------- generator inversion

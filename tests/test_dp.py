@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import norm
+from torch import nn
 
 from feddg.aggregation.accounting import gaussian_epsilon, privacy_record, statistic_privacy
 from feddg.aggregation.dp import (
@@ -22,6 +23,7 @@ from feddg.aggregation.dp import (
     privatize_gram,
     symmetric_noise,
 )
+from feddg.algorithms.hfedatm import GramRecorder
 from feddg.config import ConfigError, build_config
 
 
@@ -36,6 +38,51 @@ def test_one_clipped_sample_changes_the_gram_by_at_most_c_squared():
     full, without = x.T @ x, x[1:].T @ x[1:]
     change = torch.linalg.matrix_norm(full - without)  # Frobenius = ‖x_0‖² = C² after clipping
     assert float(change) == pytest.approx(4.0) and gram_sensitivity(2.0) == 4.0
+
+
+class _PixelHead(nn.Module):
+    """A segmentation-like head: a 1×1 conv ``classifier`` sees each image's H·W pixels as its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(x)
+
+
+def _recorded(model: nn.Module, *inputs: torch.Tensor, mask: torch.Tensor | None = None, clip: float = 1.0) -> dict:
+    rec = GramRecorder(model, clip=clip)
+    with rec, torch.no_grad():
+        rec.new_pass()
+        rec.new_batch({"attention_mask": mask} if mask is not None else None)
+        model.train()
+        model(*inputs)
+    return rec.grams()
+
+
+@pytest.mark.parametrize("kind", ["pixels", "tokens"])
+def test_a_sample_of_many_rows_changes_the_recorded_gram_by_at_most_c_squared(kind):
+    # each row clipped alone, an 8×8 image (64 rows) moved G by up to 64·C², 16 tokens by 16·C²: the sample's rows are
+    # now clipped together, so one sample moves it by at most C²
+    g = torch.Generator().manual_seed(0)
+    if kind == "pixels":
+        model, x, mask = _PixelHead(), torch.randn(3, 3, 8, 8, generator=g) * 4, None
+    else:
+        model, x = nn.Linear(5, 2), torch.randn(3, 16, 5, generator=g) * 4
+        mask = torch.ones(3, 16, dtype=torch.long)
+        mask[2, 10:] = 0  # the last sequence is padded
+    key = "classifier" if kind == "pixels" else ""
+    full = _recorded(model, x, mask=mask)[key]
+    without = _recorded(model, x[1:], mask=None if mask is None else mask[1:])[key]
+    assert float(torch.linalg.matrix_norm(full - without)) <= 1.0 + 1e-9
+    rows = (x[0].movedim(0, -1).reshape(-1, 3) if kind == "pixels" else x[0]).double()  # sample 0's rows
+    scale = min(1.0, 1.0 / float(rows.norm()))  # clipped together to Frobenius norm 1, by hand
+    torch.testing.assert_close(full - without, scale**2 * rows.T @ rows)
+    garbage = x.clone()
+    if mask is not None:  # padding rows take no part in a sample's norm nor in G
+        garbage[2, 10:] = 100.0
+        torch.testing.assert_close(_recorded(model, garbage, mask=mask)[key], full, rtol=0, atol=0)
 
 
 def test_classic_sigma_closed_form():

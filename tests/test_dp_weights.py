@@ -2,15 +2,16 @@
 adaptive clip, the run's ε, and that noise 0 with a huge clip is FedAvg bit for bit on both engines."""
 
 import json
-import logging
 import math
 
 import numpy as np
 import pytest
+from dp_accounting import GaussianDpEvent, NeighboringRelation, SampledWithoutReplacementDpEvent
+from dp_accounting.rdp import RdpAccountant
 from test_flower import LoopbackGrid, server_config_text, task_identity, toy_config, toy_federation_of  # noqa: F401
 from toy import toy_federation
 
-from feddg.aggregation.accounting import gaussian_epsilon, sampled_gaussian_epsilon
+from feddg.aggregation.accounting import dp_fedavg_epsilon, gaussian_epsilon
 from feddg.aggregation.dp_weights import (
     adaptive_noise,
     clip_update,
@@ -19,7 +20,7 @@ from feddg.aggregation.dp_weights import (
     noise_std,
     update_norm,
 )
-from feddg.aggregation.mean import WeightedSum
+from feddg.aggregation.mean import WeightedSum, weighted_mean
 from feddg.algorithms.base import Accumulator, Reply
 from feddg.config import ConfigError, WeightDPConfig, build_config
 from feddg.engines.flower.client import make_client_app
@@ -153,15 +154,29 @@ def test_a_round_moves_the_global_model_by_at_most_the_clip(tmp_path):
     assert moved[0] > 0.5 and moved[1] <= 0.01 + 1e-6  # a mean of updates clipped to C is within C
 
 
-def test_epsilon_is_the_accountants_for_the_sampling_rate_and_rounds(tmp_path):
+def test_replacing_one_client_moves_the_mean_by_twice_its_clipped_share_so_epsilon_takes_half_of_z():
+    # two clients of 1 and 3 examples; the larger one's update, clipped to C, replaced by its opposite
+    clip, weights, other = 0.5, [1.0, 3.0], np.array([0.1, -0.2])
+    up, down = np.array([clip, 0.0]), np.array([-clip, 0.0])
+    moved = np.linalg.norm(weighted_mean([other, up], weights) - weighted_mean([other, down], weights))
+    assert moved == pytest.approx(2 * clip * 3 / 4)  # 2 · C · max p
+    assert noise_std(1.0, clip, weights) / moved == pytest.approx(0.5)  # the mechanism's multiplier: z / 2
+    assert dp_fedavg_epsilon(1.0, 6, 6, 8, 1e-5) == gaussian_epsilon(0.5, 8, 1e-5)  # every client every round
+
+
+def test_epsilon_is_the_accountants_for_replace_one_sampling_without_replacement(tmp_path):
     server = Server(toy_federation("dp_weights.noise_multiplier=1.5", "dp_weights.clip=0.5",
                                    "federation.client_fraction=0.5"), tmp_path)
     run_inprocess(server)
     rec = json.loads((tmp_path / "results.json").read_text())["weights_privacy"]
-    assert rec["sampling_rate"] == 0.5 and rec["releases"] == 3
-    assert rec["epsilon"] == sampled_gaussian_epsilon(1.5, 0.5, 3, 1e-5, "rdp")
-    assert rec["epsilon"] < gaussian_epsilon(1.5, 3, 1e-5)  # sampling amplifies privacy
-    assert sampled_gaussian_epsilon(1.5, 1.0, 3, 1e-5) == gaussian_epsilon(1.5, 3, 1e-5)  # q = 1: no amplification
+    clients = len(server.fed.clients)
+    assert (rec["clients"], rec["sampled"], rec["releases"], rec["noise_multiplier_accounted"]) == (clients, 2, 3, 0.75)
+    expected = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)  # Wang et al. 2019, Thm. 27
+    expected.compose(SampledWithoutReplacementDpEvent(clients, 2, GaussianDpEvent(0.75)), 3)
+    assert rec["epsilon"] == expected.get_epsilon(1e-5)
+    assert rec["epsilon"] < dp_fedavg_epsilon(1.5, clients, clients, 3, 1e-5)  # sampling amplifies privacy
+    with pytest.raises(ConfigError, match="^dp_weights.accountant: pld cannot compose client sampling without "):
+        build_config({}, ["dp_weights={noise_multiplier: 1, clip: 1, accountant: pld}", "federation.client_fraction=0.5"])
 
 
 @pytest.mark.parametrize("overrides, why", [
@@ -221,17 +236,3 @@ def test_batchnorm_running_statistics_are_warned_about_and_cnn_gn_has_none(tmp_p
         assert ("BatchNorm running statistics" in caplog.text) == (name == "cnn"), name
 
 
-def test_orders_that_do_not_converge_are_left_out_quietly_and_epsilon_is_the_packages(caplog):
-    """At q = 0.1, z = 1 dp-accounting's series for the orders 1.1–1.5 does not converge; it leaves them out of the
-    minimum (ε stays an upper bound) and warned once per order, in every audit and DP run. The same ε, no warning."""
-    from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent
-    from dp_accounting.rdp import RdpAccountant
-
-    with caplog.at_level(logging.WARNING):
-        eps = sampled_gaussian_epsilon(1.0, 0.1, 2, 1e-5)
-    assert not [r for r in caplog.records if "converge" in r.getMessage()]
-    plain = RdpAccountant()
-    with caplog.at_level(logging.WARNING):
-        plain.compose(PoissonSampledDpEvent(0.1, GaussianDpEvent(1.0)), 2)
-        assert eps == plain.get_epsilon(1e-5)
-    assert any("failed to converge" in r.getMessage() for r in caplog.records)  # the package's own call still warns

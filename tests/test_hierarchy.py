@@ -243,18 +243,23 @@ def test_no_raw_activation_or_sample_leaves_a_client(method):
     assert not set(client_state) & set(reply)  # FedSR's reference stays on the client
 
 
+def test_dp_grams_come_from_the_sent_weights():
+    with pytest.raises(ValueError, match="dp_epsilon needs gram_pass: after"):
+        HFedATMParams(dp_epsilon=1.0)  # last_epoch: the passes of training, through weights never sent
+    assert HFedATMParams(dp_epsilon=1.0, gram_pass="after").dp_sigma() is not None
+
+
 def test_dp_noises_the_grams_and_the_results_record_epsilon(tmp_path):
     over = ("hierarchy.merge=hfedatm", "hierarchy.params.dp_epsilon=1.0", "hierarchy.params.dp_clip=2.0",
-            "federation.rounds=1")
+            "hierarchy.params.gram_pass=after", "federation.rounds=1")
     fed = hier_federation(*over)
     topo = fed.topology
     state = topo.init(fed.method, fed.model, None)
     msg = {**topo.client_config(fed.method, state, 0, 2), "lr": 0.1, "round": 2}
     noisy, _ = topo.client_update(fed.method, fed.model, dict(msg), {}, client_context(fed, 0, 2))
     recorder_clip = GramRecorder(fed.model, clip=2.0)  # the clipped, noiseless Gram of the same pass
-    with recorder_clip:
-        fed.method.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {},
-                                 recorder_clip.track(client_context(fed, 0, 2)))
+    fed.method.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {}, client_context(fed, 0, 2))
+    recorder_clip.extra_pass(fed.model, client_context(fed, 0, 2))
     clean = recorder_clip.grams()["fc"].numpy()
     sigma = gaussian_sigma(1.0, 1e-5, 4.0)
     diff = noisy["gram/fc"] - clean

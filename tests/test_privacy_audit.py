@@ -181,15 +181,16 @@ def test_fpl_prototypes_are_clipped_and_noised_and_every_class_is_reported():
 
 def test_hfedatm_grams_are_the_clipped_grams_plus_the_symmetric_noise_drawn_next():
     fed = toy_federation("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=2",
-                         "hierarchy.merge=hfedatm", "hierarchy.params.dp_epsilon=1.0", "hierarchy.params.dp_clip=2.0")
+                         "hierarchy.merge=hfedatm", "hierarchy.params.dp_epsilon=1.0", "hierarchy.params.dp_clip=2.0",
+                         "hierarchy.params.gram_pass=after")
     topo = fed.topology
     msg = {**topo.client_config(fed.method, topo.init(fed.method, fed.model, None), 0, 2), "lr": 0.1, "round": 2}
     assert msg[GRAM_FLAG] == 1
     noisy, _ = topo.client_update(fed.method, fed.model, dict(msg), {}, client_context(fed, 0, 2))
     ctx = client_context(fed, 0, 2)
-    recorder = GramRecorder(fed.model, clip=2.0)
-    with recorder:
-        fed.method.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {}, recorder.track(ctx))
+    recorder = GramRecorder(fed.model, clip=2.0)  # gram_pass: after: one pass with the trained (sent) weights
+    fed.method.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {}, ctx)
+    recorder.extra_pass(fed.model, ctx)
     sigma = topo.dp_sigma
     for name, g in recorder.grams().items():  # layer order = reply order; noise drawn per layer from the stream
         want = g.double() + symmetric_noise(g.shape[0], sigma, ctx.generator)
@@ -235,7 +236,8 @@ def test_a_dp_run_writes_epsilon_and_feddg_prints_it(tmp_path):
 
 
 def test_hierarchy_keeps_basic_composition_and_adds_the_accountants_epsilon():
-    topo = StationTopology(np.array([0, 0, 1, 1]), 2, 1.0, "hfedatm", HFedATMParams(dp_epsilon=1.0, dp_clip=2.0), None)
+    topo = StationTopology(np.array([0, 0, 1, 1]), 2, 1.0, "hfedatm", HFedATMParams(dp_epsilon=1.0, dp_clip=2.0,
+                           gram_pass="after"), None)
     cond = {"regmean/fc/cond": 1.0, "regmean/classifier/cond": 1.0}
     rows = [{"round": 1}, {"round": 2, **cond}, {"round": 3}, {"round": 4, **cond}]  # 2 server rounds × 2 layers
     h = station_summary(topo, rows)

@@ -154,7 +154,7 @@ def communication_table(results: dict) -> Table:
 def privacy_line(what: str, rec: dict) -> str:
     """One line of a results.json ``privacy`` record (docs/privacy.md)."""
     return (f"privacy of the {what}: ε = {rec['epsilon']:.4g} at δ = {rec['delta']:g} over {rec['releases']} "
-            f"release(s) ({rec['accountant']} accountant, per {rec['unit']}, σ = {rec['sigma']:.4g}, "
+            f"release(s) ({rec['accountant']} accountant, per {rec['unit']}, noise multiplier {rec['noise_multiplier']:g}, "
             f"clip {rec['clip']:g})")
 
 

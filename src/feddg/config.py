@@ -313,9 +313,11 @@ class AdaptiveClipConfig(Settings):
 
 class WeightDPConfig(Settings):
     """DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights"): each update w_k - w_sent clipped to
-    norm ``clip`` on the server, Gaussian noise z·C·max_k p_k (z·C/m for equal weights) on the aggregate."""
+    norm ``clip`` on the server, Gaussian noise z·C·max_k p_k (z·C/m for equal weights) on the aggregate; replacing
+    one client moves that mean by up to 2·C·max_k p_k, so the run's ε is accounted at multiplier z/2."""
 
-    noise_multiplier: float = Field(ge=0, description="z: noise std / (C x the largest client weight); 0: clip only")
+    noise_multiplier: float = Field(ge=0, description="z: noise std / (C x the largest client weight), as Flower's; "
+                                    "ε is accounted at z/2 (replace-one sensitivity 2·C·max p); 0: clip only")
     clip: float = Field(gt=0, description="C: the L2 bound of a client's update (with adaptive: its first value)")
     delta: float = Field(1e-5, gt=0, lt=1, description="δ of the run's ε")
     accountant: Literal["rdp", "pld"] = Field("rdp", description="rdp (Mironov 2017) or pld")
@@ -559,6 +561,9 @@ class ExperimentConfig(Settings):
         if problem is not None:
             raise ValueError(f"dp_weights: DP-FedAvg is for flat federations whose method averages the weights by "
                              f"num_examples (federation.aggregation=mean), not {problem}")
+        if self.dp_weights.accountant == "pld" and fc.client_fraction < 1:
+            raise ValueError("dp_weights.accountant: pld cannot compose client sampling without replacement "
+                             "(federation.client_fraction < 1, dp-accounting has it for rdp only); use rdp")
         return self
 
 

@@ -8,17 +8,15 @@ Every release is the Gaussian mechanism with noise multiplier ``z = σ / Δ`` (`
 * ``pld``: privacy loss distributions (Meiser & Mohammadi 2018; Koskela et al. 2020), tighter.
 
 Clients are assumed to take part in every round (no privacy amplification by client sampling is claimed),
-so the count is an upper bound on any client's releases. ``docs/privacy.md``.
+so the count is an upper bound on any client's releases — except for DP-FedAvg on the weights
+(:func:`dp_fedavg_epsilon`), whose clients are sampled. ``docs/privacy.md``.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from dp_accounting import DpEvent, GaussianDpEvent, PoissonSampledDpEvent
+from dp_accounting import DpEvent, GaussianDpEvent, NeighboringRelation, SampledWithoutReplacementDpEvent
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.privacy_accountant import PrivacyAccountant
 from dp_accounting.rdp import RdpAccountant
@@ -26,41 +24,28 @@ from dp_accounting.rdp import RdpAccountant
 from feddg.aggregation.dp import Accountant, StatisticDP
 
 
-def _accountant(name: Accountant) -> PrivacyAccountant:
+def _accountant(name: Accountant, relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
+                ) -> PrivacyAccountant:
     if name == "rdp":
-        return RdpAccountant()
+        return RdpAccountant(neighboring_relation=relation)
     if name == "pld":
-        return PLDAccountant()
+        return PLDAccountant(neighboring_relation=relation)
     raise ValueError(f"unknown accountant {name!r}; expected 'rdp' or 'pld'")
 
 
-def _not_converged(record: logging.LogRecord) -> bool:
-    """False for dp-accounting's warning that an RDP order's series did not converge: the package leaves that order
-    out of the minimum, so ε stays an upper bound; one warning per order and call was noise in a run's output."""
-    return "failed to converge" not in record.getMessage()
-
-
-@contextmanager
-def _orders_left_out_quietly() -> Iterator[None]:
-    absl = logging.getLogger("absl")
-    absl.addFilter(_not_converged)
-    try:
-        yield
-    finally:
-        absl.removeFilter(_not_converged)
-
-
-def _epsilon(event: DpEvent, noise_multiplier: float, releases: int, delta: float, accountant: Accountant) -> float:
+def _epsilon(event: DpEvent, noise_multiplier: float, releases: int, delta: float, accountant: Accountant,
+             relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> float:
     """ε at ``delta`` of ``event`` composed ``releases`` times (arguments checked first)."""
     if not (noise_multiplier > 0 and releases >= 0 and 0 < delta < 1):
         raise ValueError(f"need noise_multiplier > 0, releases >= 0, 0 < delta < 1; got {noise_multiplier}, "
                          f"{releases}, {delta}")
     if releases == 0:
         return 0.0
-    acc = _accountant(accountant)
-    with _orders_left_out_quietly():
-        acc.compose(event, releases)
-        return float(acc.get_epsilon(delta))
+    acc = _accountant(accountant, relation)
+    if not acc.supports(event):
+        raise ValueError(f"the {accountant} accountant of dp-accounting cannot compose {type(event).__name__}")
+    acc.compose(event, releases)
+    return float(acc.get_epsilon(delta))
 
 
 def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float, accountant: Accountant = "rdp") -> float:
@@ -68,15 +53,23 @@ def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float, accou
     return _epsilon(GaussianDpEvent(noise_multiplier), noise_multiplier, releases, delta, accountant)
 
 
-def sampled_gaussian_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
-                             accountant: Accountant = "rdp") -> float:
-    """ε at ``delta`` of ``steps`` Gaussian releases (multiplier ``σ/Δ``), each over a client sample of rate
-    ``q``: ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` composed ``steps`` times (amplification by sampling,
-    Mironov et al. 2019; at ``q = 1`` exactly :func:`gaussian_epsilon`). DP-FedAvg of the weight replies."""
-    if not 0 < sampling_rate <= 1:
-        raise ValueError(f"need 0 < sampling_rate <= 1; got {sampling_rate}")
-    event = PoissonSampledDpEvent(sampling_rate, GaussianDpEvent(noise_multiplier))
-    return _epsilon(event, noise_multiplier, steps, delta, accountant)
+def dp_fedavg_epsilon(noise_multiplier: float, clients: int, sampled: int, rounds: int, delta: float,
+                      accountant: Accountant = "rdp") -> float:
+    """ε at ``delta`` of DP-FedAvg as feddg runs it (:mod:`feddg.federation.weight_privacy`): each round ``sampled``
+    of ``clients`` drawn uniformly without replacement, their clipped updates' weighted mean ``Σ_k p_k Δ_k`` noised
+    with std ``z · C · max_k p_k``.
+
+    Adjacency is replace-one (which fixed-size sampling needs; the clients' example counts, and so the weights, are
+    the partition's, known to the server): replacing one client's update moves the mean by up to ``2 C p_k``, so the
+    mechanism's noise multiplier is ``z / 2`` — with adaptive clipping too, whose split of ``z`` between the count
+    (sensitivity 1 here) and the weights (Andrew et al. 2021, Thm. 1) keeps the two releases one Gaussian mechanism
+    of multiplier ``z / 2``. Composed over ``rounds`` as ``SampledWithoutReplacementDpEvent`` (Wang, Balle and
+    Kasiviswanathan 2019, Thm. 27; RDP only) or, with every client every round, the plain Gaussian."""
+    if not 0 < sampled <= clients:
+        raise ValueError(f"need 0 < sampled <= clients; got {sampled} of {clients}")
+    base = GaussianDpEvent(noise_multiplier / 2)
+    event = base if sampled == clients else SampledWithoutReplacementDpEvent(clients, sampled, base)
+    return _epsilon(event, noise_multiplier, rounds, delta, accountant, NeighboringRelation.REPLACE_ONE)
 
 
 def privacy_record(

@@ -1,11 +1,11 @@
 """Differential privacy of the Gram matrices HFedATM sends (§3.4: "the client optionally clips and
 adds Gaussian noise"; §5.2 "Privacy robustness", ε ∈ {∞, 10, 5, 1}).
 
-Mechanism (the "Analyze Gauss" release of a second-moment matrix, Dwork et al. 2014): every input
-row ``x`` of a linear layer is clipped to ``‖x‖ ≤ C``, so adding or removing one sample changes
-``G = Σ x x^T`` by ``x x^T`` with Frobenius norm ``‖x‖² ≤ C²`` (the L2 sensitivity of the
-upper triangle is at most that). Noise ``N(0, σ²)`` is drawn once per upper-triangular entry and
-mirrored, with ``σ`` calibrated from ``(ε, δ)``:
+Mechanism (the "Analyze Gauss" release of a second-moment matrix, Dwork et al. 2014): a sample's input rows
+``X_i`` of a linear layer (one row, or its pixels for a 1×1 conv, or its tokens) are clipped together to
+``‖X_i‖_F ≤ C`` (:func:`clip_samples`), so adding or removing one sample changes ``G = Σ_i X_iᵀ X_i`` by a
+matrix of Frobenius norm ``≤ C²`` (the L2 sensitivity of the upper triangle is at most that). Noise
+``N(0, σ²)`` is drawn once per upper-triangular entry and mirrored, with ``σ`` calibrated from ``(ε, δ)``:
 
 * ``analytic`` (default): the smallest ``σ`` of the analytic Gaussian mechanism (Balle & Wang 2018,
   Thm. 8), exact for every ``ε > 0``;
@@ -40,6 +40,12 @@ def clip_rows(x: Tensor, clip: float) -> Tensor:
     """Each row scaled to L2 norm at most ``clip``: ``x · min(1, C / ‖x‖)``."""
     norms = x.norm(dim=1, keepdim=True)
     return x * torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)
+
+
+def clip_samples(x: Tensor, clip: float) -> Tensor:
+    """``x`` ``[B, ...]`` with each sample ``x[i]`` scaled to Frobenius norm at most ``clip``: then ``X_iᵀ X_i``, the
+    sample's term of a Gram, has Frobenius norm ``≤ ‖X_i‖² ≤ C²`` however many rows (pixels, tokens) it has."""
+    return clip_rows(x.reshape(len(x), -1), clip).reshape(x.shape)
 
 
 def classic_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
@@ -78,7 +84,7 @@ def gaussian_sigma(epsilon: float, delta: float, sensitivity: float, mechanism: 
 
 
 def gram_sensitivity(clip: float) -> float:
-    """L2 sensitivity of ``Σ x x^T`` over rows clipped to norm ``clip``: ``C²``."""
+    """L2 sensitivity of ``Σ_i X_iᵀ X_i`` over samples clipped to Frobenius norm ``clip``: ``C²``."""
     return clip * clip
 
 

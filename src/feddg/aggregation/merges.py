@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from feddg.aggregation.dp import gaussian_sigma, gram_sensitivity
 from feddg.aggregation.fot import Solver, align_to_reference
@@ -61,9 +61,19 @@ class HFedATMParams(StationParams):
     )
     dp_epsilon: float | None = Field(None, gt=0, description="ε of the Gaussian mechanism on each Gram; null = no DP")
     dp_delta: float = Field(1e-5, gt=0, lt=1)
-    dp_clip: float = Field(1.0, gt=0, description="per-sample L2 clip C of a linear layer's input (sensitivity C²)")
+    dp_clip: float = Field(1.0, gt=0, description="clip C of each sample's input rows of a linear layer together "
+                           "(Frobenius norm; sensitivity C²)")
     dp_mechanism: Literal["analytic", "classic"] = "analytic"
     dp_accountant: Literal["rdp", "pld"] = Field("rdp", description="composes the run's Gram releases into one ε")
+
+    @model_validator(mode="after")
+    def _dp_needs_a_fixed_feature_map(self) -> HFedATMParams:
+        """A Gram is private as a function of the data with the feature map fixed: the weights the client sends. The
+        last epoch's passes run through every intermediate weight of training, which is never sent."""
+        if self.dp_epsilon is not None and self.gram_pass == "last_epoch":
+            raise ValueError("dp_epsilon needs gram_pass: after (the Grams of the sent weights); last_epoch records "
+                             "them through the intermediate weights of training, which the DP guarantee does not fix")
+        return self
 
     def dp_sigma(self) -> float | None:
         """σ of the Gaussian noise on every Gram entry, or ``None`` without DP."""

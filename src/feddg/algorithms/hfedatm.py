@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from feddg.aggregation.dp import clip_rows, privatize_gram
+from feddg.aggregation.dp import clip_samples, privatize_gram
 from feddg.aggregation.merges import GRAM_FLAG, GRAM_PREFIX, HFedATMParams
 from feddg.aggregation.regmean import psd_project, shrink, station_gram
 from feddg.algorithms.base import ClientContext, ClientState, Method
@@ -53,11 +53,12 @@ class GramRecorder:
     pass over the client's data (the last pass that ran in training mode), each batch counted once. A 1×1 conv is a
     linear layer over pixels: its input ``[B, C, H, W]`` gives ``B·H·W`` rows of ``C`` features.
 
-    Forward pre-hooks see each layer's input; a pass starts with every ``ctx.batches()`` call of a
-    context from :meth:`track`. With ``clip``, each input row (for a 1×1 conv: each pixel) is clipped to that L2
-    norm (DP). Token batches: a linear layer's ``[B, L, F]`` input gives one row per *non-padding* token (the batch's
-    ``attention_mask`` is 1; RegMean's rule for transformers, Jin et al. 2023), so padding never enters ``G``;
-    inputs of other shapes (a head's ``[B, H]``) are used whole.
+    Forward pre-hooks see each layer's input; a pass starts with every ``ctx.batches()`` call of a context from
+    :meth:`track`. Token batches: a linear layer's ``[B, L, F]`` input gives one row per *non-padding* token (the
+    batch's ``attention_mask`` is 1; RegMean's rule for transformers, Jin et al. 2023), so padding never enters
+    ``G``; inputs of other shapes (a head's ``[B, H]``) are used whole. With ``clip`` (DP), each sample's rows
+    together (its one row, its pixels, its tokens) are scaled to Frobenius norm at most ``clip``, so one sample
+    changes ``G`` by at most ``clip²`` (:func:`~feddg.aggregation.dp.clip_samples`).
     """
 
     def __init__(self, model: nn.Module, clip: float | None = None) -> None:
@@ -79,11 +80,14 @@ class GramRecorder:
             h.remove()
         self.handles = []
 
-    def _gram(self, x: Tensor) -> Tensor:
+    def _gram(self, x: Tensor, keep: Tensor | None = None) -> Tensor:
+        """``Σ_i X_iᵀ X_i`` of ``x`` ``[B, rows, F]`` (each sample's rows clipped together under DP), over the rows
+        where ``keep`` ``[B, rows]`` is true (the non-padding tokens), else all."""
         x = x.double()
         if self.clip is not None:
-            x = clip_rows(x, self.clip)
-        return x.T @ x
+            x = clip_samples(x * keep.unsqueeze(-1) if keep is not None else x, self.clip)  # padding: no norm
+        rows = x[keep] if keep is not None else x.reshape(-1, x.shape[-1])
+        return rows.T @ rows
 
     def _hook(self, name: str) -> Any:
         def record(module: nn.Module, args: tuple[Tensor, ...]) -> None:
@@ -92,13 +96,13 @@ class GramRecorder:
             self.seen.add(name)  # a second forward of the same batch is not counted again
             x = args[0].detach()
             if isinstance(module, nn.Linear):
-                if self.mask is not None and x.shape[:-1] == self.mask.shape:
-                    x = x[self.mask.to(x.device, torch.bool)]  # the non-padding tokens' rows
-                g = self._gram(x.reshape(-1, module.in_features))
-            else:  # a 1×1 conv: pixels as rows, a chunk of images at a time
+                tokens = self.mask is not None and x.shape[:-1] == self.mask.shape
+                keep = self.mask.to(x.device, torch.bool) if tokens and self.mask is not None else None
+                g = self._gram(x.reshape(len(x), -1, module.in_features), keep)
+            else:  # a 1×1 conv: each image's pixels as its rows, a chunk of images at a time
                 assert isinstance(module, nn.Conv2d)
                 per = max(1, PIXEL_CHUNK // max(1, x.shape[2] * x.shape[3]))
-                chunks = [self._gram(c.movedim(1, -1).reshape(-1, module.in_channels)) for c in x.split(per)]
+                chunks = [self._gram(c.movedim(1, -1).reshape(len(c), -1, module.in_channels)) for c in x.split(per)]
                 g = torch.stack(chunks).sum(0) if len(chunks) > 1 else chunks[0]
             self.current[name] = self.current[name] + g if name in self.current else g
 

@@ -10,6 +10,7 @@ features)"**, never comparable to a published Inception FID.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -30,6 +31,13 @@ def to_unit(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
     if not hi > lo:
         raise ValueError(f"need hi > lo for the image range; got [{lo}, {hi}]")
     return np.clip((np.asarray(x, np.float64) - lo) / (hi - lo), 0.0, 1.0)
+
+
+def denormalise(x: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """Images normalised per channel (``[B, C, H, W]``, ``(x − mean) / std``) back to ``[0, 1]`` (clipped), float64."""
+    shape = (1, -1, 1, 1)
+    x = np.asarray(x, np.float64) * np.asarray(std, np.float64).reshape(shape) + np.asarray(mean, np.float64).reshape(shape)
+    return np.clip(x, 0.0, 1.0)
 
 
 def nearest(recon: np.ndarray, pool: np.ndarray) -> np.ndarray:

@@ -20,19 +20,20 @@ from typing import Any, cast, get_args
 import numpy as np
 import torch
 
-from feddg.aggregation.accounting import gaussian_epsilon, sampled_gaussian_epsilon
+from feddg.aggregation.accounting import dp_fedavg_epsilon, gaussian_epsilon
 from feddg.aggregation.dp import clip_rows, symmetric_noise
 from feddg.algorithms.components.style import StyleParams, make_codec
 from feddg.audit.gradient import TinyNet, dlg, dp_update, one_step_update, update_norm
 from feddg.audit.gram import gram_audit
 from feddg.audit.grids import draw_grid
 from feddg.audit.inversion import Victims, nearest_true, scores, vector_inversion
-from feddg.audit.metrics import FID_NAME, to_unit
+from feddg.audit.metrics import FID_NAME, denormalise, to_unit
 from feddg.audit.shares import Share, moments_share, prototype_share, stage_encoder, style_share
 from feddg.config import AuditConfig, ExperimentConfig, PrivacyAttack, build_config, read_yaml
 from feddg.devices import images
 from feddg.experiment import AUDIT_DIR
 from feddg.federation.client_store import open_checkpoint
+from feddg.federation.rounds import sample_size
 from feddg.federation.setup import Federation, build_federation
 from feddg.messages import load_weights
 from feddg.models.base import FedModel
@@ -67,6 +68,11 @@ class Replay:
     hi: float
 
     def unit(self, x: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Images as the scores read them, in ``[0, 1]``: the dataset's per-channel normalisation undone, else (no
+        statistics known) the victims' and attacker's value range mapped onto it."""
+        ds = self.fed.dataset
+        if ds.mean is not None and ds.std is not None:
+            return denormalise(np.asarray(x), ds.mean, ds.std)
         return to_unit(np.asarray(x), self.lo, self.hi)
 
     def victims(self, vectors: list[np.ndarray], ids: list[int], attacker: int | None = None) -> Victims:
@@ -148,7 +154,8 @@ def update_attack(rp: Replay, s: AuditConfig, out: Path) -> list[dict[str, Any]]
     lr = rp.cfg.optim.lr
     updates = [one_step_update(net, rp.x[c][:1], torch.as_tensor(rp.y[c][:1]), lr) for c in ids]
     clip = float(np.median([update_norm(up) for up in updates]))
-    q = rp.cfg.federation.client_fraction
+    clients = len(rp.fed.clients)
+    sampled = sample_size(clients, rp.cfg.federation.client_fraction)
     rows, grid = [], [("true", rp.unit(torch.cat([rp.x[c][:1] for c in ids])))]
     for z in s.noise_multipliers:
         found = [dlg(net, dp_update(up, z, clip, s.seed + c), lr, shape, iterations=s.dlg_iterations, seed=s.seed)
@@ -156,7 +163,7 @@ def update_attack(rp: Replay, s: AuditConfig, out: Path) -> list[dict[str, Any]]
         recon = rp.unit(torch.cat([x for x, _ in found]))
         labels = np.mean([lab == int(rp.y[c][0]) for (_, lab), c in zip(found, ids, strict=True)])
         victims = rp.victims([np.zeros((1, 1)) for _ in ids], ids)
-        eps = sampled_gaussian_epsilon(z, q, rp.cfg.federation.rounds, s.delta) if z > 0 else None
+        eps = dp_fedavg_epsilon(z, clients, sampled, rp.cfg.federation.rounds, s.delta) if z > 0 else None  # as dp_weights
         rows.append({"attack": "update-dlg", "attacker": "server", "noise_multiplier": z, "epsilon": eps, "delta": s.delta,
                      "clip": clip, "label_acc": float(labels), **scores(recon, victims, fid=s.fid)})
         grid.append((f"z = {z:g}", recon))

@@ -47,6 +47,8 @@ class DomainDataset(ABC):
             a client's holdout is then made of whole cases.
         image_shape: ``(C, H, W)`` of the image tensors :meth:`get_batch` returns (tokens: ``(1, 1, L)``, features:
             ``(1, 1, V)``).
+        mean, std: the per-channel statistics :meth:`get_batch` normalised its ``[0, 1]`` images with (``(x − mean) /
+            std``), or ``None`` (not images, or not normalised so); the privacy audit scores images in ``[0, 1]`` with them.
         seeded_batches: whether training batches are random (see :func:`iterate_batches`).
         loader_workers: processes that build batches for :func:`iterate_batches` (0: the caller's).
     """
@@ -62,6 +64,8 @@ class DomainDataset(ABC):
     group_names: list[str] | None = None
     cases: np.ndarray | None = None
     image_shape: tuple[int, int, int]
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
     seeded_batches: bool = False
     loader_workers: int = 0
 

@@ -95,11 +95,13 @@ class SliceDataset(DomainDataset):
         images, masks: the uint8 arrays (possibly memory-mapped).
         cases: int64 ``[N]``, a global case id per slice: splits must keep a case's slices together (its neighbouring
             slices are in each other's channels).
-        mean, std: per channel, what :meth:`get_batch` normalises the ``[0, 1]`` images with.
 
     ``labels`` is 1 where a slice's mask has foreground, else 0. Training batches are flipped horizontally (image and
     mask together) with probability 1/2 each, drawn from the batch's generator.
     """
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
 
     task = "segmentation"
     inputs = "images"

@@ -30,6 +30,9 @@ class TensorDomainDataset(DomainDataset):
             :class:`feddg.data.transforms.BatchRandomCrop`, :class:`feddg.data.augment.BatchAugment`).
     """
 
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
     def __init__(
         self,
         name: str,
@@ -58,9 +61,10 @@ class TensorDomainDataset(DomainDataset):
         self.image_shape = (channels, int(images.shape[2]), int(images.shape[3]))
         self.augment = augment
         self.seeded_batches = augment is not None
-        std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(v) for v in std)
+        std_t = torch.tensor(self.std, dtype=torch.float32).view(1, -1, 1, 1)
         self._scale = 1.0 / std_t
-        self._shift = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1) / std_t
+        self._shift = torch.tensor(self.mean, dtype=torch.float32).view(1, -1, 1, 1) / std_t
 
     @classmethod
     def from_parts(

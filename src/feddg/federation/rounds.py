@@ -15,13 +15,18 @@ def client_generator(seed: int, round: int, client_id: int) -> torch.Generator:
     return torch.Generator().manual_seed(derived_seed(seed, round, client_id))
 
 
+def sample_size(n: int, fraction: float) -> int:
+    """How many of ``n`` members :func:`sample_members` draws: ``max(1, round_half_up(fraction·n))``, all of them
+    when fraction >= 1."""
+    return n if fraction >= 1.0 else max(1, round_half_up(fraction * n))
+
+
 def sample_members(members: np.ndarray, fraction: float, rng: np.random.Generator) -> list[int]:
-    """``max(1, round_half_up(fraction·n))`` distinct ``members``, sorted; all of them when fraction >= 1.
+    """:func:`sample_size` distinct ``members``, sorted, drawn without replacement; all of them when fraction >= 1.
     The one sampler of every topology (clients of a flat federation, stations, a station's clients)."""
     if fraction >= 1.0:
         return sorted(int(c) for c in members)
-    m = max(1, round_half_up(fraction * len(members)))
-    return sorted(int(c) for c in rng.choice(members, size=m, replace=False))
+    return sorted(int(c) for c in rng.choice(members, size=sample_size(len(members), fraction), replace=False))
 
 
 def round_half_up(x: float) -> int:

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from feddg.aggregation.accounting import sampled_gaussian_epsilon
+from feddg.aggregation.accounting import dp_fedavg_epsilon
 from feddg.aggregation.dp_weights import adaptive_noise, clip_update, gaussian_noise, next_clip, noise_std
 from feddg.aggregation.mean import WeightedSum
 from feddg.algorithms.base import Accumulator, Reply
 from feddg.config import WeightDPConfig
-from feddg.federation.rounds import round_half_up
+from feddg.federation.rounds import sample_size
 from feddg.messages import WEIGHT_PREFIX, Message
 from feddg.seeds import derived_seed
 
@@ -36,7 +36,7 @@ class WeightPrivacy:
                  clip: float | None = None) -> None:
         self.cfg = cfg
         self.num_clients = num_clients
-        self.sampled = num_clients if fraction >= 1 else max(1, round_half_up(fraction * num_clients))  # m, as sampled
+        self.sampled = sample_size(num_clients, fraction)  # m, as sample_members draws them
         self.seed = seed
         self.clip = cfg.clip if clip is None else clip
         count_std = None if cfg.adaptive is None else cfg.adaptive.count_std
@@ -85,20 +85,24 @@ class WeightPrivacy:
         self.clip = self.next
 
     def record(self, rounds_done: int) -> dict[str, Any]:
-        """results.json's ``weights_privacy``: ε at δ over ``rounds_done`` rounds with client sampling rate
-        ``m / K`` (``null`` with no noise), and what it was computed from."""
-        cfg, q = self.cfg, self.sampled / self.num_clients
-        z = cfg.noise_multiplier
+        """results.json's ``weights_privacy``: ε at δ over ``rounds_done`` rounds of ``m`` of ``K`` clients sampled
+        without replacement (:func:`~feddg.aggregation.accounting.dp_fedavg_epsilon`; ``null`` with no noise), and
+        what it was computed from. Each round's noise std is metrics.jsonl's ``dp_weights/noise_std``."""
+        cfg, z = self.cfg, self.cfg.noise_multiplier
         return {
-            "epsilon": sampled_gaussian_epsilon(z, q, rounds_done, cfg.delta, cfg.accountant) if z > 0 else None,
+            "epsilon": (dp_fedavg_epsilon(z, self.num_clients, self.sampled, rounds_done, cfg.delta, cfg.accountant)
+                        if z > 0 else None),
             "delta": cfg.delta,
             "noise_multiplier": z,
             "noise_multiplier_weights": self.z_weights,
-            "sigma": self.z_weights * cfg.clip / self.sampled,
+            "noise_multiplier_accounted": z / 2,  # replacing one client moves the mean by up to 2·C·max p_k
+            "neighboring": "replace-one",
             "clip": cfg.clip,
             "clip_final": self.clip,
             "adaptive": cfg.adaptive is not None,
-            "sampling_rate": q,
+            "clients": self.num_clients,
+            "sampled": self.sampled,
+            "sampling_rate": self.sampled / self.num_clients,
             "releases": rounds_done,
             "accountant": cfg.accountant,
             "unit": "client",
