@@ -66,7 +66,7 @@ def test_natural_makes_each_group_of_the_sources_a_client_in_group_order() -> No
     domain_ids = np.array([0, 0, 1, 1, 1, 2, 2, 1])
     groups = np.array([5, 5, 2, 2, 9, 7, 7, 9])
     p = make_partition("natural", np.array([0, 1, 2, 3, 4, 7]), domain_ids, np.zeros(8, np.int64), 99,
-                       np.random.default_rng(0), natural_groups=groups)
+                       np.random.default_rng(0), groups)
     assert [ix.tolist() for ix in p.client_indices] == [[2, 3], [0, 1], [4, 7]]  # groups 2, 5, 9 (7 held out)
     assert p.client_domains == [[1], [0], [1]]
     with pytest.raises(ValueError, match="natural group"):
@@ -319,7 +319,7 @@ def test_dirichlet_guard_raises_when_clients_stay_empty(kind: str) -> None:
         ("lambda", 3, {}, "needs parameter 'lam'"),
         ("lambda", 3, {"lam": 1.5}, "lam must be a number in"),
         ("lambda", 3, {"lam": "0.1"}, "lam must be a number in"),
-        ("dirichlet_labels", 3, {"alpha": 0.0}, "alpha must be a number > 0"),
+        ("dirichlet_labels", 3, {"alpha": 0.0}, "alpha must be a finite number > 0"),
         ("dirichlet_domains", 3, {"alpha": 1.0, "max_tries": 0}, "max_tries must be an integer"),
         ("d_allocation", 3, {"d": 0}, "d must be an integer >= 1"),
         ("d_allocation", 3, {"d": 1.5}, "d must be an integer >= 1"),
@@ -368,6 +368,50 @@ def test_a_partitioner_parameter_named_groups_is_not_the_natural_grouping() -> N
     # make_clients passes the dataset's natural groups (None here) beside the config's params
     rng = np.random.default_rng(0)
     domain_ids, labels = np.repeat([0, 1], 40), np.tile(np.arange(4), 20)
-    p = make_partition("two_level_dirichlet", np.arange(80), domain_ids, labels, 4, rng, natural_groups=None,
+    p = make_partition("two_level_dirichlet", np.arange(80), domain_ids, labels, 4, rng, None,
                        groups=2, alpha_group=1.0, alpha_client=1.0)
     assert p.num_clients == 4 and np.array_equal(np.sort(np.concatenate(p.client_indices)), np.arange(80))
+    # a config cannot pass the natural grouping as a parameter: one line, not a TypeError
+    with pytest.raises(ValueError, match=r"^partition 'iid' takes no parameter 'natural_groups'; it takes none$"):
+        make_partition("iid", np.arange(80), domain_ids, labels, 4, rng, None, natural_groups=3)
+    with pytest.raises(ValueError, match=r"^partition 'dirichlet_labels': alpha must be a finite number > 0, got inf$"):
+        make_partition("dirichlet_labels", np.arange(80), domain_ids, labels, 4, rng, alpha=float("inf"))
+
+
+def test_a_cases_slices_go_to_one_client_whatever_the_partition() -> None:
+    # 12 volumes of 5 slices over 2 domains: iid over slices spread a volume over clients (one client's holdout case
+    # was another's training data); dealt out by case, every volume lands whole on one client
+    from types import SimpleNamespace
+
+    from feddg.config import build_config
+    from feddg.federation.setup import partition_cases
+
+    cases = np.repeat(np.arange(12), 5)
+    ds = SimpleNamespace(cases=cases, domain_ids=np.repeat([0, 1], 30), labels=np.zeros(60, np.int64), groups=None)
+    source = np.arange(60)
+    for kind in ("iid", "by_domain", "dirichlet_domains"):
+        params = {"alpha": 1.0} if kind == "dirichlet_domains" else {}
+        cfg = build_config({"partition": {"kind": kind, "num_clients": 4, "params": params}})
+        part = partition_cases(SimpleNamespace(**vars(ds)), source, cfg, np.random.default_rng(0))
+        owners = [{k for k, idx in enumerate(part.client_indices) if c in cases[idx]} for c in range(12)]
+        assert all(len(o) == 1 for o in owners), kind  # each volume on exactly one client
+        assert np.array_equal(np.sort(np.concatenate(part.client_indices)), source), kind  # every slice, once
+        assert [len(idx) % 5 for idx in part.client_indices] == [0] * 4, kind
+
+
+def test_a_round_samples_the_fraction_rounded_half_up_without_float_error() -> None:
+    from feddg.federation.rounds import sample_size
+
+    assert 0.35 * 90 < 31.5 and sample_size(90, 0.35) == 32  # 31.4999… as a float: it gave 31
+    assert (sample_size(45, 0.7), sample_size(100, 0.1), sample_size(20, 0.2), sample_size(3, 0.1)) == (32, 10, 4, 1)
+
+
+def test_few_shot_is_refused_where_a_shots_neighbouring_slices_would_stay_in_the_test_set() -> None:
+    from types import SimpleNamespace
+
+    from feddg.config import build_config
+    from feddg.federation.setup import few_shot_samples
+
+    ds = SimpleNamespace(name="synthetic-mri", cases=np.repeat(np.arange(4), 3), domain_ids=np.repeat([0, 1], 6))
+    with pytest.raises(ValueError, match=r"^split.few_shot_k: synthetic-mri keeps a case's slices together"):
+        few_shot_samples(ds, [1], build_config({}, ["split.few_shot_k=1", "partition.num_clients=2"]))

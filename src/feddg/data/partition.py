@@ -12,6 +12,7 @@ See ``docs/partitions.md`` for how the paper algorithms were read.
 from __future__ import annotations
 
 import inspect
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -417,9 +418,9 @@ def _is_real(v: Any) -> bool:
 _PARAM_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lam": (lambda v: _is_real(v) and 0.0 <= v <= 1.0, "must be a number in [0, 1]"),
     "d": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
-    "alpha": (lambda v: _is_real(v) and v > 0, "must be a number > 0"),
-    "alpha_group": (lambda v: _is_real(v) and v > 0, "must be a number > 0"),
-    "alpha_client": (lambda v: _is_real(v) and v > 0, "must be a number > 0"),
+    "alpha": (lambda v: _is_real(v) and 0 < v < math.inf, "must be a finite number > 0"),
+    "alpha_group": (lambda v: _is_real(v) and 0 < v < math.inf, "must be a finite number > 0"),
+    "alpha_client": (lambda v: _is_real(v) and 0 < v < math.inf, "must be a finite number > 0"),
     "groups": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
     "max_tries": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
     "shuffle_clients": (lambda v: isinstance(v, bool), "must be a bool"),
@@ -434,6 +435,7 @@ def make_partition(
     num_clients: int,
     rng: np.random.Generator,
     natural_groups: np.ndarray | None = None,
+    /,
     **params: Any,
 ) -> Partition:
     """Run the partitioner registered as ``kind`` after checking its parameters; ``natural_groups`` (each sample's
@@ -446,21 +448,20 @@ def make_partition(
         raise ValueError(f"unknown partition kind {kind!r}; available: {sorted(PARTITIONERS)}")
     fn = PARTITIONERS[kind]
     keyword = {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    if keyword.pop("natural_groups", None) is not None:
-        if natural_groups is None:
-            raise ValueError(f"partition {kind!r} makes a client of each natural group, and this dataset has none "
-                             "(DomainDataset.groups)")
-        params = {**params, "natural_groups": natural_groups}
+    grouped = keyword.pop("natural_groups", None) is not None  # the dataset's, never a config's parameter
     for key in params:
-        if key not in keyword and key != "natural_groups":
+        if key not in keyword:
             raise ValueError(f"partition {kind!r} takes no parameter {key!r}; it takes {sorted(keyword) or 'none'}")
     for key, p in keyword.items():
         if p.default is p.empty and key not in params:
             raise ValueError(f"partition {kind!r} needs parameter {key!r}")
     for key, value in params.items():
-        if key == "natural_groups":
-            continue
         check, rule = _PARAM_CHECKS[key]
         if not check(value):
             raise ValueError(f"partition {kind!r}: {key} {rule}, got {value!r}")
+    if grouped:
+        if natural_groups is None:
+            raise ValueError(f"partition {kind!r} makes a client of each natural group, and this dataset has none "
+                             "(DomainDataset.groups)")
+        params = {**params, "natural_groups": natural_groups}
     return fn(source_idx, domain_ids, labels, num_clients, rng, **params)

@@ -18,7 +18,7 @@ def client_generator(seed: int, round: int, client_id: int) -> torch.Generator:
 def sample_size(n: int, fraction: float) -> int:
     """How many of ``n`` members :func:`sample_members` draws: ``max(1, round_half_up(fraction·n))``, all of them
     when fraction >= 1."""
-    return n if fraction >= 1.0 else max(1, round_half_up(fraction * n))
+    return n if fraction >= 1.0 else max(1, round_half_up(fraction * n + 1e-9))  # 0.35 · 90 is 31.4999…: 32
 
 
 def sample_members(members: np.ndarray, fraction: float, rng: np.random.Generator) -> list[int]:

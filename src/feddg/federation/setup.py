@@ -17,7 +17,7 @@ from feddg.algorithms import Method, OptimSettings, create_method
 from feddg.config import ExperimentConfig, ExtraEvalConfig
 from feddg.data import dataset_info, load_dataset
 from feddg.data.base import DomainDataset
-from feddg.data.partition import make_partition
+from feddg.data.partition import Partition, make_partition
 from feddg.data.splits import (
     DomainSplit,
     every_domain_trains,
@@ -157,6 +157,9 @@ def few_shot_samples(dataset: DomainDataset, test_domains: list[int], cfg: Exper
     """Few-shot mode (hFedF §5.2, Fig. 3): per client, ``split.few_shot_k`` distinct target-domain
     samples, drawn without replacement from the test domain(s) with a seed of their own."""
     k, n = cfg.split.few_shot_k, cfg.partition.num_clients
+    if dataset.cases is not None:
+        raise ValueError(f"split.few_shot_k: {dataset.name} keeps a case's slices together, and a shot's neighbouring "
+                         "slices would stay in the test set: few-shot needs a dataset without cases")
     target = np.flatnonzero(np.isin(dataset.domain_ids, test_domains)).astype(np.int64)
     if n * k > len(target):
         raise ValueError(f"split.few_shot_k={k} for {n} clients needs {n * k} target samples, there are {len(target)}")
@@ -172,12 +175,29 @@ def without_few_shot(dataset: DomainDataset, split: DomainSplit, cfg: Experiment
     return replace(split, test_idx=np.setdiff1d(split.test_idx, shots).astype(np.int64))
 
 
+def partition_cases(dataset: DomainDataset, source_idx: np.ndarray, cfg: ExperimentConfig,
+                    rng: np.random.Generator) -> Partition:
+    """``partition.kind`` over the source samples; where the dataset keeps cases together (a volume's slices, which
+    sit in each other's channels), over the cases: one representative slice each is dealt out, and each client gets
+    every slice of its cases, so no case is split between clients (one's holdout, another's training data)."""
+    p = cfg.partition
+    if dataset.cases is None:
+        return make_partition(p.kind, source_idx, dataset.domain_ids, dataset.labels, p.num_clients, rng,
+                              dataset.groups, **p.params)
+    cases = dataset.cases[source_idx]
+    _, first = np.unique(cases, return_index=True)
+    reps = source_idx[np.sort(first)]
+    part = make_partition(p.kind, reps, dataset.domain_ids, dataset.labels, p.num_clients, rng, dataset.groups,
+                          **p.params)
+    members = [source_idx[np.isin(cases, dataset.cases[idx])] for idx in part.client_indices]
+    return Partition([np.sort(m).astype(np.int64) for m in members], part.client_domains)
+
+
 def make_clients(dataset: DomainDataset, split: DomainSplit, cfg: ExperimentConfig) -> list[ClientData]:
     """Partition the source data over clients, then hold out ``partition.holdout`` of each."""
     p = cfg.partition
     rng = np.random.default_rng(derived_seed(cfg.seed, 17))
-    part = make_partition(p.kind, split.source_idx, dataset.domain_ids, dataset.labels, p.num_clients, rng,
-                          natural_groups=dataset.groups, **p.params)
+    part = partition_cases(dataset, split.source_idx, cfg, rng)
     if p.kind == "natural" and "num_clients" in p.model_fields_set and p.num_clients != part.num_clients:
         raise ValueError(f"partition.kind=natural makes one client per natural group ({part.num_clients} in the "
                          f"source domains here): drop partition.num_clients={p.num_clients}")

@@ -58,7 +58,8 @@ class Topology:
         return round == total or (self.server_round_ends(round) and (round // self.station_rounds) % every == 0)
 
     def sample(self, round: int, fraction: float, seed: int) -> list[int]:
-        """``max(1, round(fraction·K))`` distinct clients, sorted; all when ``fraction == 1``."""
+        """:func:`~feddg.federation.rounds.sample_size` distinct clients (``fraction·K`` rounded half up, at least 1),
+        sorted; all when ``fraction == 1``."""
         rng = np.random.default_rng(derived_seed(seed, round, 1_000_003))
         return sample_members(np.arange(self.num_clients), fraction, rng)
 
