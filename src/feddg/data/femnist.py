@@ -26,7 +26,7 @@ import numpy as np
 
 from feddg.data import image_cache
 from feddg.data.cache import cached
-from feddg.data.natural import WILDS_ID_SPLITS, Samples, Source, listed_once, split_order, wilds_split
+from feddg.data.natural import Row, Samples, Source, split_order, wilds_rows, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "femnist"
@@ -141,14 +141,14 @@ def _metadata_rows(table: Path) -> tuple[list[dict[str, str]], str]:
     return rows, writer
 
 
-def _metadata_row(folder: Path, row: dict[str, str], writer: str) -> tuple[str, int, Path, str]:
+def _metadata_row(folder: Path, row: Row, writer: str) -> tuple[str, Path, tuple[int, str]]:
     """A row's split name, label, image file and writer; ``ValueError`` when one is malformed or missing."""
     if empty := [c for c in (*COLUMNS, writer) if not (row.get(c) or "").strip()]:
         raise ValueError(f"empty {', '.join(empty)}")
     split, label, file = wilds_split(row["split"]), _label(row["y"].strip()), folder / row["path"].strip()
     if not file.is_file():
         raise ValueError(f"no image {file}")
-    return split, label, file, row[writer].strip()
+    return split, file, (label, row[writer].strip())
 
 
 def read_metadata(folder: Path) -> Samples:
@@ -156,21 +156,9 @@ def read_metadata(folder: Path) -> Samples:
     val and test splits (the id splits left out)."""
     table = folder / "metadata.csv"
     rows, writer = _metadata_rows(table)
-    files, labels, splits, writers = [], [], [], []
-    seen: dict[str, tuple[int, str]] = {}
-    for line, row in enumerate(rows, start=2):
-        try:
-            split, label, file, who = _metadata_row(folder, row, writer)
-            listed_once(seen, file, line, split)
-        except ValueError as err:
-            raise ValueError(f"{table}: line {line}: {err}") from None
-        if split not in WILDS_ID_SPLITS:
-            files.append(file)
-            labels.append(label)
-            splits.append(split)
-            writers.append(who)
-    if "train" not in splits:
-        raise ValueError(f"{table}: no row of the train split")
+    kept = wilds_rows(table, rows, lambda row: _metadata_row(folder, row, writer))
+    splits, files = [split for split, _, _ in kept], [file for _, file, _ in kept]
+    labels, writers = [label for _, _, (label, _) in kept], [who for _, _, (_, who) in kept]
     domains = split_order(set(splits))
     names, groups = np.unique(np.array(writers), return_inverse=True)
     domain_ids = np.array([domains.index(s) for s in splits], dtype=np.int64)

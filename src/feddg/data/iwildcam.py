@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feddg.data.natural import WILDS_ID_SPLITS, Samples, Source, listed_once, wilds_split
+from feddg.data.natural import Row, Samples, Source, wilds_rows, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "iwildcam"
@@ -61,15 +61,15 @@ def read_rows(table: Path) -> list[dict[str, str]]:
     return rows
 
 
-def _row(folder: Path, row: dict[str, str]) -> tuple[str, int, int, Path]:
-    """A row's split name, location, label and image file; ``ValueError`` when one is malformed or missing."""
+def _row(folder: Path, row: Row) -> tuple[str, Path, tuple[int, int]]:
+    """A row's split name, image file, location and label; ``ValueError`` when one is malformed or missing."""
     split = wilds_split(row["split"] or "")
     location = _integer("location_remapped", row["location_remapped"] or "")
     label = _integer("y", row["y"] or "", NUM_CLASSES)
     file = folder / "train" / (row["filename"] or "").strip()
     if not file.is_file():
         raise ValueError(f"no image {file}")
-    return split, location, label, file
+    return split, file, (location, label)
 
 
 def read_iwildcam(root: Path | None, seed: int, cache_dir: Path) -> Samples:
@@ -80,23 +80,10 @@ def read_iwildcam(root: Path | None, seed: int, cache_dir: Path) -> Samples:
     table = folder / "metadata.csv"
     if not table.is_file():
         raise ValueError(f"{root}: no {FOLDER}/metadata.csv; expected {LAYOUT}")
-    files, labels, splits, locations = [], [], [], []
-    seen: dict[str, tuple[int, str]] = {}
-    for line, row in enumerate(read_rows(table), start=2):
-        try:
-            split, location, label, file = _row(folder, row)
-            listed_once(seen, file, line, split)
-        except ValueError as err:
-            raise ValueError(f"{table}: line {line}: {err}") from None
-        if split in WILDS_ID_SPLITS:
-            continue
-        files.append(file)
-        labels.append(label)
-        splits.append(split)
-        locations.append(location)
-    if "train" not in splits:
-        raise ValueError(f"{table}: no row of the train split")
-    return _samples(folder, files, np.array(labels, dtype=np.int64), np.array(splits), np.array(locations))
+    kept = wilds_rows(table, read_rows(table), lambda row: _row(folder, row))
+    files, splits = [file for _, file, _ in kept], np.array([split for split, _, _ in kept])
+    locations, labels = (np.array([r[k] for _, _, r in kept], dtype=np.int64) for k in (0, 1))
+    return _samples(folder, files, labels, splits, locations)
 
 
 def _samples(folder: Path, files: list[Path], labels: np.ndarray, splits: np.ndarray,

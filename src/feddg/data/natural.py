@@ -9,9 +9,10 @@ target holds it out), else each writer is a domain (so ``split.target_fraction``
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -97,6 +98,8 @@ def check_root(name: str, source: Source, root: str | None) -> Path | None:
 # hold out images of the training domains.
 WILDS_SPLITS = {"train": 0, "val": 1, "test": 2, "id_val": 3, "id_test": 4}
 WILDS_ID_SPLITS = ("id_val", "id_test")
+Row = Mapping[str, str]  # a csv.DictReader row
+T = TypeVar("T")
 
 
 def wilds_split(value: str) -> str:
@@ -109,12 +112,26 @@ def wilds_split(value: str) -> str:
     raise ValueError(f"unknown split {value!r}; expected one of {choices}")
 
 
-def listed_once(seen: dict[str, tuple[int, str]], file: Path, line: int, split: str) -> None:
-    """Note that ``line`` of a metadata table lists ``file`` in ``split``; ``ValueError`` naming both lines when an
-    earlier line listed it too (an image in two splits leaks between training and test)."""
-    first, where = seen.setdefault(os.path.normpath(file), (line, split))
-    if first != line:
-        raise ValueError(f"image {file} ({split}) is already listed on line {first} ({where}); list each image once")
+def wilds_rows(table: Path, rows: Iterable[Row], parse: Callable[[Row], tuple[str, Path, T]]) -> list[tuple[str, Path, T]]:
+    """The rows of a WILDS ``metadata.csv`` outside the id splits, each ``parse``d to ``(split, image file, the
+    rest)``; one line naming the table and line for a malformed row, for an image listed twice (in two splits it
+    leaks between training and test) and for a table without a train row."""
+    kept: list[tuple[str, Path, T]] = []
+    seen: dict[str, tuple[int, str]] = {}
+    for line, row in enumerate(rows, start=2):
+        try:
+            split, file, rest = parse(row)
+            first, where = seen.setdefault(os.path.normpath(file), (line, split))
+            if first != line:
+                raise ValueError(f"image {file} ({split}) is already listed on line {first} ({where}); list each "
+                                 "image once")
+        except ValueError as err:
+            raise ValueError(f"{table}: line {line}: {err}") from None
+        if split not in WILDS_ID_SPLITS:
+            kept.append((split, file, rest))
+    if not any(split == "train" for split, _, _ in kept):
+        raise ValueError(f"{table}: no row of the train split")
+    return kept
 
 
 def split_order(names: set[str]) -> list[str]:
