@@ -97,6 +97,11 @@ GOOD = {"w/a": np.ones((2, 3), np.float32), "w/n": np.array(4, np.int64), "num_e
     ({"num_examples": 0}, "num_examples is 0, not a positive int"),
     ({"num_examples": 2.5}, "num_examples is 2.5, not a positive int"),
     ({"num_examples": True}, "num_examples is True, not a positive int"),
+    # an integer or complex array in a float's place escaped the finite check and the update-norm bound
+    ({"w/a": np.full((2, 3), 10**15, np.int64)}, "w/a is int64, expected float32"),
+    ({"w/a": np.ones((2, 3), np.complex64)}, "w/a is complex64, expected float32"),
+    ({"w/n": np.array(4, np.float64)}, "w/n is float64, expected int64"),
+    ({"train_loss": [0.5, 0.5]}, "train_loss is a list, not an array, a number or a string"),
 ])
 def test_check_reply_names_what_is_wrong(change, reason):
     assert check_reply({**GOOD, **change}, SENT, shapes_of(SENT), all_weights=True) == reason

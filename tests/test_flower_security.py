@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from uuid import uuid4
 
+import numpy as np
 import pytest
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -27,6 +28,7 @@ from feddg.engines.flower.app import mark
 from feddg.engines.flower.client import IDENTIFY, ROUTE, make_client_app
 from feddg.engines.flower.executor import INSECURE_WARNING, tls_args
 from feddg.engines.flower.launch import outcome, submit
+from feddg.engines.flower.records import put_message
 from feddg.engines.flower.security import (
     Roster,
     identity_statement,
@@ -38,7 +40,7 @@ from feddg.engines.flower.security import (
     public_key_text,
     sign,
 )
-from feddg.engines.flower.server import Refused, roster_identity
+from feddg.engines.flower.server import Refused, collect, roster_identity
 
 
 def test_the_server_certificate_is_issued_by_the_ca_for_the_given_hosts(tmp_path):
@@ -174,6 +176,22 @@ def test_the_roster_refuses_unknown_forged_duplicate_and_unproven_nodes(tmp_path
         roster_identity(roster, reply(12, proof(node0, "c2", 12)), "c2", {0: 10})
     with pytest.raises(Refused, match="no identity proof"):  # a node declaring partition-id=0 only
         roster_identity(roster, reply(12, {"partition-id": 0, "num-partitions": 2, "fingerprint": "fed"}), "c2", {})
+    # malformed proofs are refused like any other (they raised KeyError out of discovery, ending the run)
+    with pytest.raises(Refused, match="its identity proof lacks public-key, fingerprint"):
+        roster_identity(roster, reply(12, {"signature": "00"}), "c2", {})
+    no_route = SimpleNamespace(metadata=SimpleNamespace(src_node_id=12), has_error=lambda: False, content=RecordDict())
+    with pytest.raises(Refused, match="no identity proof"):
+        roster_identity(roster, no_route, "c2", {})
+
+
+def test_a_reply_whose_records_do_not_decode_is_that_clients_failure_not_the_runs():
+    content = put_message(RecordDict(), {"w/a": np.ones(2, np.float32), "num_examples": 3, "train_loss": 0.5})
+    content["layout"] = ConfigRecord({"order": [*content["layout"]["order"], "ghost"]})  # names a key of no record
+    sent = {4: SimpleNamespace(metadata=SimpleNamespace(message_id="m4"))}
+    got = SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="m4", src_node_id=9), has_error=lambda: False,
+                          content=content)
+    replies, failed = collect(sent, [got], 60)
+    assert replies == [] and failed[4].startswith("node 9: unreadable reply (KeyError")
 
 
 def test_a_node_with_its_key_answers_the_challenge_through_the_client_app(tmp_path, keys, monkeypatch):
@@ -191,6 +209,11 @@ def test_a_node_with_its_key_answers_the_challenge_through_the_client_app(tmp_pa
     answer.metadata.__dict__["_src_node_id"] = 7
     assert roster_identity(roster, answer, "abc", {}).client == 1
     assert "partition-id" not in answer.content.config_records[ROUTE]
+    # a ServerApp without a roster sends no challenge: the node refuses rather than serve its declared partition
+    plain = Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7})}), 7, IDENTIFY)
+    plain.metadata.__dict__["_message_id"] = uuid4().hex
+    with pytest.raises(ValueError, match="answers only a roster's challenge: the run has no flower.roster"):
+        app(plain, Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={}))
 
 
 def test_the_insecure_runtime_api_is_only_used_when_asked_for_with_a_warning(tmp_path, capsys):

@@ -62,6 +62,23 @@ def test_an_aggregate_is_folded_as_the_round_mean_of_its_clients(tmp_path):
     assert "clients_failed" not in row and fold.accepted == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize(("counts", "losses", "why"), [
+    ({0: 54, 1: -1}, {0: 1.0, 1: 1.0}, "client 1 claimed num_examples=-1, not a positive int"),
+    ({0: 54, 1: 0}, {0: 1.0, 1: 1.0}, "client 1 claimed num_examples=0, not a positive int"),
+    ({0: 54, 1: 54}, {0: 1.0, 1: float("nan")}, "client 1 sent train_loss=nan, not a finite number"),
+    ({0: 54, 1: 54}, {0: 1.0}, "client 1 sent train_loss=None, not a finite number"),
+    ({0: 54, 1: 54}, {0: 1.0, 1: [0.5]}, "client 1 sent train_loss=[0.5], not a finite number"),
+])
+def test_a_secure_aggregates_clear_text_counts_and_losses_are_checked(tmp_path, counts, losses, why):
+    # the weights are secret, these are not: a bad one refuses the aggregate in one line (it raised or was recorded)
+    server = Server(toy_federation_of(toy_config(*SECURE)), tmp_path / "run")
+    sent = server.configure(1)
+    fold = server.start_round(sent)
+    mean = {k: v for k, v in sent[0].items() if k.startswith("w/")}
+    server.receive_aggregate(fold, mean, counts, losses)
+    assert fold.accepted == [] and fold.failed == {AGGREGATE: why}
+
+
 @pytest.mark.usefixtures("task_identity")
 def test_secaggplus_fedavg_gives_the_plain_model_and_the_server_sees_only_the_aggregate(tmp_path, monkeypatch):
     seen: list = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,20 @@ def default_run_dir(cfg: ExperimentConfig) -> Path:
               else "+".join(s.target) if isinstance(s.target, list) else s.target or "first")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path(cfg.output_dir) / f"{cfg.name}-{cfg.method.name}-{target}-s{cfg.seed}-{stamp}"
+
+
+def _clear_text_problem(examples: dict[int, Any], losses: dict[int, Any], expected: dict[int, int]) -> str | None:
+    """Why a secure aggregate's clear-text counts and losses refuse it (:meth:`Server.receive_aggregate`), or None."""
+    for cid, n in examples.items():
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n <= 0:
+            return f"client {cid} claimed num_examples={n!r}, not a positive int"
+        if n > expected[cid]:
+            return (f"client {cid} claimed num_examples={n} > its {expected[cid]} training examples: a secure "
+                    "aggregate cannot be re-weighted")
+        loss = losses.get(cid)
+        if isinstance(loss, bool) or not isinstance(loss, int | float | np.number) or not math.isfinite(loss):
+            return f"client {cid} sent train_loss={loss!r}, not a finite number"
+    return None
 
 
 def used_run_dir(run_dir: Path) -> bool:
@@ -214,22 +229,20 @@ class Server:
                 fold.norms[cid] = norm
         fold.seconds += time.perf_counter() - t0
 
-    def receive_aggregate(self, fold: RoundFold, weights: Message, examples: dict[int, int],
-                          losses: dict[int, float]) -> None:
+    def receive_aggregate(self, fold: RoundFold, weights: Message, examples: dict[int, Any],
+                          losses: dict[int, Any]) -> None:
         """A securely aggregated round (Flower's SecAgg+, docs/flower.md "Secure aggregation"): only the
         ``num_examples``-weighted mean ``weights`` of the clients in ``examples`` arrives, with each client's
         claimed count and train loss in the clear. The mean is checked and folded as one reply (client
         :data:`AGGREGATE`) weighing their total, so every integrity check sees the aggregate only; a claim above a
-        client's data refuses the aggregate (the weight inside a secure sum cannot be corrected)."""
+        client's data refuses the aggregate (the weight inside a secure sum cannot be corrected), and so does a
+        count that is not a positive int or a train loss that is not a finite number."""
+        if (why := _clear_text_problem(examples, losses, fold.expected)) is not None:
+            self.fail(fold, AGGREGATE, why)
+            return
         first = next(iter(examples))
         fold.sent[AGGREGATE], fold.expected[AGGREGATE] = fold.sent[first], sum(examples.values())
         try:
-            over = [(cid, n) for cid, n in examples.items() if n > fold.expected[cid]]
-            if over:
-                cid, n = over[0]
-                self.fail(fold, AGGREGATE, f"client {cid} claimed num_examples={n} > its {fold.expected[cid]} training "
-                          "examples: a secure aggregate cannot be re-weighted")
-                return
             fold.acc = self.fed.topology.start(self.fed.method, {AGGREGATE: fold.expected[AGGREGATE]})
             loss = float(np.average([losses[c] for c in examples], weights=list(examples.values())))
             self.receive(fold, Reply(AGGREGATE, {**weights, "num_examples": fold.expected[AGGREGATE],

@@ -13,7 +13,7 @@ import numpy as np
 
 from feddg.messages import WEIGHT_PREFIX, Message, Value
 
-Shapes = dict[str, tuple[int, ...]]
+Shapes = dict[str, tuple[tuple[int, ...], np.dtype]]  # w/ key -> (shape, dtype)
 
 
 class RunStopped(RuntimeError):
@@ -22,33 +22,39 @@ class RunStopped(RuntimeError):
 
 
 def shapes_of(weights: Mapping[str, Value]) -> Shapes:
-    """``w/`` key -> shape of the arrays in ``weights``."""
-    return {k: tuple(np.shape(v)) for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
+    """``w/`` key -> shape and dtype of the arrays in ``weights``."""
+    return {k: (tuple(np.shape(v)), np.asarray(v).dtype) for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
 
 
 def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights: bool) -> str | None:
     """Why ``reply`` must not be folded in, or ``None``.
 
-    ``sent`` is what the server sent this client, ``declared`` the shapes of the model's ``w/`` arrays.
-    Checks: ``num_examples`` a positive int; every float array and number finite; every ``w/`` array
-    one the model declares, of the shape sent (or declared); with ``all_weights`` (methods that average
-    the weights) exactly the ``w/`` keys sent, or all declared ones when none were sent.
+    ``sent`` is what the server sent this client, ``declared`` the shapes and dtypes of the model's ``w/``
+    arrays. Checks: ``num_examples`` a positive int; every value an array, a number or a string (a list in a
+    Flower record is not); every float array and number finite; every ``w/`` array one the model declares,
+    of the shape and dtype sent (or declared: an integer or complex array in a float's place escaped the finite
+    check and the update-norm bound); with ``all_weights`` (methods that average the weights) exactly the
+    ``w/`` keys sent, or all declared ones when none were sent.
     """
     n = reply.get("num_examples")
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n <= 0:
         return f"num_examples is {n!r}, not a positive int"
     for key, value in reply.items():
+        if not isinstance(value, np.ndarray | int | float | str | np.integer | np.floating):
+            return f"{key} is a {type(value).__name__}, not an array, a number or a string"
         if isinstance(value, np.ndarray) and value.dtype.kind in "fc" and not np.isfinite(value).all():
             return f"{'NaN' if np.isnan(value).any() else 'Inf'} in {key}"
         if isinstance(value, float | np.floating) and not math.isfinite(value):
             return f"{key} is {value}"
     got = shapes_of(reply)
-    for key, shape in got.items():
-        want = tuple(np.shape(sent[key])) if key in sent else declared.get(key)
+    for key, (shape, dtype) in got.items():
+        want = shapes_of({key: sent[key]})[key] if key in sent else declared.get(key)
         if want is None:
             return f"unexpected weight {key}"
-        if shape != want:
-            return f"{key} has shape {shape}, expected {want}"
+        if shape != want[0]:
+            return f"{key} has shape {shape}, expected {want[0]}"
+        if dtype != want[1]:
+            return f"{key} is {dtype}, expected {want[1]}"
     if all_weights:
         expected = [k for k in sent if k.startswith(WEIGHT_PREFIX)] or list(declared)
         missing = [k for k in expected if k not in got]

@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,9 @@ def main(grid: Grid, context: Context) -> None:
     if not resume and used_run_dir(run_dir):  # Server would start the run over the files (and mark) of another
         raise ValueError(f"run directory {run_dir} is not empty: a new run needs a new or empty one (resume = true "
                          "in the run config continues the run there)")
+    if not cfg.flower.roster:
+        log(WARNING, "feddg: no flower.roster: each SuperNode is the client of the partition it declares, unproven "
+            "(docs/flower.md, 'Insecure trial'); a deployment's nodes prove their keys with a roster")
     mark(run_dir, "running")
     try:
         server = Server(build_federation(cfg), run_dir, resume=resume)

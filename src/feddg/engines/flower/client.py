@@ -179,7 +179,10 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         fed, asked = federation(context), msg.content.config_records[ROUTE]
         node_threads(context, fed)  # a node with a bad thread count fails here, before any work
         fp = fingerprint(fed)
-        if AUTH_KEY in context.node_config and "challenge" in asked:  # secure: the roster says who this node is
+        if AUTH_KEY in context.node_config:  # secure: the roster says who this node is
+            if "challenge" not in asked:  # a ServerApp without a roster would trust any node's declared partition
+                raise ValueError("this SuperNode proves its roster key (auth-key) and answers only a roster's challenge: "
+                                 "the run has no flower.roster")
             key = load_private_key(Path(str(context.node_config[AUTH_KEY])))
             statement = identity_statement(str(asked["challenge"]), context.node_id, fp)
             info = ConfigRecord({"fingerprint": fp, "public-key": public_key_text(key.public_key()),

@@ -111,8 +111,7 @@ def run_secure_rounds(server: Server, grid: Grid, nodes: dict[int, int],
                 server.fail(fold, cid, "no masked reply (secure aggregation)")
         mean = aggregate_message(strategy.sent[clients[0]], strategy.results[0][1].parameters)
         server.receive_aggregate(fold, mean, {c: r.num_examples for c, (_, r) in zip(clients, strategy.results)},
-                                 {c: float(cast(float, r.metrics["train_loss"]))
-                                  for c, (_, r) in zip(clients, strategy.results)})
+                                 {c: r.metrics.get("train_loss") for c, (_, r) in zip(clients, strategy.results)})
         row = server.finish_round(round, fold, {"time_train_s": time.perf_counter() - t0})
         strategy.commits.update({cid: round for cid in fold.accepted})
         if on_round is not None:

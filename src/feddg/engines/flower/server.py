@@ -130,8 +130,11 @@ def collect(sent: dict[int, Message], replies: Iterable[Message], timeout: float
         cid = by_id[r.metadata.reply_to_message_id]
         if r.has_error():
             failed[cid] = one_line(ANSI.sub("", f"node {r.metadata.src_node_id}: {r.error.reason}"))[:300]
-        else:
+            continue
+        try:
             got[cid] = get_message(r.content)
+        except (KeyError, TypeError, ValueError) as err:  # records that do not decode: this client's failure
+            failed[cid] = one_line(f"node {r.metadata.src_node_id}: unreadable reply ({type(err).__name__}: {err})")[:300]
     for cid in sent:
         if cid not in got and cid not in failed:
             failed[cid] = f"no reply within {timeout:g} s (flower.round_timeout_s)"
@@ -148,9 +151,11 @@ def roster_identity(roster: Roster, reply: Message, challenge: str, nodes: dict[
     node = reply.metadata.src_node_id
     if reply.has_error():
         raise Refused(f"node {node} failed to identify: {one_line(str(reply.error.reason))[:200]}")
-    info = reply.content.config_records[ROUTE]
-    if "signature" not in info:
+    info = reply.content.config_records.get(ROUTE)
+    if info is None or "signature" not in info:
         raise Refused(f"node {node} sent no identity proof (start it with --node-config \"auth-key='KEY'\")")
+    if missing := [k for k in ("public-key", "fingerprint") if k not in info]:
+        raise Refused(f"node {node}: its identity proof lacks {', '.join(missing)}")
     try:
         key = load_public_key(str(info["public-key"]))
     except ValueError as err:
