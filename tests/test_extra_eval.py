@@ -59,11 +59,24 @@ def test_an_extra_target_needs_the_training_datas_classes_and_image_shape(cache_
      "classification dataset of images"),
     ("digits-dg", "cifar10", "cifar10 has classes ['airplane', "),
     ("digits-dg", "nosuch", "unknown dataset 'nosuch'"),
+    # token ids of feddg's own BPE are the training corpus's: another corpus's ids would name other words
+    ("synthetic-sentiment", "text-table", "without data.tokenizer (or model.path) synthetic-sentiment's token ids come "
+     "from a BPE trained on its own corpus, which text-table's would not share: an extra text target needs a fixed "
+     "tokenizer"),
+    ("amazon-bow", "amazon-bow", "amazon-bow's features index its own corpus's vocabulary, which amazon-bow's would "
+     "not share: a bag-of-words dataset takes no extra target"),
 ])
 def test_an_extra_target_of_another_task_inputs_or_classes_is_refused_when_the_config_loads(data, extra, why):
+    model = {"synthetic-sentiment": "tiny-roberta", "amazon-bow": "mlp"}.get(data, "cnn")
     with pytest.raises(ConfigError) as err:
-        build_config({}, [f"data.dataset={data}", f"eval.extra=[{{name: x, dataset: {extra}}}]"])
+        build_config({}, [f"data.dataset={data}", f"model.name={model}", f"eval.extra=[{{name: x, dataset: {extra}}}]"])
     assert str(err.value).startswith(f"eval.extra.0 (x): {why}")
+
+
+def test_a_text_extra_target_with_a_fixed_tokenizer_is_accepted_when_the_config_loads(tmp_path):
+    cfg = build_config({}, ["data.dataset=synthetic-sentiment", "model.name=tiny-roberta",
+                            f"data.tokenizer={tmp_path}", "eval.extra=[{name: t, dataset: text-table, root: /x}]"])
+    assert cfg.eval.extra[0].dataset == "text-table"  # loaded later with the training data's tokenizer and length
 
 
 def test_feddg_eval_refuses_another_kind_of_dataset_before_loading_it(tmp_path, cache_dir):

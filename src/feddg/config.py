@@ -472,7 +472,7 @@ class ExperimentConfig(Settings):
 
         for i, spec in enumerate(self.eval.extra):
             try:
-                why = evaluation_mismatch(spec.dataset, self.data.dataset)
+                why = evaluation_mismatch(spec.dataset, self.data.dataset, self.data.tokenizer or self.model.path)
             except ValueError as err:  # an unknown dataset name
                 why = str(err)
             if why:

@@ -261,14 +261,21 @@ def dataset_info(name: str) -> dict[str, Any]:
             "needs_root": needs_root, "image_size": image_size, "task": task, "inputs": inputs}
 
 
-def evaluation_mismatch(extra: str, data: str) -> str | None:
+def evaluation_mismatch(extra: str, data: str, tokenizer: str | None = None) -> str | None:
     """Why dataset ``extra`` cannot evaluate a model trained on ``data`` (another task, other inputs, other known
-    classes), from the registry alone; ``None`` when it can as far as the registry knows (a folder's classes are read
-    when it loads)."""
+    classes, token ids or features of another vocabulary), from the registry alone; ``None`` when it can as far as
+    the registry knows (a folder's classes are read when it loads). ``tokenizer``: the training data's fixed
+    tokenizer (``data.tokenizer`` or ``model.path``), if any."""
     a, b = dataset_info(extra), dataset_info(data)
     if (a["task"], a["inputs"]) != (b["task"], b["inputs"]):
         return (f"{extra} is a {a['task']} dataset of {a['inputs']}, the training data {data} a {b['task']} dataset of "
                 f"{b['inputs']}: an extra target needs the same task and inputs")
+    if b["inputs"] == "tokens" and tokenizer is None:
+        return (f"without data.tokenizer (or model.path) {data}'s token ids come from a BPE trained on its own corpus, "
+                f"which {extra}'s would not share: an extra text target needs a fixed tokenizer")
+    if b["inputs"] == "features":
+        return (f"{data}'s features index its own corpus's vocabulary, which {extra}'s would not share: a bag-of-words "
+                "dataset takes no extra target")
     if a["classes"] and b["classes"] and a["classes"] != b["classes"]:
         return (f"{extra} has classes {a['classes']}, the training data {b['classes']}; an extra target needs the "
                 "same classes in the same order")

@@ -22,8 +22,9 @@ def evaluate_run(run_dir: str | Path, spec: ExtraEvalConfig, device: str | None 
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
     overrides = ["eval.extra=[]"] + ([f"device={device}"] if device is not None else [])
     cfg = load_config(run_dir / "config.yaml", overrides)
-    if why := evaluation_mismatch(spec.dataset, cfg.data.dataset):  # the config's own check of eval.extra, here
-        raise ValueError(f"eval.extra {spec.name}: {why}")         # before the run's data load
+    # the config's own check of eval.extra, here before the run's data load
+    if why := evaluation_mismatch(spec.dataset, cfg.data.dataset, cfg.data.tokenizer or cfg.model.path):
+        raise ValueError(f"eval.extra {spec.name}: {why}")
     ckpt = open_checkpoint(run_dir)
     if ckpt is None:
         raise ValueError(f"{run_dir} has no checkpoint.pt to evaluate")
