@@ -73,10 +73,21 @@ def test_an_extra_target_of_another_task_inputs_or_classes_is_refused_when_the_c
     assert str(err.value).startswith(f"eval.extra.0 (x): {why}")
 
 
-def test_a_text_extra_target_with_a_fixed_tokenizer_is_accepted_when_the_config_loads(tmp_path):
-    cfg = build_config({}, ["data.dataset=synthetic-sentiment", "model.name=tiny-roberta",
-                            f"data.tokenizer={tmp_path}", "eval.extra=[{name: t, dataset: text-table, root: /x}]"])
-    assert cfg.eval.extra[0].dataset == "text-table"  # loaded later with the training data's tokenizer and length
+def test_a_text_extra_target_loads_with_the_training_datas_tokenizer_and_length(tmp_path, cache_dir):
+    from feddg.data import synthetic_text
+    from feddg.data.text import Corpus
+    from feddg.data.tokenizer import train_bpe
+    from feddg.federation.setup import load_data
+
+    texts = Corpus.from_domains(synthetic_text.CLASSES, synthetic_text.generate(0)).texts
+    tokenizer = train_bpe(texts, 2000, tmp_path).name_or_path  # a fixed tokenizer directory
+    cfg = build_config({"data": {"dataset": "synthetic-sentiment", "max_length": 24, "tokenizer": tokenizer,
+                                 "domains": ["books", "dvd"], "cache_dir": str(cache_dir)},
+                        "model": {"name": "tiny-roberta"}, "split": {"target": "dvd"},
+                        "eval": {"extra": [{"name": "e", "dataset": "synthetic-sentiment", "domains": ["electronics"]}]}})
+    train = load_data(cfg)
+    extra = load_extra_target(cfg.eval.extra[0], cfg, train).dataset  # it was refused: "takes no image_size"
+    assert extra.ids.shape[1] == train.ids.shape[1] == 24 and extra.domains == ["electronics"]
 
 
 def test_feddg_eval_refuses_another_kind_of_dataset_before_loading_it(tmp_path, cache_dir):

@@ -4,6 +4,8 @@ act on features/classifier (FedSR, FedIIR, ...) on token batches."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from toy_tokens import MAX_LENGTH, PAD, VOCAB, ToyTokens, padded, token_batch
 from feddg.algorithms import create_method
 from feddg.algorithms.base import ClientContext, OptimSettings, ServerContext
 from feddg.config import ConfigError, build_config
+from feddg.data.tokenizer import load_tokenizer
 from feddg.messages import weights_of
 from feddg.models import create_model, model_capabilities
 from feddg.models.transformer import TextTransformer
@@ -78,6 +81,25 @@ def test_a_local_pretrained_directory_loads_with_its_weights(tmp_path):
     x = token_batch([7, 3])
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+def test_a_local_model_refuses_token_ids_or_lengths_beyond_its_embeddings(tmp_path):
+    # they failed as an index error in the first forward, after the federation was built
+    _tiny("tiny-roberta").hf.save_pretrained(tmp_path)
+    positions = json.loads((tmp_path / "config.json").read_text())["max_position_embeddings"]
+    fits = positions - TEXT["pad_token_id"] - 1  # RoBERTa's positions start after the padding id
+    create_model("transformer", num_classes=2, path=tmp_path, **{**TEXT, "max_length": fits})
+    with pytest.raises(ValueError, match=rf"^data.max_length {fits + 1}: the model at .* at most {fits}$"):
+        create_model("transformer", num_classes=2, path=tmp_path, **{**TEXT, "max_length": fits + 1})
+    with pytest.raises(ValueError, match=r"the tokenizer has 1000000 tokens, the model's embeddings"):
+        create_model("transformer", num_classes=2, path=tmp_path, **{**TEXT, "vocab_size": 10**6})
+
+
+def test_a_model_directory_without_tokenizer_files_is_refused_as_a_tokenizer(tmp_path):
+    # transformers built an empty tokenizer from config.json alone: every text became the same two tokens
+    _tiny("tiny-roberta").hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^tokenizer .*: no tokenizer files \(tokenizer.json, vocab.json"):
+        load_tokenizer(tmp_path)
 
 
 @pytest.mark.parametrize(("name", "kwargs", "message"), [

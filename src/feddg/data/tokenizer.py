@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # RoBERTa's ids 0..4
 BPE_VERSION = "v1"
+#: the files one of which a Hugging Face tokenizer directory holds (besides a SentencePiece ``*.model``)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
@@ -30,6 +32,9 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"tokenizer {folder}: no such directory (a local Hugging Face tokenizer or model directory)")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES) and not any(folder.glob("*.model")):
+        raise ValueError(f"tokenizer {folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)} or a *.model); "
+                         "transformers would build an empty one from config.json alone")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as err:

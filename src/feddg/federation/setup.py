@@ -98,10 +98,10 @@ def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: D
     have the training data's classes (same names, same order) and image shape."""
     where = f"eval.extra {spec.name}"
     try:
-        text = text_options(cfg) if reference.inputs == "tokens" else {}  # the training data's tokenizer and length
-        ds = load_dataset(spec.dataset, root=spec.root, cache_dir=cfg.data.cache_dir,
-                          image_size=reference.image_shape[1], seed=cfg.data.seed, domains=spec.domains,
-                          max_per_domain=spec.max_per_domain, transforms=cfg.data.transforms, **text)
+        inputs = (text_options(cfg) if reference.inputs == "tokens"  # the training data's tokenizer and length
+                  else {"image_size": reference.image_shape[1], "transforms": cfg.data.transforms})
+        ds = load_dataset(spec.dataset, root=spec.root, cache_dir=cfg.data.cache_dir, seed=cfg.data.seed,
+                          domains=spec.domains, max_per_domain=spec.max_per_domain, **inputs)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"{where}: {err}") from None
     if ds.classes != reference.classes:

@@ -125,10 +125,9 @@ def tiny_deberta(num_classes: int, vocab_size: int, max_length: int, pad_token_i
 
 def pretrained_transformer(num_classes: int, path: str | Path | None = None, **params: Any) -> TextTransformer:
     """``AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_classes, local_files_only=True)``
-    (RoBERTa- or DeBERTa-style heads); the data's ``vocab_size``/``max_length``/``pad_token_id`` are the tokenizer's
-    concern and ignored here. ``params`` go to ``from_pretrained``."""
-    for key in ("vocab_size", "max_length", "pad_token_id"):
-        params.pop(key, None)
+    (RoBERTa- or DeBERTa-style heads); the data's ``vocab_size`` and ``max_length`` must fit the model's embeddings
+    (one line otherwise: they failed as an index error in the first forward). ``params`` go to ``from_pretrained``."""
+    data = {key: params.pop(key, None) for key in ("vocab_size", "max_length", "pad_token_id")}
     if path is None:
         raise ValueError("model transformer needs model.path: a local Hugging Face model directory")
     if not Path(path).is_dir():
@@ -138,4 +137,19 @@ def pretrained_transformer(num_classes: int, path: str | Path | None = None, **p
 
     hf = AutoModelForSequenceClassification.from_pretrained(
         str(path), num_labels=num_classes, local_files_only=True, attn_implementation="eager", **params)
+    _fits_embeddings(hf.config, path, data["vocab_size"], data["max_length"], data["pad_token_id"])
     return TextTransformer(hf)
+
+
+def _fits_embeddings(config: Any, path: str | Path, vocab_size: int | None, max_length: int | None,
+                     pad_token_id: int | None) -> None:
+    """The tokenizer's ids within the model's vocabulary, ``max_length`` within its positions (RoBERTa's start
+    after the padding id)."""
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise ValueError(f"model.path {path}: the tokenizer has {vocab_size} tokens, the model's embeddings "
+                         f"{config.vocab_size}: use the model's own tokenizer")
+    positions = getattr(config, "max_position_embeddings", None)
+    offset = (pad_token_id or 0) + 1 if getattr(config, "model_type", "") == "roberta" else 0
+    if max_length is not None and positions is not None and max_length + offset > positions:
+        raise ValueError(f"data.max_length {max_length}: the model at {path} has {positions} positions"
+                         f"{f' (its first {offset} reserved)' if offset else ''}: at most {positions - offset}")
