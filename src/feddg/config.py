@@ -566,7 +566,6 @@ class ExperimentConfig(Settings):
                              "(federation.client_fraction < 1, dp-accounting has it for rdp only); use rdp")
         return self
 
-
     @model_validator(mode="after")
     def _defences_fit(self) -> ExperimentConfig:
         """The server's defences where they are defined: robust rules and outlier rejection combine ``w/`` arrays

@@ -17,7 +17,6 @@ Labels 0-9 are the digits, 10-35 the upper-case and 36-61 the lower-case letters
 
 from __future__ import annotations
 
-import csv
 import json
 import string
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 
 from feddg.data import image_cache
 from feddg.data.cache import cached
-from feddg.data.natural import Row, Samples, Source, split_order, wilds_rows, wilds_split
+from feddg.data.natural import Row, Samples, Source, read_csv, split_order, wilds_rows, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "femnist"
@@ -129,12 +128,7 @@ def read_leaf(root: Path, cache_dir: Path) -> Samples:
 
 def _metadata_rows(table: Path) -> tuple[list[dict[str, str]], str]:
     """The rows of ``table`` and the name of its writer column; one line naming it when unreadable or incomplete."""
-    try:
-        with table.open(newline="") as f:
-            reader = csv.DictReader(f)
-            rows, header = list(reader), reader.fieldnames or []
-    except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise ValueError(f"{table}: not a readable CSV ({' '.join(str(err).split())})") from None
+    rows, header = read_csv(table)
     writer = next((c for c in WRITER_COLUMNS if c in header), None)
     if not rows or writer is None or any(c not in header for c in COLUMNS):
         raise ValueError(f"{table}: expected a header with columns {HEADER} and one row per image")

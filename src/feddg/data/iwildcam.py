@@ -16,12 +16,11 @@ WILDS' ``y`` codes.
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
 
-from feddg.data.natural import Row, Samples, Source, wilds_rows, wilds_split
+from feddg.data.natural import Row, Samples, Source, read_csv, wilds_rows, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "iwildcam"
@@ -48,12 +47,7 @@ def _integer(column: str, value: str, high: int | None = None) -> int:
 
 def read_rows(table: Path) -> list[dict[str, str]]:
     """The rows of ``metadata.csv``; one line naming it when unreadable or missing a column."""
-    try:
-        with table.open(newline="") as f:
-            reader = csv.DictReader(f)
-            rows, header = list(reader), reader.fieldnames or []
-    except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise ValueError(f"{table}: not a readable CSV ({' '.join(str(err).split())})") from None
+    rows, header = read_csv(table)
     if missing := [c for c in COLUMNS if c not in header]:
         raise ValueError(f"{table}: no column {', '.join(missing)}; expected WILDS' header with {', '.join(COLUMNS)}")
     if not rows:

@@ -8,6 +8,7 @@ target holds it out), else each writer is a domain (so ``split.target_fraction``
 
 from __future__ import annotations
 
+import csv
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -98,16 +99,26 @@ def check_root(name: str, source: Source, root: str | None) -> Path | None:
 # hold out images of the training domains.
 WILDS_SPLITS = {"train": 0, "val": 1, "test": 2, "id_val": 3, "id_test": 4}
 WILDS_ID_SPLITS = ("id_val", "id_test")
+_WILDS_NAMES = {str(code): name for name, code in WILDS_SPLITS.items()}  # a code as the name it stands for
 Row = Mapping[str, str]  # a csv.DictReader row
 T = TypeVar("T")
+
+
+def read_csv(table: Path) -> tuple[list[dict[str, str]], list[str]]:
+    """The rows and header of a metadata table; one line naming it when it cannot be read as CSV."""
+    try:
+        with table.open(newline="") as f:
+            reader = csv.DictReader(f)
+            return list(reader), list(reader.fieldnames or [])
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"{table}: not a readable CSV ({' '.join(str(err).split())})") from None
 
 
 def wilds_split(value: str) -> str:
     """WILDS' split of a row, given by name (``val``) or code (``1``), as its name; ``ValueError`` for another value."""
     value = value.strip()
-    names = {str(code): name for name, code in WILDS_SPLITS.items()}
-    if value in WILDS_SPLITS or value in names:
-        return names.get(value, value)
+    if value in WILDS_SPLITS or value in _WILDS_NAMES:
+        return _WILDS_NAMES.get(value, value)
     choices = ", ".join(f"{n} ({c})" for n, c in WILDS_SPLITS.items())
     raise ValueError(f"unknown split {value!r}; expected one of {choices}")
 

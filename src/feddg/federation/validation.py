@@ -21,9 +21,13 @@ class RunStopped(RuntimeError):
     directory keeps its last checkpoint. The message is one line."""
 
 
+def _layout(value: Value) -> tuple[tuple[int, ...], np.dtype]:
+    return tuple(np.shape(value)), np.asarray(value).dtype
+
+
 def shapes_of(weights: Mapping[str, Value]) -> Shapes:
     """``w/`` key -> shape and dtype of the arrays in ``weights``."""
-    return {k: (tuple(np.shape(v)), np.asarray(v).dtype) for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
+    return {k: _layout(v) for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
 
 
 def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights: bool) -> str | None:
@@ -48,7 +52,7 @@ def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights:
             return f"{key} is {value}"
     got = shapes_of(reply)
     for key, (shape, dtype) in got.items():
-        want = shapes_of({key: sent[key]})[key] if key in sent else declared.get(key)
+        want = _layout(sent[key]) if key in sent else declared.get(key)
         if want is None:
             return f"unexpected weight {key}"
         if shape != want[0]:
