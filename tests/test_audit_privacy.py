@@ -276,6 +276,8 @@ def test_the_runs_audit_section_is_the_commands_default_and_its_options_override
     record = json.loads((tmp_path / "r" / "audit" / "privacy.json").read_text())
     assert record["settings"] == AuditConfig(**{**AUDIT, "seed": 3, "noise_multipliers": [0.5]}).model_dump(mode="json")
     assert [r["noise_multiplier"] for r in record["rows"]] == [0.5, 0.5]
+    kept = json.loads((tmp_path / "r" / "audit-1" / "privacy.json").read_text())  # the first audit is not lost
+    assert kept == first and not (tmp_path / "r" / "audit.partial").exists()
     with pytest.raises(ConfigError, match="audit.attacks"):
         build_config({**TINY, "audit": {**AUDIT, "attacks": ["nope"]}})
 
@@ -285,10 +287,14 @@ def test_a_resumed_or_overwritten_run_drops_the_audit_of_its_old_model(tmp_path,
     monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
     run = tmp_path / "r"
     run_experiment(build_config(TINY), run, progress=False)
-    (run / "audit").mkdir()
-    (run / "audit" / "privacy.json").write_text("{}")
+    audits = ("audit", "audit-1", "audit-12", "audit.partial")
+    for name in audits:
+        (run / name).mkdir()
+        (run / name / "privacy.json").write_text("{}")
+    (run / "audit-notes").mkdir()  # a user's folder
     resume_experiment(run, ["federation.rounds=2"], progress=False)  # a grown run: another model
-    assert not (run / "audit").exists()
-    (run / "audit").mkdir()
+    assert not any((run / name).exists() for name in audits) and (run / "audit-notes").is_dir()
+    for name in audits:
+        (run / name).mkdir()
     run_experiment(build_config(TINY), run, overwrite=True, progress=False)
-    assert not (run / "audit").exists()
+    assert not any((run / name).exists() for name in audits) and (run / "audit-notes").is_dir()

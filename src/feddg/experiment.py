@@ -158,10 +158,12 @@ def _fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
 
 #: ``feddg audit privacy``'s folder in a run directory (feddg.audit): it describes the model it audited
 AUDIT_DIR = "audit"
+#: the latest audit, earlier ones (``audit-1``, ...), and one being written
+AUDIT_DIRS = (AUDIT_DIR, f"{AUDIT_DIR}-[0-9]*", f"{AUDIT_DIR}.partial")
 #: what feddg writes into a run directory: ``--overwrite`` removes these, and only these
 RUN_FILES = ("config.yaml", "provenance.json", "provenance.json.tmp", "metrics.jsonl", "results.json",
              "checkpoint.pt", "checkpoint.prev.pt", "checkpoint.pt.tmp", "client_store", "curves.png", "domains.png",
-             "styles.png", "report.html", "mlflow_run_id", "events.out.tfevents.*", "examples", AUDIT_DIR)
+             "styles.png", "report.html", "mlflow_run_id", "events.out.tfevents.*", "examples", *AUDIT_DIRS)
 
 
 def clear_run_dir(run_dir: Path) -> list[str]:
@@ -228,7 +230,9 @@ def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *
     if (run_dir / RESULTS).is_file() and not grows:
         return {**json.loads((run_dir / RESULTS).read_text()), "run_dir": str(run_dir), "resumed": False}
     (run_dir / RESULTS).unlink(missing_ok=True)  # it describes the shorter run; rewritten at the new end
-    shutil.rmtree(run_dir / AUDIT_DIR, ignore_errors=True)  # so does an audit of its model: a sweep must not reuse it
+    for pattern in AUDIT_DIRS:  # so do the audits of its model: a sweep must not reuse them
+        for path in run_dir.glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
     if overrides:
         (run_dir / CONFIG).write_text(dump_config(cfg))
     record_resume(run_dir, cfg, overrides)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,8 +218,9 @@ def audit_privacy(run_dir: str | Path, settings: AuditConfig | None = None, prog
     step("rebuilding the run")
     rp = replay(run_dir, s)
     chosen = tuple(s.attacks) if s.attacks else attacks_for(rp.cfg)
-    out = run_dir / AUDIT_DIR
-    out.mkdir(exist_ok=True)
+    out = run_dir / f"{AUDIT_DIR}.partial"  # a crash leaves the earlier audit whole
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
     rows: list[dict[str, Any]] = []
     for attack in chosen:
         if attack in VECTOR_ATTACKS:
@@ -233,6 +235,16 @@ def audit_privacy(run_dir: str | Path, settings: AuditConfig | None = None, prog
             rows += gram_attack(rp, s)
     record = {"run": run_dir.name, "method": rp.cfg.method.name, "weights": rp.weights, "fid_name": FID_NAME,
               "clients": len(rp.x), "settings": s.model_dump(mode="json"), "attacks": list(chosen), "rows": rows}
-    path = out / PRIVACY_JSON
-    path.write_text(json.dumps(record, indent=1))
-    return path
+    (out / PRIVACY_JSON).write_text(json.dumps(record, indent=1))
+    return _publish(out, run_dir / AUDIT_DIR) / PRIVACY_JSON
+
+
+def _publish(staged: Path, final: Path) -> Path:
+    """Move the finished audit ``staged`` to ``final``; an earlier audit there is kept as ``audit-1``,
+    ``audit-2``, ... (the latest is always ``final``)."""
+    if final.exists():
+        n = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in final.parent.glob(f"{final.name}-*")
+                     if p.name.rsplit("-", 1)[1].isdigit()), default=0)
+        final.rename(final.with_name(f"{final.name}-{n}"))
+    staged.rename(final)
+    return final

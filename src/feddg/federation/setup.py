@@ -94,8 +94,9 @@ def worker_device(name: str, index: int) -> str:
 
 
 def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: DomainDataset) -> ExtraTarget:
-    """Dataset ``spec`` at the training data's image size and normalisation (``data.transforms``), checked to
-    have the training data's classes (same names, same order) and image shape."""
+    """Dataset ``spec`` read as the training data is: images at its size and normalisation (``data.transforms``),
+    text with its tokenizer and ``max_length``; checked to have the training data's classes (same names, same
+    order) and input shape."""
     where = f"eval.extra {spec.name}"
     try:
         inputs = (text_options(cfg) if reference.inputs == "tokens"  # the training data's tokenizer and length
