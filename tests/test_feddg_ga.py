@@ -10,6 +10,7 @@ from feddg.algorithms import Reply, ServerContext
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.feddg_ga import GAP, HAS_GAP, LOCAL, LOCAL_ROUND, WEIGHT, FedDGGA, FedDGGAParams, adjust_weights
 from feddg.federation.client import client_context
+from feddg.federation.validation import check_reply
 from feddg.messages import load_weights, weights_of
 
 
@@ -51,12 +52,15 @@ def test_weights_over_rounds_and_the_weighted_model(centre, after1, after2):
     assert m2["ga/step"] == pytest.approx(0.2) and state["round"] == 2
 
 
-def test_an_echoed_weight_that_differs_from_the_servers_is_refused():
-    state = {"weights": {"w/t": np.zeros(1, np.float32)}, "ga_weights": np.full(2, 0.5), "round": 0, "rounds": 4}
-    replies = [Reply(k, {"w/t": np.zeros(1, np.float32), "num_examples": 5, WEIGHT: w, GAP: 0.0})
-               for k, w in enumerate([0.5, 0.9])]
-    with pytest.raises(ValueError, match="client 1 echoed"):
-        FedDGGA(FedDGGAParams(gap_at="received")).aggregate(state, replies)
+@pytest.mark.parametrize("gap_at", ["received", "aggregated"])
+def test_an_echoed_weight_that_differs_from_the_servers_is_refused(gap_at):
+    """The echo is checked with the reply (the client is dropped; it used to end the run in finish)."""
+    method = FedDGGA(FedDGGAParams(gap_at=gap_at))
+    sent = {"w/t": np.zeros(1, np.float32), WEIGHT: 0.5}
+    layout = method.reply_layout(torch.nn.Linear(1, 1), sent, {"w/t": ((1,), np.dtype(np.float32))})
+    reply = {"w/t": np.zeros(1, np.float32), "num_examples": 5, WEIGHT: 0.5, GAP: 0.0, HAS_GAP: 1}
+    assert check_reply(reply, sent, {}, all_weights=True, beside=layout) is None
+    assert check_reply({**reply, WEIGHT: 0.9}, sent, {}, all_weights=True, beside=layout) == "ga_weight is 0.9, sent 0.5"
 
 
 def _loss_acc(model, ctx):

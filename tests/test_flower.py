@@ -46,7 +46,7 @@ from feddg.federation.checkpoint import load_checkpoint
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation, build_federation, make_clients, make_split, make_topology
 from feddg.federation.validation import RunStopped
-from feddg.messages import load_weights, weights_of
+from feddg.messages import array_slot, load_weights, weights_of
 
 
 # --- a method with extra payloads, per-client messages, client state and a setup exchange -----
@@ -87,6 +87,9 @@ class PayloadProbe(FedAvg):
         }
         new_state = {**client_state, "visits": visits, "momentum": momentum, "last": f"round {msg['round']}"}
         return reply, new_state
+
+    def reply_layout(self, model, sent, weights):
+        return {"stat/feature_mean": array_slot((model.feature_dim,), np.float64), "stat/count": array_slot((), np.int64)}
 
     def keep(self, reply):
         kept = ("visits", "echo", "num_examples")

@@ -12,6 +12,8 @@ method-specific prefix (``"gram/"``, ``"stat/"``, ...); scalars have plain names
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +24,37 @@ Value = np.ndarray | float | int | str
 Message = dict[str, Value]
 
 WEIGHT_PREFIX = "w/"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A value a reply carries beside its ``w/`` arrays (``Method.reply_layout``): an array of ``dtype`` and
+    ``shape`` (``None``: any shape, for a group of arrays under a key ending in ``/``), or with ``number`` a number
+    (``dtype`` float takes an int too) that equals ``value`` where given (an echo of what was sent)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...] | None = None
+    number: bool = False
+    required: bool = True
+    value: float | None = None
+
+
+Layout = dict[str, Slot]  # key (or prefix ending in "/") -> what the reply must carry there
+Shapes = dict[str, tuple[tuple[int, ...], np.dtype]]  # w/ key -> (shape, dtype)
+
+
+def array_slot(shape: tuple[int, ...] | None, dtype: Any, required: bool = True) -> Slot:
+    return Slot(np.dtype(dtype), None if shape is None else tuple(shape), required=required)
+
+
+def like_slot(value: Value, dtype: Any = None, required: bool = True) -> Slot:
+    """An array of ``value``'s shape and dtype (or ``dtype``)."""
+    return Slot(np.dtype(dtype if dtype is not None else np.asarray(value).dtype), tuple(np.shape(value)),
+                required=required)
+
+
+def number_slot(kind: type = float, required: bool = True, value: float | None = None) -> Slot:
+    return Slot(np.dtype(kind), number=True, required=required, value=value)
 
 
 def validate_message(msg: Mapping[str, object], who: str = "message") -> None:

@@ -19,7 +19,8 @@ Aggregation is a fold: by default the accumulator is one running ``num_examples`
 the weights (FedAvg), so the server holds O(model), not O(clients × model), during a round. What a
 method needs of each reply beyond that sum it names in :meth:`Method.keep` (small payloads:
 FedFA's statistics, FPL's prototypes); methods that need every reply whole (hFedF's hypernetwork
-step) keep them and say so.
+step) keep them and say so. What it reads beside the ``w/`` arrays it declares in
+:meth:`Method.reply_layout`: the server checks every reply against it before the fold.
 
 ``ServerState`` is the method's own picklable dict (it never leaves the server); a
 ``ClientState`` is a :data:`~feddg.messages.Message` that never leaves its client (FedFA's
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 from feddg.aggregation.mean import WeightedSum
 from feddg.data.base import DomainDataset, iterate_batches
 from feddg.devices import Inputs, autocast, to_device
-from feddg.messages import WEIGHT_PREFIX, Message, weights_of
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, weights_of
 from feddg.settings import Settings
 from feddg.tasks import Task
 
@@ -195,6 +196,12 @@ class Method(ABC):
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
         """What client ``client_id`` receives in ``round`` (default: the global weights)."""
         return dict(state["weights"])
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """What the server reads of a reply to ``sent`` beside its ``w/`` arrays; a reply that differs is refused
+        before it is folded (docs/reliability.md). ``model`` is the server's network, ``weights`` its ``w/`` shapes
+        and dtypes. Default: nothing (every array beside ``w/`` is refused)."""
+        return {}
 
     def keep(self, reply: Reply) -> Message | None:
         """What the server keeps of ``reply`` until :meth:`finish`, beyond the running sum (default: nothing)."""

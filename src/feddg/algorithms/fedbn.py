@@ -46,7 +46,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import train_local
 from feddg.devices import Inputs
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, array_slot, load_weights, weights_of
 from feddg.tasks import BATCHNORM
 
 BN_PREFIX = "bn/"  # a client's own BN arrays (``bn/w/<key>``): server -> client once, client -> server each round
@@ -131,6 +131,10 @@ class FedBN(Method):
         reply = weights_reply(model, ctx.num_examples, loss)
         new_bn = {k: reply.pop(k) for k in self.bn}
         return {**reply, **{BN_PREFIX + k: v for k, v in new_bn.items()}}, new_bn
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """The client's own BN arrays (``bn/w/<key>``), shaped as the model's."""
+        return {BN_PREFIX + k: array_slot(*weights[k]) for k in self.bn}
 
     def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
         """FedAvg's running sum of the non-BN weights, plus that of the clients' BN (the unseen-domain BN)."""

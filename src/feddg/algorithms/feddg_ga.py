@@ -50,7 +50,7 @@ from feddg.algorithms.base import (
     weights_reply,
 )
 from feddg.algorithms.components.local import train_local
-from feddg.messages import WEIGHT_PREFIX, Message, entries, load_weights, weights_of
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, entries, load_weights, number_slot, weights_of
 
 WEIGHT = "ga_weight"  # server -> client -> server: the client's aggregation weight a_k (echoed)
 GAP = "ga_gap"  # client -> server: G_k
@@ -142,6 +142,11 @@ class FedDGGA(Method):
         state: ClientState = {LOCAL: np.array(trained, dtype=np.float64), LOCAL_ROUND: ctx.round}
         return weights_reply(model, ctx.num_examples, loss, **echo, **gap), state
 
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """The weight a_k echoed as sent, the gap G_k, and (``gap_at: aggregated``) whether it was measured."""
+        layout = {WEIGHT: number_slot(value=float(sent[WEIGHT])), GAP: number_slot()}
+        return layout if self.params.gap_at == "received" else {**layout, HAS_GAP: number_slot(int)}
+
     def start(self, expected_examples: float) -> Accumulator:
         """``received``: a running ``Σ_k a_k θ_k`` (plain sums; ``finish`` divides by ``Σ_k a_k``). ``aggregated``:
         the replies are kept (their weights ``a`` are known only once the round's gaps are in)."""
@@ -160,11 +165,7 @@ class FedDGGA(Method):
         return kept
 
     def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
-        a = state["ga_weights"]
-        for kept in acc.kept:
-            if float(kept.message[WEIGHT]) != float(a[kept.client_id]):
-                raise ValueError(f"FedDG-GA: client {kept.client_id} echoed weight {kept.message[WEIGHT]}, "
-                                 f"sent {a[kept.client_id]}")
+        a = state["ga_weights"]  # every kept reply echoed its a_k as sent (reply_layout)
         r, rounds = int(state["round"]) + 1, int(state["rounds"])
         if self.params.gap_at == "received":  # this round's gaps set the next round's weights
             assert acc.weights is not None

@@ -41,7 +41,19 @@ from feddg.algorithms.components.ffa import FFAAttachment, FFALayer, Variant, at
 from feddg.algorithms.components.local import train_local
 from feddg.algorithms.components.soft_histogram import CutPoints, KLReduction, soft_histogram, symmetric_kl
 from feddg.devices import Inputs
-from feddg.messages import WEIGHT_PREFIX, Message, Value, entries, load_weights, message_nbytes, weights_of
+from feddg.messages import (
+    WEIGHT_PREFIX,
+    Layout,
+    Message,
+    Shapes,
+    Value,
+    array_slot,
+    entries,
+    load_weights,
+    message_nbytes,
+    number_slot,
+    weights_of,
+)
 from feddg.tasks import CONV_STAGES
 
 STAT, FFA, HIST = "stat/", "ffa/", "hist/"
@@ -138,6 +150,14 @@ class FedFA(Method):
 
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
         return {**state["weights"], **state["broadcast"]}
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """The FFA statistics (``stat/``, float32; their shapes are not checked: the server's FFA layers are sized at
+        a client's first forward pass) and, when aligning, the histogram π_m and the alignment loss."""
+        layout: Layout = {STAT: array_slot(None, np.float32)} if self.uploads_stats else {}
+        if self.aligns:
+            layout.update({HIST_KEY: array_slot(None, np.float32), "align_loss": number_slot(required=False)})
+        return layout
 
     def keep(self, reply: Reply) -> Message:
         """The small payloads (statistics, histogram, alignment loss) and the byte counts of each reply."""

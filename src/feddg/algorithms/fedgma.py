@@ -36,7 +36,7 @@ from feddg.algorithms.base import (
     weights_reply,
 )
 from feddg.algorithms.components.local import train_local
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, array_slot, load_weights, weights_of
 
 SIGN_PREFIX = "sign/"  # client -> server: sign(w_k − w) per trainable parameter, int8
 
@@ -78,6 +78,10 @@ class FedGMA(Method):
         signs = {SIGN_PREFIX + n: np.sign(reply[WEIGHT_PREFIX + n] - np.asarray(msg[WEIGHT_PREFIX + n])).astype(np.int8)
                  for n, _ in model.named_parameters()}
         return {**reply, **signs}, client_state
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """sign(w_k − w) per trainable parameter, int8."""
+        return {SIGN_PREFIX + n: array_slot(tuple(p.shape), np.int8) for n, p in model.named_parameters()}
 
     def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
         """FedAvg's running sum of the weights, plus the running ``Σ_k sign(Δ_k)`` (each client counts 1)."""

@@ -35,7 +35,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import train_local
 from feddg.devices import Inputs
-from feddg.messages import Message, load_weights, weights_of
+from feddg.messages import Layout, Message, Shapes, like_slot, load_weights, number_slot, weights_of
 from feddg.tasks import CLASS_LABELS
 
 MEAN_PREFIX = "iir/"  # server -> client: ḡ per classifier parameter
@@ -123,6 +123,11 @@ class FedIIR(Method):
         reply = weights_reply(model, ctx.num_examples, loss, **{GRAD_PREFIX + k: v for k, v in grad_sum.items()},
                               **{BATCHES: batches})
         return reply, client_state
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """The summed classifier gradient per parameter, as the mean ḡ sent, and the number of batches."""
+        return {**{GRAD_PREFIX + k[len(MEAN_PREFIX) :]: like_slot(v) for k, v in sent.items() if k.startswith(MEAN_PREFIX)},
+                BATCHES: number_slot(int)}
 
     def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
         """FedAvg's running sum, plus running ``Σ_k grad_sum_k`` and ``Σ_k batches_k``."""

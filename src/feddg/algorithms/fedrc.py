@@ -41,7 +41,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import train_local
 from feddg.devices import images
-from feddg.messages import Message, load_weights
+from feddg.messages import Layout, Message, Shapes, load_weights, number_slot
 from feddg.tasks import IMAGES
 
 MEAN, VAR, N, N_EFF = "fedrc/mean", "fedrc/var", "fedrc/n", "fedrc/n_eff"  # a client's Gaussian (setup reply)
@@ -137,6 +137,9 @@ class FedRC(Method):
                                                            msg[STATION_VAR])))
         weight = float(client_state[N_EFF]) * float(self.similarity(distance))
         return weights_reply(model, ctx.num_examples, loss, **{WEIGHT: weight}), client_state
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        return {WEIGHT: number_slot()}  # w_i
 
     def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
         """The station's mean weighted by ``w_i`` instead of ``n_i``."""

@@ -40,7 +40,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.algorithms.components.style import finch_labels
-from feddg.messages import Message, load_weights
+from feddg.messages import Layout, Message, Shapes, array_slot, load_weights
 from feddg.tasks import CLASS_LABELS
 
 if TYPE_CHECKING:
@@ -109,6 +109,13 @@ class FPL(Method):
         if "protos" in state:
             msg[CLUSTER], msg[CLUSTER_CLASS], msg[UNBIASED], msg[HAS_UNBIASED] = state["protos"]
         return msg
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """The client's class prototypes ``[K, D]`` and which classes it saw ``[K]``."""
+        head = [m for m in cast(nn.Module, model.classifier).modules() if isinstance(m, nn.Linear)][-1]
+        classes = head.out_features
+        return {PROTO_MEAN: array_slot((classes, int(cast(int, model.feature_dim))), np.float32),
+                PROTO_PRESENT: array_slot((classes,), np.int8)}
 
     def keep(self, reply: Reply) -> Message:
         return {k: reply.message[k] for k in (PROTO_MEAN, PROTO_PRESENT)}

@@ -44,7 +44,7 @@ from feddg.algorithms.components.embedding_ae import EmbeddingAutoencoder, train
 from feddg.algorithms.components.hypernetwork import HyperNetwork, hypernetwork_vjp
 from feddg.algorithms.components.local import train_local
 from feddg.devices import images
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, array_slot, load_weights
 from feddg.numerics import adam, sqrt
 from feddg.seeds import derived_seed
 from feddg.tasks import IMAGES
@@ -205,6 +205,10 @@ class HFedF(Method):
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
         """Algorithm 1, line 5: ``φ_i^{t,0} = h(θ^t, ν^t[i])`` plus the client's own buffers."""
         return self._weights(state, client_id, state["buffers"].get(client_id, state["init_buffers"]))
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """Δφ_i per trainable parameter of the target network."""
+        return {DELTA_PREFIX + n: array_slot(*weights[WEIGHT_PREFIX + n]) for n, _ in model.named_parameters()}
 
     def keep(self, reply: Reply) -> Message:
         """The hypernetwork step needs every client's Δφ at once (GradAlign compares them): keep it all."""

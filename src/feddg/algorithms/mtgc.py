@@ -42,7 +42,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import LossFn
 from feddg.algorithms.scaffold import corrected_training
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, load_weights, number_slot, weights_of
 
 Y = "mtgc/y/"  # station -> client: y_j per trainable parameter
 Z = "mtgc/z/"  # client state: z_i
@@ -100,6 +100,9 @@ class MTGC(Method):
         state.update({Z + n: v for n, v in zip(names, z, strict=True)})
         state.update({X + n: np.asarray(reply[WEIGHT_PREFIX + n]) for n in names})
         return reply, (state if steps else {})  # no step taken (one-sample BatchNorm client): nothing to correct
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        return {STEP: number_slot()}  # H·γ
 
     def keep(self, reply: Reply) -> Message | None:
         return {STEP: reply.message[STEP]}

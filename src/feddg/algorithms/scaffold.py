@@ -42,7 +42,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import LossFn, task_loss, train_local
 from feddg.devices import Inputs
-from feddg.messages import WEIGHT_PREFIX, Message, load_weights, weights_of
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, like_slot, load_weights, weights_of
 
 CONTROL = "c/"  # server -> client: c per trainable parameter
 DELTA = "dc/"  # client -> server: Δc_i = c_i⁺ − c_i
@@ -149,6 +149,10 @@ class Scaffold(Method):
                    for n, cic, cc, xx in zip(names, ci, c, x, strict=True)]
         delta = {DELTA + n: nv - cic for n, nv, cic in zip(names, new, ci, strict=True)}
         return {**reply, **delta}, {OWN + n: nv for n, nv in zip(names, new, strict=True)}
+
+    def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """Δc_i per trainable parameter, as the control c sent."""
+        return {DELTA + k[len(CONTROL) :]: like_slot(v) for k, v in sent.items() if k.startswith(CONTROL)}
 
     def accumulate(self, acc: Accumulator, reply: Reply) -> Accumulator:
         """FedAvg's running sum of the weights, plus the running ``Σ_{i∈S} Δc_i``."""

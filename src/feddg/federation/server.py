@@ -206,7 +206,9 @@ class Server:
         t0 = time.perf_counter()
         cid, sent = reply.client_id, fold.sent[reply.client_id]
         fold.bytes_up += message_nbytes(reply.message)
-        problem = check_reply(reply.message, sent, self.declared, all_weights=self.fed.method.averages_weights)
+        beside = self.fed.topology.reply_layout(self.fed.method, self.fed.model, sent, self.declared)
+        problem = check_reply(reply.message, sent, self.declared, all_weights=self.fed.method.averages_weights,
+                              beside=beside)
         norm = None
         if problem is None and (self.norm_bound is not None or fold.held is not None):
             norm = update_norm(reply.message, sent)

@@ -21,15 +21,15 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from torch import nn
+from torch import Tensor, nn
 
 from feddg.aggregation.merges import GRAM_FLAG, GRAM_PREFIX, HFedATMParams, StationMerge, StationParams, station_merge
 from feddg.algorithms.base import ClientContext, ClientState, Method, Metrics, Reply, ServerContext, ServerState
 from feddg.federation.rounds import sample_members
-from feddg.messages import Message, entries, message_nbytes, subset, weights_of, without
+from feddg.messages import Layout, Message, Shapes, array_slot, entries, message_nbytes, subset, weights_of, without
 from feddg.models.permutation import PermutationSpec, permutation_spec
 from feddg.seeds import derived_seed
 
@@ -79,6 +79,10 @@ class Topology:
 
     def accumulate(self, method: Method, acc: Any, reply: Reply) -> Any:
         return method.accumulate(acc, reply)
+
+    def reply_layout(self, method: Method, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """What a reply to ``sent`` carries beside its ``w/`` arrays (:meth:`Method.reply_layout`)."""
+        return method.reply_layout(model, sent, weights)
 
     def finish(self, method: Method, state: ServerState, acc: Any, round: int) -> tuple[ServerState, Metrics]:
         return method.finish(state, acc)
@@ -188,6 +192,18 @@ class StationTopology(Topology):
         for cid, n in expected.items():
             per_station[self.station_of(cid)] += n
         return StationFold(dict(per_station))
+
+    def reply_layout(self, method: Method, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
+        """The method's, and under a Gram request (eq. 8) a ``[d, d]`` float32 Gram per layer of
+        ``gram_layers`` (a client sends those its data ran through)."""
+        layout = method.reply_layout(model, sent, weights)
+        if not sent.get(GRAM_FLAG):
+            return layout
+        from feddg.algorithms.hfedatm import gram_layers  # HFedATM's layers (the client's recorder)
+
+        return {**layout, **{GRAM_PREFIX + name: array_slot((d, d), np.float32, required=False)
+                             for name, m in gram_layers(model).items()
+                             for d in [int(cast(Tensor, m.weight).shape[1])]}}  # [out, in] or [out, in, 1, 1]
 
     def accumulate(self, method: Method, acc: StationFold, reply: Reply) -> StationFold:
         t0 = time.perf_counter()

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from feddg.messages import WEIGHT_PREFIX, Message, Value
+from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, Slot, Value, number_slot
 
-Shapes = dict[str, tuple[tuple[int, ...], np.dtype]]  # w/ key -> (shape, dtype)
+#: what every reply may carry besides its ``w/`` arrays and whatever its method declares
+COMMON: Layout = {"train_loss": number_slot(required=False)}
 
 
 class RunStopped(RuntimeError):
@@ -30,15 +31,18 @@ def shapes_of(weights: Mapping[str, Value]) -> Shapes:
     return {k: _layout(v) for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
 
 
-def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights: bool) -> str | None:
+def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights: bool,
+                beside: Layout | None = None) -> str | None:
     """Why ``reply`` must not be folded in, or ``None``.
 
     ``sent`` is what the server sent this client, ``declared`` the shapes and dtypes of the model's ``w/``
-    arrays. Checks: ``num_examples`` a positive int; every value an array, a number or a string (a list in a
-    Flower record is not); every float array and number finite; every ``w/`` array one the model declares,
-    of the shape and dtype sent (or declared: an integer or complex array in a float's place escaped the finite
-    check and the update-norm bound); with ``all_weights`` (methods that average the weights) exactly the
-    ``w/`` keys sent, or all declared ones when none were sent.
+    arrays, ``beside`` what the method reads beyond them (``Method.reply_layout``). Checks: ``num_examples`` a
+    positive int; every value an array, a number or a string (a list in a Flower record is not); every float array
+    and number finite; every ``w/`` array one the model declares, of the shape and dtype sent (or declared: an
+    integer or complex array in a float's place escaped the finite check and the update-norm bound); with
+    ``all_weights`` (methods that average the weights) exactly the ``w/`` keys sent, or all declared ones when none
+    were sent; every other array one that ``beside`` declares, and every value it declares there and of its kind
+    (a wrong shape crashed the server's fold, or was broadcast into it).
     """
     n = reply.get("num_examples")
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n <= 0:
@@ -67,6 +71,40 @@ def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights:
         extra = sorted(set(got) - set(expected))
         if extra:
             return f"unexpected weight {extra[0]}"
+    return _beside_problem(reply, {**COMMON, **(beside or {})})
+
+
+def _beside_problem(reply: Message, layout: Layout) -> str | None:
+    groups = [k for k in layout if k.endswith("/")]
+    for key, value in reply.items():
+        if key.startswith(WEIGHT_PREFIX) or key == "num_examples":
+            continue
+        slot = layout.get(key) or next((layout[g] for g in groups if key.startswith(g)), None)
+        if slot is None:
+            if isinstance(value, np.ndarray):
+                return f"unexpected array {key}"
+            continue  # a number or string the method does not read (a client's metric)
+        if (why := _slot_problem(value, slot)) is not None:
+            return f"{key} {why}"
+    missing = [k for k, slot in layout.items() if slot.required and k not in groups and k not in reply]
+    return None if not missing else f"missing {missing[0]}"
+
+
+def _slot_problem(value: Value, slot: Slot) -> str | None:
+    if slot.number:
+        if isinstance(value, bool | np.ndarray | str) or not isinstance(value, int | float | np.number):
+            return f"is {value!r}, not a number"
+        if slot.dtype.kind in "iu" and not isinstance(value, int | np.integer):
+            return f"is {value!r}, not an int"
+        if slot.value is not None and float(value) != slot.value:
+            return f"is {value!r}, sent {slot.value!r}"
+        return None
+    if not isinstance(value, np.ndarray):
+        return f"is a {type(value).__name__}, not an array"
+    if slot.shape is not None and value.shape != slot.shape:
+        return f"has shape {value.shape}, expected {slot.shape}"
+    if value.dtype != slot.dtype:
+        return f"is {value.dtype}, expected {slot.dtype}"
     return None
 
 
