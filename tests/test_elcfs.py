@@ -50,7 +50,7 @@ def pixels(*over):
 
 
 def test_interpolation_keeps_the_image_at_0_takes_the_other_amplitude_at_1_and_mixes_between():
-    """b = 0 on 1×6×6 images: F(0) = Σx, so the result is x + sign(Σx)·λ(a_n − |Σx|)/36 per image."""
+    """b = 0 on 1×6×6 images: F(0) = Σx, interpolated signed, so the result is x + λ(a_n − Σx)/36 per image."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 1, 6, 6, generator=g) + 1.0
     other = torch.tensor([50.0, 20.0, 8.0]).reshape(3, 1, 1, 1)  # one drawn bank row per image
@@ -58,8 +58,8 @@ def test_interpolation_keeps_the_image_at_0_takes_the_other_amplitude_at_1_and_m
     out = mix_low_frequency(x, other, lam, 0)
     s = x.sum(dim=(-2, -1), keepdim=True)
     torch.testing.assert_close(out[0], x[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[1].sum(), other[1].sum() * torch.sign(s[1]).sum(), atol=1e-4, rtol=1e-5)
-    want = x + torch.sign(s) * lam.reshape(3, 1, 1, 1) * (other - s.abs()) / 36
+    torch.testing.assert_close(out[1].sum(), other[1].sum(), atol=1e-4, rtol=1e-5)
+    want = x + lam.reshape(3, 1, 1, 1) * (other - s) / 36
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
@@ -212,7 +212,10 @@ def test_each_client_uploads_the_amplitude_windows_of_an_eighth_of_its_images(tm
         ctx = client_context(fed, cid, 0)  # the setup's stream: its first draw picks the images
         pick = client.train_idx[torch.randperm(n, generator=ctx.generator)[:m].numpy()]
         x = fed.dataset.x[torch.as_tensor(pick)]
-        want = torch.fft.fftshift(torch.fft.fft2(x.double()).abs(), dim=(-2, -1))[..., 1:6, 1:6]
+        spec = torch.fft.fft2(x.double())
+        amp = spec.abs()
+        amp[..., 0, 0] = spec[..., 0, 0].real  # the zero frequency: the signed sum
+        want = torch.fft.fftshift(amp, dim=(-2, -1))[..., 1:6, 1:6]
         np.testing.assert_allclose(amps[owners == cid], want.numpy(), rtol=1e-5, atol=1e-4)
     assert amps.shape[1:] == (1, 5, 5) and amps.dtype == np.float32
     msg = fed.method.client_config(server.state, 2, 1)  # the rows of the other clients only
@@ -220,7 +223,7 @@ def test_each_client_uploads_the_amplitude_windows_of_an_eighth_of_its_images(tm
     assert np.array_equal(msg["bank/amp"], amps[owners != 2])
 
 
-def test_the_shared_spectra_are_clipped_and_noised_once_and_floored_at_zero(tmp_path):
+def test_the_shared_spectra_are_clipped_and_noised_once_and_floored_at_zero_but_the_signed_sum(tmp_path):
     over = ("method.params.window=0.34", "method.params.dp.noise_multiplier=0.05", "method.params.dp.clip=10")
     fed = pixels(*over)
     clean_method = type(fed.method)(fed.method.params.model_copy(update={"dp": None}))
@@ -234,7 +237,9 @@ def test_the_shared_spectra_are_clipped_and_noised_once_and_floored_at_zero(tmp_
     sigma = 0.05 * 2 * 10  # σ = z·Δ, Δ = 2C
     assert np.linalg.norm(flat) > 10  # the clip binds
     noise = sigma * torch.randn(flat.size, generator=clean_ctx.generator, dtype=torch.float64).numpy()
-    want = np.maximum(flat * 10 / np.linalg.norm(flat) + noise, 0.0).reshape(clean["amp/bank"].shape)
+    noised = (flat * 10 / np.linalg.norm(flat) + noise).reshape(clean["amp/bank"].shape)
+    want = np.maximum(noised, 0.0)
+    want[..., 2, 2] = noised[..., 2, 2]  # the window's centre is the images' signed sum: not an amplitude to floor
     np.testing.assert_allclose(noisy["amp/bank"], want, atol=1e-5)
     assert (want == 0).any() and (want > 0).any()  # the floor binds here and there
     assert fed.method.privacy(7) == statistic_privacy(fed.method.params.dp, 1)  # one release, whatever the rounds

@@ -40,6 +40,19 @@ def test_training_locations_are_domains_and_the_ood_splits_two_pooled_domains(tm
     np.testing.assert_allclose((x[:, :, 4, 4] * std + mean).numpy() * 255, 200 * np.eye(3), atol=2.5)
 
 
+@pytest.mark.parametrize("split", [{}, {"target": "test"}, {"protocol": "ltdo", "val_domain": "location_3",
+                                                                "target": "test"}])
+def test_a_split_that_would_train_on_wilds_ood_validation_split_is_refused(tmp_path, split):
+    """WILDS' val is an ood validation split: the default LODO (test held out) made its 32 locations clients."""
+    ds = _load(iwildcam_tree(tmp_path))
+    assert ds.ood_validation == "val"
+    with pytest.raises(ValueError, match="domain 'val' is its official ood validation split and would train"):
+        make_split(ds, build_config({"data": {"dataset": "iwildcam"}, "split": split}))
+    for fine in ({"target": ["test", "val"]}, {"protocol": "ltdo", "val_domain": "val", "target": "test"}):
+        make_split(ds, build_config({"data": {"dataset": "iwildcam"}, "split": fine}))
+    assert _load(iwildcam_tree(tmp_path / "no-val", [r for r in IWILDCAM_ROWS if r[0] != "val"])).ood_validation is None
+
+
 def test_split_codes_read_as_names(tmp_path):
     coded = [({"train": "0", "val": "1", "test": "2", "id_val": "3"}[s], loc, y) for s, loc, y in IWILDCAM_ROWS[:-1]]
     ds = _load(iwildcam_tree(tmp_path, coded))

@@ -77,6 +77,7 @@ def test_the_wilds_femnist_release_loads_from_its_parent_with_the_id_splits_left
     for root in (tmp_path, folder):
         ds = load_dataset("femnist", root=str(root), cache_dir=tmp_path / "cache")
         assert ds.domains == ["test", "train", "val"] and ds.group_names == ["3", "5", "7"]
+        assert ds.ood_validation == "val"  # WILDS' ood validation split: a split that would train on it is refused
         np.testing.assert_array_equal(ds.labels, [0, 2, 3, 5])  # rows 1 and 4 (id_val, id_test) left out
         np.testing.assert_array_equal(ds.domain_ids, [1, 2, 0, 1])  # codes 2 and 0 read as test and train
         np.testing.assert_array_equal(ds.groups, [0, 2, 1, 1])

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from feddg.cli import app
 from feddg.config import build_config
-from feddg.evaluation.plots import draw_domains, draw_metric
+from feddg.evaluation.plots import chance_line, draw_domains, draw_metric
 from feddg.experiment import run_experiment
 from feddg.reports import figures
 from feddg.reports.run import report
@@ -83,6 +83,16 @@ def test_accuracy_axes_have_integer_rounds_and_the_chance_line():
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
     chance = [ln for ln in ax.get_lines() if ln.get_label().startswith("chance")]
     assert len(chance) == 1 and chance[0].get_ydata()[0] == pytest.approx(10.0)
+    plt.close(fig)
+
+
+@pytest.mark.parametrize(("metric", "drawn"), [("ood_acc", True), ("ood_acc/mnist", True), ("acc", True),
+                                              ("ood_macro_f1", False), ("id_loss", False)])
+def test_the_chance_line_is_the_task_metrics_only(metric, drawn):
+    """Chance is accuracy's 100/C; a sweep's macro-F1 plot drew it too (a random predictor's F1 lies below it)."""
+    fig, ax = plt.subplots()
+    chance_line(ax, ACC, metric)
+    assert any(ln.get_label().startswith("chance") for ln in ax.get_lines()) == drawn
     plt.close(fig)
 
 

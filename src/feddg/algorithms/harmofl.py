@@ -82,23 +82,38 @@ def low_freq_mask(height: int, width: int, radius: int) -> Tensor:
     return torch.fft.ifftshift(mask)
 
 
+def _spectrum(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``F(x)`` as amplitude and phase, the zero frequency signed: ``F(x)(0, 0) = Σx`` (real) with phase 0.
+
+    The papers (and the authors' code) transform raw, non-negative pixels, whose ``Σx`` is its own amplitude; feddg's
+    images arrive normalised, ``(x − m)/s`` per channel, where ``Σx`` can be negative and ``|Σx|`` would lose its
+    sign: interpolating it would brighten a bright image toward a dark one. Mixing the signed sum instead is the
+    same as mixing the raw images' amplitudes, in any such normalisation (the other frequencies only scale by 1/s).
+    """
+    spec = torch.fft.fft2(x.float())
+    amp, phase = spec.abs(), spec.angle()
+    amp[..., 0, 0], phase[..., 0, 0] = spec[..., 0, 0].real, 0.0
+    return amp, phase
+
+
 def amplitude_window(x: Tensor, radius: int) -> Tensor:
-    """``[..., C, 2b+1, 2b+1]``: the amplitude ``|F(x)|`` of each channel in the window, ``fftshift`` layout (float32)."""
+    """``[..., C, 2b+1, 2b+1]``: the amplitude ``|F(x)|`` of each channel in the window, ``fftshift`` layout (float32),
+    its centre the signed ``Σx`` (:func:`_spectrum`)."""
     with torch.autocast(x.device.type, enabled=False):
-        amp = torch.fft.fftshift(torch.fft.fft2(x.float()).abs(), dim=(-2, -1))
+        amp = torch.fft.fftshift(_spectrum(x)[0], dim=(-2, -1))
     rows, cols = _window(x.shape[-2], x.shape[-1], radius)
     return amp[..., rows, cols]
 
 
 def mix_low_frequency(x: Tensor, target: Tensor, lam: Tensor | float, radius: int) -> Tensor:
-    """``Re F⁻¹(Â e^{iP})`` with ``Â = (1 − λ)A + λT`` in the window, ``A`` outside it, the phase ``P`` kept.
+    """``Re F⁻¹(Â e^{iP})`` with ``Â = (1 − λ)A + λT`` in the window, ``A`` outside it, the phase ``P`` kept; at the
+    zero frequency the signed sums are interpolated (:func:`_spectrum`): raw pixels' amplitude there.
 
     ``x``: ``[B, C, H, W]``; ``target``: ``[B or 1, C, 2b+1, 2b+1]`` (``fftshift`` layout, as :func:`amplitude_window`);
     ``lam``: a number or one per image ``[B]``. The result has ``x``'s dtype; the FFT runs in float32.
     """
     with torch.autocast(x.device.type, enabled=False):
-        spec = torch.fft.fft2(x.float())
-        amp, phase = spec.abs(), spec.angle()
+        amp, phase = _spectrum(x)
         amp = torch.fft.fftshift(amp, dim=(-2, -1))
         rows, cols = _window(x.shape[-2], x.shape[-1], radius)
         weight = torch.as_tensor(lam, dtype=amp.dtype, device=amp.device).reshape(-1, *([1] * (amp.dim() - 1)))

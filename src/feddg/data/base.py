@@ -63,6 +63,7 @@ class DomainDataset(ABC):
     groups: np.ndarray | None = None
     group_names: list[str] | None = None
     cases: np.ndarray | None = None
+    ood_validation: str | None = None  # the domain that is the data's official ood validation split (WILDS' val)
     image_shape: tuple[int, int, int]
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None

@@ -157,7 +157,8 @@ def read_metadata(folder: Path) -> Samples:
     names, groups = np.unique(np.array(writers), return_inverse=True)
     domain_ids = np.array([domains.index(s) for s in splits], dtype=np.int64)
     return Samples(domains, CLASSES, np.array(labels, dtype=np.int64), domain_ids, SIZE, 1, groups,
-                   [str(n) for n in names], files=files, root=folder)
+                   [str(n) for n in names], files=files, root=folder,
+                   ood_validation="val" if "val" in domains else None)
 
 
 def read_femnist(root: Path | None, seed: int, cache_dir: Path) -> Samples:

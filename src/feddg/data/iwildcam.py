@@ -93,7 +93,8 @@ def _samples(folder: Path, files: list[Path], labels: np.ndarray, splits: np.nda
     domain_ids[train] = len(pooled) + np.searchsorted(train_locations, locations[train])
     names, groups = np.unique(locations, return_inverse=True)
     return Samples(domains, CLASSES, labels, domain_ids, SIZE, 3, groups.astype(np.int64),
-                   [f"location_{n}" for n in names], files=files, root=folder)
+                   [f"location_{n}" for n in names], files=files, root=folder,
+                   ood_validation="val" if "val" in pooled else None)
 
 
 SOURCE = Source(read_iwildcam, [], CLASSES, SIZE, TRANSFORMS, layout=LAYOUT)

@@ -37,6 +37,7 @@ class Samples:
         images: uint8 ``[N, C, S, S]`` pixels at ``size`` px, or ``None`` when ``files`` holds the image files.
         root: the folder ``files`` lie under (the image cache's key is relative to it).
         channels: channels of the dataset's images (files decode as RGB; grayscale data keeps the first).
+        ood_validation: the domain that is the data's official ood validation split (WILDS' ``val``): never trained.
     """
 
     domains: list[str]
@@ -50,6 +51,7 @@ class Samples:
     images: np.ndarray | None = None
     files: list[Path] | None = None
     root: Path | None = None
+    ood_validation: str | None = None
 
     def take(self, rows: np.ndarray) -> Samples:
         """The samples at ``rows`` (domains and groups keep their names and ids)."""
@@ -65,7 +67,8 @@ class Samples:
         remap = np.zeros(len(self.domains), dtype=np.int64)
         remap[ids] = np.arange(len(ids))
         kept = self.take(rows)
-        return replace(kept, domains=list(chosen), domain_ids=remap[kept.domain_ids])
+        return replace(kept, domains=list(chosen), domain_ids=remap[kept.domain_ids],
+                       ood_validation=self.ood_validation if self.ood_validation in chosen else None)
 
 
 @dataclass(frozen=True)
@@ -165,5 +168,5 @@ def to_dataset(name: str, samples: Samples, spec: TransformSpec, cache_dir: Path
         ds = TensorDomainDataset(name, torch.from_numpy(np.ascontiguousarray(x)), samples.labels, samples.domain_ids,
                                  samples.domains, samples.classes, mean, std,
                                  BatchAugment(spec) if spec.augments else None)
-    ds.groups, ds.group_names = samples.groups, samples.group_names
+    ds.groups, ds.group_names, ds.ood_validation = samples.groups, samples.group_names, samples.ood_validation
     return ds

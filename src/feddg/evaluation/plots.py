@@ -54,8 +54,14 @@ def from_zero(ax: Axes, values: Sequence[float]) -> None:
         ax.set_ylim(0, 1.15 * max(values))
 
 
-def chance_line(ax: Axes, task: TaskInfo) -> None:
-    if task.chance is not None:
+def has_chance(task: TaskInfo, metric: str | None = None) -> bool:
+    """Whether ``metric`` (default: the task's) has the task's chance level: macro-F1's chance is not accuracy's."""
+    name = None if metric is None else metric.split("/")[0]  # ood_acc/<domain> is accuracy too
+    return task.chance is not None and (name is None or name == task.metric or name.endswith(f"_{task.metric}"))
+
+
+def chance_line(ax: Axes, task: TaskInfo, metric: str | None = None) -> None:
+    if task.chance is not None and has_chance(task, metric):
         ax.axhline(task.chance, ls=":", color="grey", label=f"chance ({task.chance:.3g} {task.unit})".replace(" )", ")"))
 
 

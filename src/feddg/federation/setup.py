@@ -140,6 +140,10 @@ def make_split(dataset: DomainDataset, cfg: ExperimentConfig) -> DomainSplit:
             raise ValueError(f"split.protocol=federated holds no domain out: drop split.{', split.'.join(given)}")
         return every_domain_trains(dataset.domain_ids)
     targets = held_out(dataset, cfg)
+    if (v := dataset.ood_validation) is not None and dataset.domain_index(v) not in targets and s.val_domain != v:
+        raise ValueError(f"{dataset.name}'s domain {v!r} is its official ood validation split and would train: "
+                         f"split: {{protocol: ltdo, val_domain: {v}, target: {dataset.domains[targets[0]]}}} "
+                         f"reports it as val_*, or name it in split.target")
     if s.protocol == "lodo":
         if s.val_domain is not None:
             raise ValueError("split.val_domain is only used with split.protocol=ltdo")

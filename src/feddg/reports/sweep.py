@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from feddg.config import read_yaml
-from feddg.evaluation.plots import chance_line, draw_domains, integer_rounds, read_metrics
+from feddg.evaluation.plots import chance_line, draw_domains, has_chance, integer_rounds, read_metrics
 from feddg.evaluation.selection import RULES
 from feddg.evaluation.tables import (
     DEGRADED_NOTE,
@@ -110,7 +110,7 @@ def bars(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
             ax.bar(x, s.mean, width * 0.92, color=f"C{j}", label=v if i == 0 else None,
                    yerr=None if math.isnan(s.std) else s.std, capsize=3)
             ax.plot(x + np.linspace(-width / 5, width / 5, s.n), s.values, "o", color="black", markersize=2.5, zorder=3)
-    chance_line(ax, task)
+    chance_line(ax, task, metric)
     ax.set_xticks(range(len(columns)), columns)
     ax.set(ylabel=f"{metric} ({task.unit})", ylim=task.bounds, title=f"{metric}: mean ± sample std, dots = seeds")
     ax.grid(axis="y", alpha=0.3)
@@ -136,7 +136,7 @@ def curves(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figur
             if len(per_seed) > 1:
                 sd = y.std(0, ddof=1)
                 ax.fill_between(rounds, mean - sd, mean + sd, color=f"C{j}", alpha=0.2)
-        chance_line(ax, task)
+        chance_line(ax, task, metric)
         integer_rounds(ax)
         ax.set(title=f"held out {target}", ylim=task.bounds)
         ax.grid(alpha=0.3)
@@ -228,8 +228,8 @@ def sweep_report(sweep_dir: Path) -> Path:
                      "caption": f"per seed, the variant's average over targets minus {baseline}'s (same splits); "
                                 "square: mean, bar: Student-t 95 % CI over seeds, dots: seeds"},
                  "bars": {"title": f"{m} per target", "uri": png_uri(bars(rows, m, task)),
-                          "caption": "bars: mean over seeds; error bars: sample std; dots: individual seeds; "
-                                     "dotted: chance"},
+                          "caption": "bars: mean over seeds; error bars: sample std; dots: individual seeds"
+                                     + ("; dotted: chance" if has_chance(task, m) else "")},
                  "curves": {"title": f"{m} per round", "uri": png_uri(curves(rows, m, task)),
                             "caption": "mean over seeds per evaluated round, band: ± sample std"}}
                 for m in metrics]
