@@ -18,6 +18,7 @@ from feddg.data.synthetic_mri import export_nifti, load_synthetic_mri, synthetic
 SITES = ["BIDMC", "ISBI_1.5"]
 DEPTH, SIZE = 5, 16
 FOREGROUND = {0: [1, 2, 3], 1: [0, 1], 2: [4]}  # case -> slices with foreground (the ends included)
+INNER = {c: [z for z in zs if 0 < z < DEPTH - 1] for c, zs in FOREGROUND.items()}  # the samples: not the ends
 
 
 def _volume(site: int, case: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +56,7 @@ def _load(root: Path, drop_empty: bool = True) -> SliceDataset:
 
 def test_two_sites_load_with_shapes_ids_and_labels(root: Path) -> None:
     ds = _load(root)
-    per_case = [len(FOREGROUND[c]) for c in FOREGROUND]
+    per_case = [len(INNER[c]) for c in INNER]
     n = 2 * sum(per_case)
     assert ds.domains == SITES and ds.classes == ["background", "prostate"] and ds.task == "segmentation"
     assert ds.image_shape == (3, SIZE, SIZE)
@@ -66,24 +67,24 @@ def test_two_sites_load_with_shapes_ids_and_labels(root: Path) -> None:
     assert ds.labels.tolist() == [1] * n
     assert set(np.unique(ds.masks).tolist()) == {0, 1}  # labels 2 read as 1
     volume, labels = _volume(1, 1)
-    assert np.array_equal(ds.masks[ds.cases == 4], (labels[[0, 1]] > 0).astype(np.uint8))
+    assert np.array_equal(ds.masks[ds.cases == 4], (labels[[1]] > 0).astype(np.uint8))
     small = load_prostate(root, image_size=8, sites=SITES, cache_dir=root.parent / "cache")
     assert small.images.shape == (n, 3, 8, 8) and small.masks.shape == (n, 8, 8)
 
 
-def test_stacking_repeats_the_edge_slices(root: Path) -> None:
+def test_a_slice_stacks_its_neighbours_and_a_volumes_ends_are_not_samples(root: Path) -> None:
+    """The reference loaders' ``range(1, depth − 1)``: the first and last slices only lend their pixels."""
     ds = _load(root, drop_empty=False)
     scaled = scale_intensities(_volume(0, 0)[0])
-    first, last = np.flatnonzero(ds.cases == 0)[[0, -1]]
-    assert np.array_equal(ds.images[first, 0], ds.images[first, 1])
-    assert np.array_equal(ds.images[last, 2], ds.images[last, 1])
-    assert np.array_equal(ds.images[first + 2], scaled[[1, 2, 3]])
-    assert np.array_equal(ds.images[first], scaled[[0, 0, 1]])
+    rows = np.flatnonzero(ds.cases == 0)
+    assert len(rows) == DEPTH - 2
+    for z, row in enumerate(rows, start=1):
+        assert np.array_equal(ds.images[row], scaled[[z - 1, z, z + 1]])
 
 
 def test_drop_empty_drops_exactly_the_slices_without_foreground(root: Path) -> None:
     full, kept = _load(root, drop_empty=False), _load(root)
-    assert len(full) == 2 * len(FOREGROUND) * DEPTH
+    assert len(full) == 2 * len(FOREGROUND) * (DEPTH - 2)
     has_foreground = full.masks.any(axis=(1, 2))
     assert full.labels.tolist() == has_foreground.astype(int).tolist()
     assert np.array_equal(kept.images, full.images[has_foreground])

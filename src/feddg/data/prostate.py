@@ -33,7 +33,8 @@ SITES = ["BIDMC", "HK", "I2CVB", "ISBI", "ISBI_1.5", "UCL"]
 MASK_SUFFIX = {site: "_Segmentation" if site == "ISBI_1.5" else "_segmentation" for site in SITES}
 DEFAULT_IMAGE_SIZE = 384
 LAYOUT = "root/<SITE>/CaseNN.nii.gz with CaseNN_segmentation.nii.gz beside it, SITE among " + ", ".join(SITES)
-VERSION = "v3"  # v2: fixed normalisation (0.5, 0.5); v3: slices [y, x] as SimpleITK reads them (were [x, y])
+VERSION = "v4"  # v2: fixed normalisation (0.5, 0.5); v3: slices [y, x] as SimpleITK reads them (were [x, y]);
+# v4: a volume's first and last slices are not samples (the reference loaders' range(1, depth - 1))
 META_KEYS = tuple(k for k in KEYS if k not in ("images", "masks"))
 _CASE = re.compile(r"(Case\d+)(\.nii(?:\.gz)?)")
 _MASK = re.compile(r"(Case\d+)_[sS]egmentation(\.nii(?:\.gz)?)")

@@ -4,9 +4,9 @@ Every volume goes through :func:`slices_from_volumes`, the reference loaders' pr
 FedFA), whether it was read from NIfTI files (:mod:`feddg.data.prostate`) or drawn
 (:mod:`feddg.data.synthetic_mri`): labels above 1 become 1; intensities are clipped at the volume's 99th
 percentile and scaled to uint8 over ``[min, p99]``; slice ``i`` becomes a 3-channel image of slices ``i−1, i,
-i+1`` (the edge slice repeated at the volume's ends); slices without foreground are dropped (``drop_empty``); each
-slice is resized to the training resolution. A :class:`SliceDataset` holds the result as uint8 arrays and slices
-batches from them.
+i+1``, for the slices that have both (the loaders' ``range(1, depth − 1)``); slices without foreground are dropped
+(``drop_empty``); each slice is resized to the training resolution. A :class:`SliceDataset` holds the result as
+uint8 arrays and slices batches from them.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def slices_from_volumes(
             if volume.ndim != 3 or volume.shape != labels.shape:
                 raise ValueError(f"case {case}: volume {volume.shape} and labels {labels.shape} must be equal 3-D shapes")
             mask = np.clip(np.rint(labels), 0, 1).astype(np.uint8)
-            depth = len(mask)
-            keep = np.flatnonzero(mask.any(axis=(1, 2))) if drop_empty else np.arange(depth)
+            inner = np.arange(1, len(mask) - 1)  # the first and last slices lack a neighbour: not samples
+            keep = inner[mask[inner].any(axis=(1, 2))] if drop_empty else inner
             scaled = _resize(scale_intensities(volume), image_size, "bilinear")
-            neighbours = np.stack([np.maximum(keep - 1, 0), keep, np.minimum(keep + 1, depth - 1)], axis=1)
+            neighbours = np.stack([keep - 1, keep, keep + 1], axis=1)
             images.append(scaled[neighbours])
             masks.append(_resize(mask[keep], image_size, "nearest-exact"))
             domain_ids.append(np.full(len(keep), d, dtype=np.int64))

@@ -27,7 +27,7 @@ from feddg.data.prostate import MASK_SUFFIX, SITES
 from feddg.data.slices import KEYS, SliceDataset, Volume, slices_from_volumes
 
 NAME = "synthetic-mri"
-VERSION = "v2"  # v2: fixed normalisation (0.5, 0.5)
+VERSION = "v3"  # v2: fixed normalisation (0.5, 0.5); v3: a volume's first and last slices are not samples
 DEFAULT_IMAGE_SIZE = 64
 
 

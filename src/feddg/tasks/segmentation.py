@@ -1,16 +1,23 @@
 """Segmentation: a class per pixel; Dice + cross-entropy loss; Dice from additive per-domain tallies.
 
-The loss is FedFA's and HarmoFL's for prostate MRI: pixel-wise cross-entropy plus the soft Dice loss of the
-foreground classes (MONAI's ``DiceLoss`` with the batch pooled, softmax probabilities, one-hot targets)::
+The loss is pixel-wise cross-entropy plus the soft Dice loss of the foreground classes (MONAI's ``DiceLoss`` with
+the batch pooled, softmax probabilities, one-hot targets)::
 
     L = CE(p, y) + 1 − (2 Σ p·y + ε) / (Σ p + Σ y + ε)          (per foreground class, then their mean)
+
+HarmoFL's code (``utils/loss.py: JointLoss``, which FedFA's reuses) trains with ``(CE + soft Dice over every class,
+background included) / 2`` instead: another objective (2.2–2.8× this one on random logits), against which a method's
+added terms (FedProx's μ, FedFA's λ_h) weigh differently.
 
 The metric is the Dice of the hard prediction (argmax) per foreground class, pooled over a domain's slices:
 ``Dice = 2 TP / (P + T)`` with ``TP`` the pixels predicted and truly of the class, ``P`` the pixels predicted of it,
 ``T`` the true ones. Its tally per domain is ``[slices, 2TP_1, (P+T)_1, 2TP_2, ...]``: sums, so a site's Dice over
 any split of its slices (batches, workers, Flower replies) is exact. A domain with no foreground at all, predicted
 or true (``P + T = 0``), scores 100 % (nothing to find, nothing found). ``tests/test_segmentation.py`` checks the
-tally against MONAI's ``compute_dice`` on the same masks and the loss against the closed form.
+tally against MONAI's ``compute_dice`` on the same masks and the loss against the closed form. HarmoFL's and FedFA's
+code report another Dice (``dice_coef``: per slice, the mean over every class, background included, of
+``2|P∩T| / (|P| + |T| + 1e−5)``, then the mean over slices); background scores near 100, so their figures run higher
+than this one and their gaps are about half as wide (docs/benchmarks.md, "Segmentation").
 
 :meth:`Segmentation.examples` draws, per site, a few of its evaluation slices with their ground truth and the final
 model's prediction (``examples/<site>.png`` in the run directory; the plotting is in ``evaluation/overlays.py``).
