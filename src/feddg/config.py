@@ -120,6 +120,9 @@ class OptimConfig(Settings):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum; for adam / adamw their β1")
     weight_decay: float = Field(5e-4, ge=0)
     schedule: Literal["constant", "cosine", "step"] = "constant"
+    loss: str = Field("task", description="the training loss: task (the task's own) or another the task offers "
+                      "(segmentation: ce_dice_all, HarmoFL's and FedFA's code's (CE + soft Dice over every class, "
+                      "background included) / 2)")
     warmup_rounds: int = Field(0, ge=0, description="linear warm-up: round r ≤ k trains at lr·r/(k+1); the schedule "
                                "then runs over the remaining rounds")
     grad_clip: float | None = Field(None, gt=0, description="clip each local step's gradient to this global L2 norm")
@@ -376,7 +379,8 @@ class EvalConfig(Settings):
     )
     metrics: list[str] = Field(
         default_factory=list, description="further metrics reported beside the task's own, from the same tallies, as "
-        "<role>_<name>[/<domain>]: macro_f1 (classification: WILDS' IWildCam metric)"
+        "<role>_<name>[/<domain>]: macro_f1 (classification: WILDS' IWildCam metric), slice_dice (segmentation: "
+        "HarmoFL's and FedFA's code's per-slice Dice, background included)"
     )
     extra: list[ExtraEvalConfig] = Field(
         default_factory=list, description="further evaluation targets: other datasets with the same classes, "
@@ -514,6 +518,9 @@ class ExperimentConfig(Settings):
                                  f"{', '.join(sorted(model)) or 'nothing more'}")
         if problem := cls.optim_problem(cls.Params(**self.method.params), self.optim.name, self.optim.momentum):
             raise ValueError(problem)
+        if self.optim.loss != "task" and self.optim.loss not in (losses := task_class(info["task"]).losses):
+            raise ValueError(f"optim.loss: the {info['task']} task of {self.data.dataset} trains with no "
+                             f"{self.optim.loss!r}; it offers task{''.join(', ' + name for name in losses)}")
         offers = task_class(info["task"]).offers
         if unknown := [m for m in self.eval.metrics if m not in offers]:
             raise ValueError(f"eval.metrics: the {info['task']} task of {self.data.dataset} reports no {unknown[0]!r}; "

@@ -64,7 +64,7 @@ class Federation:
     task: Task = field(init=False)
 
     def __post_init__(self) -> None:
-        self.task = task_of(self.dataset).with_metrics(self.cfg.eval.metrics)
+        self.task = task_of(self.dataset).with_metrics(self.cfg.eval.metrics).with_loss(self.cfg.optim.loss)
 
     @property
     def optim(self) -> OptimSettings:

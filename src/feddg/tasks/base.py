@@ -64,6 +64,7 @@ class Task(ABC):
     higher_is_better: ClassVar[bool] = True
     targets: ClassVar[frozenset[str]]  # the target kind (CLASS_LABELS, DENSE_MASKS)
     offers: ClassVar[tuple[str, ...]] = ()  # further metrics it can report beside its own (eval.metrics)
+    losses: ClassVar[tuple[str, ...]] = ()  # other training losses it can use instead of its own (optim.loss)
 
     def __init__(self, num_classes: int, inputs: str = IMAGES) -> None:
         if inputs not in INPUT_KINDS:
@@ -71,6 +72,8 @@ class Task(ABC):
         self.num_classes, self.inputs = int(num_classes), inputs
         #: the further metrics reported beside :attr:`metric` (keys ``<role>_<name>[/<domain>]``), from the same tally
         self.extra_metrics: tuple[str, ...] = ()
+        #: the training loss: "task" (:meth:`loss` as the task defines it) or one of :attr:`losses`
+        self.loss_name = "task"
 
     def with_metrics(self, names: Sequence[str]) -> Task:
         """This task, also reporting the further metrics ``names`` (among :attr:`offers`); one line for others."""
@@ -78,6 +81,14 @@ class Task(ABC):
             raise ValueError(f"the {self.name} task reports no metric {unknown[0]!r} beside {self.metric}; it offers "
                              f"{', '.join(self.offers) or 'none'}")
         self.extra_metrics = tuple(dict.fromkeys(names))
+        return self
+
+    def with_loss(self, name: str) -> Task:
+        """This task, training with loss ``name`` ("task" or one of :attr:`losses`); one line for others."""
+        if name != "task" and name not in self.losses:
+            raise ValueError(f"the {self.name} task trains with no loss {name!r}; it offers "
+                             f"task{''.join(', ' + n for n in self.losses)}")
+        self.loss_name = name
         return self
 
     def extra_score(self, name: str, tally: np.ndarray) -> float:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from feddg.data.base import DomainDataset
 
 EXAMPLES_PER_SITE = 4  # slices per site in examples/<site>.png
+SLICE_EPS = 1e-5  # slice_dice's denominator term (HarmoFL's dice_coef)
 
 
 class Segmentation(Task):
@@ -49,6 +51,8 @@ class Segmentation(Task):
     metric = "dice"
     label = "Dice"
     targets: ClassVar[frozenset[str]] = frozenset({DENSE_MASKS})
+    offers: ClassVar[tuple[str, ...]] = ("slice_dice",)
+    losses: ClassVar[tuple[str, ...]] = ("ce_dice_all",)
 
     def __init__(self, num_classes: int, inputs: str = "images") -> None:
         super().__init__(num_classes, inputs)
@@ -57,28 +61,47 @@ class Segmentation(Task):
         from monai.losses import DiceLoss  # seconds to import: only where a segmentation task is made
 
         self.dice = DiceLoss(include_background=False, to_onehot_y=True, softmax=True, batch=True)
+        self.dice_all = DiceLoss(include_background=True, to_onehot_y=True, softmax=True, batch=True)
 
     def loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """CE + the foreground's soft Dice; ``ce_dice_all``: HarmoFL's ``JointLoss``, (CE + soft Dice over every
+        class) / 2 (MONAI's ε = 1e−5 is the code's ``smooth``)."""
+        if self.loss_name == "ce_dice_all":
+            return (F.cross_entropy(output, target) + self.dice_all(output, target.unsqueeze(1))) / 2
         return F.cross_entropy(output, target) + self.dice(output, target.unsqueeze(1))
 
     def tally_zeros(self, num_domains: int) -> np.ndarray:
-        return np.zeros((num_domains, 1 + 2 * (self.num_classes - 1)), dtype=np.int64)
+        return np.zeros((num_domains, 2 + 2 * (self.num_classes - 1)), dtype=np.float64)
 
     def tally(self, output: Tensor, target: Tensor, domains: np.ndarray, num_domains: int) -> np.ndarray:
-        """``[num_domains, 1 + 2(C−1)]``: slices, then per foreground class ``2·TP`` and ``P + T`` (pixels)."""
+        """``[num_domains, 2 + 2(C−1)]``: slices, then per foreground class ``2·TP`` and ``P + T`` (pixels), then the
+        sum over slices of each slice's Dice averaged over every class, background included (``slice_dice``)."""
         pred, true = output.argmax(1).cpu(), target.cpu()
         out = self.tally_zeros(num_domains)
         np.add.at(out[:, 0], domains, 1)
-        for c in range(1, self.num_classes):
+        per_slice = torch.zeros(len(pred), dtype=torch.float64)
+        for c in range(self.num_classes):
             p, t = (pred == c).flatten(1), (true == c).flatten(1)
-            np.add.at(out[:, 2 * c - 1], domains, (2 * (p & t).sum(1)).numpy())
-            np.add.at(out[:, 2 * c], domains, (p.sum(1) + t.sum(1)).numpy())
+            tp2, pt = 2 * (p & t).sum(1), p.sum(1) + t.sum(1)
+            per_slice += tp2.double() / (pt.double() + SLICE_EPS)
+            if c:
+                np.add.at(out[:, 2 * c - 1], domains, tp2.numpy())
+                np.add.at(out[:, 2 * c], domains, pt.numpy())
+        np.add.at(out[:, -1], domains, (per_slice / self.num_classes).numpy())
         return out
 
     def score(self, tally: np.ndarray) -> float:
         """Mean over the foreground classes of ``100 · 2TP / (P + T)`` (100 where ``P + T = 0``)."""
-        dice = [100.0 * int(tp2) / int(pt) if pt else 100.0 for tp2, pt in zip(tally[1::2], tally[2::2], strict=True)]
+        fg = tally[1:-1]
+        dice = [100.0 * float(tp2) / float(pt) if pt else 100.0 for tp2, pt in zip(fg[0::2], fg[1::2], strict=True)]
         return float(np.mean(dice))
+
+    def extra_score(self, name: str, tally: np.ndarray) -> float:
+        """``slice_dice``: HarmoFL's and FedFA's code's Dice (``dice_coef``): per slice the mean over every class,
+        background included, of ``2|P∩T| / (|P| + |T| + 1e−5)`` (an empty class scores 0), then the mean over slices."""
+        if name != "slice_dice":
+            return super().extra_score(name, tally)
+        return 100.0 * float(tally[-1]) / float(tally[0])
 
     def count(self, tally: np.ndarray) -> int:
         return int(tally[0])
