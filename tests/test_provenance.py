@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import feddg
 from feddg.config import build_config, dump_config
 from feddg.federation import provenance
@@ -25,9 +27,12 @@ def test_the_hash_follows_what_is_computed_not_where_or_how_fast():
                  "federation.checkpoint_every=3", "logging.tensorboard=true", "data.loader_workers=2",
                  "flower.round_timeout_s=60", "flower.client_num_cpus=2"):
         assert config_hash(build_config({}, [same])) == base, same
-    for different in ("optim.lr=0.02", "seed=1", "federation.rounds=11", "eval.every=2", "method.name=fedprox",
-                      "flower.secaggplus.clipping_range=4"):  # SecAgg+'s quantisation changes the aggregate
+    for different in ("optim.lr=0.02", "seed=1", "federation.rounds=11", "eval.every=2", "method.name=fedprox"):
         assert config_hash(build_config({}, [different])) != base, different
+    secagg = ["federation.engine=flower", "flower.secure_aggregation=secaggplus"]  # its quantisation changes the
+    assert config_hash(build_config({}, [*secagg, "flower.secaggplus.clipping_range=4"])) != config_hash(  # aggregate
+        build_config({}, secagg))
+    assert config_hash(build_config({}, ["flower.secaggplus.clipping_range=4"])) == base  # without SecAgg+: nothing
 
 
 def test_every_excluded_key_is_a_config_key():
@@ -72,3 +77,58 @@ def test_no_git_commit_outside_a_checkout_and_no_failure_without_git(tmp_path, m
     monkeypatch.setenv("PATH", str(tmp_path))  # no git executable at all
     write_provenance(tmp_path, build_config({}))
     assert json.loads((tmp_path / PROVENANCE).read_text())["git_commit"] is None
+
+
+def test_method_and_hierarchy_parameters_are_hashed_resolved():
+    """``{}`` and the defaults written out are the same computation (a sweep used to rerun the cell)."""
+    bare = config_hash(build_config({"method": {"name": "fedprox"}}))
+    assert config_hash(build_config({"method": {"name": "fedprox", "params": {"mu": 0.01}}})) == bare
+    assert config_hash(build_config({"method": {"name": "fedprox", "params": {"mu": 0.1}}})) != bare
+    tree = {"hierarchy": {"stations": 2, "merge": "hfedatm"}, "partition": {"num_clients": 4}}
+    written = {**tree, "hierarchy": {**tree["hierarchy"], "params": {"alpha": 0.75}}}
+    assert config_hash(build_config(tree)) == config_hash(build_config(written))
+
+
+def test_a_sweep_cell_whose_input_files_changed_is_rerun(tmp_path, monkeypatch):
+    """The hash covers the paths; the inputs stamp their files: weights rewritten in place rerun the cell."""
+    from feddg import sweep
+
+    weights = tmp_path / "start.pth"
+    weights.write_bytes(b"one")
+    cfg = build_config({"model": {"weights": str(weights)}})
+    run = tmp_path / "cell"
+    run.mkdir()
+    write_provenance(run, cfg)
+    (run / "results.json").write_text("{}")
+    calls = []
+    monkeypatch.setattr(sweep, "run_experiment", lambda cfg, run_dir, **kw: calls.append(kw) or {"rerun": True})
+    assert sweep._run_or_load(cfg, run, progress=False) == {}  # unchanged: loaded
+    weights.write_bytes(b"two, longer")  # another file under the same name
+    assert provenance.changed_inputs(run, cfg) == ["model.weights"]
+    assert sweep._run_or_load(cfg, run, progress=False) == {"rerun": True} and calls == [{"overwrite": True,
+                                                                                          "progress": False}]
+    assert provenance.inputs_stamp(build_config({"data": {"root": str(tmp_path / "nowhere")}})) == {
+        "data.root": "missing"}
+
+
+def test_a_resume_keeps_the_hash_only_where_a_fresh_run_computes_the_same(tmp_path):
+    from feddg.config import ConfigError
+    from feddg.experiment import _same_as_fresh, resume_experiment
+
+    two = build_config({"federation": {"rounds": 2}, "eval": {"every": 2}})
+    assert _same_as_fresh(two, build_config({"federation": {"rounds": 4}, "eval": {"every": 2}}))
+    assert not _same_as_fresh(two, build_config({"federation": {"rounds": 4}, "eval": {"every": 3}}))  # eval.every
+    odd = build_config({"federation": {"rounds": 3}, "eval": {"every": 2}})  # round 3 was evaluated as the last
+    assert not _same_as_fresh(odd, build_config({"federation": {"rounds": 4}, "eval": {"every": 2}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    write_provenance(run, odd)
+    record_resume(run, two, [], same_as_fresh=False)
+    assert stored_config_hash(run) == provenance.CHANGED_ON_RESUME + config_hash(two) != config_hash(two)
+    record_resume(run, two, [])  # a later plain resume does not clear the mark
+    assert stored_config_hash(run) != config_hash(two)
+    (ga := tmp_path / "ga").mkdir()
+    (ga / "config.yaml").write_text(dump_config(build_config({"method": {"name": "feddg_ga"},
+                                                              "federation": {"rounds": 2}})))
+    with pytest.raises(ConfigError, match="cannot change on resume with feddg_ga"):  # its step decays over R
+        resume_experiment(ga, ["federation.rounds=4"], progress=False)

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from feddg.algorithms.registry import method_class
 from feddg.config import (
     ROSTER_NEEDS_DEPLOYMENT,
     ConfigError,
@@ -28,7 +29,7 @@ from feddg.engines.inprocess import run_inprocess
 from feddg.evaluation.plots import plot_run
 from feddg.federation.checkpoint import has_checkpoint
 from feddg.federation.examples import write_examples
-from feddg.federation.provenance import record_resume
+from feddg.federation.provenance import config_hash, record_resume
 from feddg.federation.server import CONFIG, RESULTS, Server, default_run_dir, used_run_dir
 from feddg.federation.setup import build_federation
 from feddg.tasks import Task, metric_key
@@ -199,6 +200,17 @@ RESUME_SAFE = tuple(key for key in ("federation.rounds", "eval.every", "federati
 """Keys a resume may change (those this config schema has): the rounds already trained stay valid."""
 
 
+def _same_as_fresh(before: ExperimentConfig, after: ExperimentConfig) -> bool:
+    """Whether a run of ``before`` resumed as ``after`` gives what a fresh run of ``after`` gives: the same computation,
+    or more rounds whose every evaluation a fresh run makes too (the old last round was due under ``eval.every``;
+    else it keeps an evaluation a fresh run would skip, and model selection sees one more round)."""
+    if config_hash(before) == config_hash(after):
+        return True
+    same_length = before.model_copy(update={"federation": before.federation.model_copy(
+        update={"rounds": after.federation.rounds})})
+    return config_hash(same_length) == config_hash(after) and before.federation.rounds % after.eval.every == 0
+
+
 def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *, progress: bool = True
                       ) -> dict[str, Any]:
     """Continue a killed run from its last checkpoint (or extend a finished one), with the config it was started
@@ -224,6 +236,9 @@ def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *
     if grows and cfg.optim.schedule == "cosine":
         raise ConfigError(f"federation.rounds: cannot change on resume with optim.schedule=cosine (its rounds "
                           f"so far followed a cosine over {before} rounds)")
+    if grows and method_class(cfg.method.name).rounds_in_state:
+        raise ConfigError(f"federation.rounds: cannot change on resume with {cfg.method.name} (its server state "
+                          f"follows the run's {before} rounds)")
     if not has_checkpoint(run_dir):
         raise RunDirError(f"nothing to resume in {run_dir}: it has no checkpoint (it stopped before its first round "
                           "ended); start it again with --overwrite")
@@ -235,5 +250,5 @@ def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *
             shutil.rmtree(path, ignore_errors=True)
     if overrides:
         (run_dir / CONFIG).write_text(dump_config(cfg))
-    record_resume(run_dir, cfg, overrides)
+    record_resume(run_dir, cfg, overrides, same_as_fresh=_same_as_fresh(build_config(raw), cfg))
     return run_experiment(cfg, run_dir, resume=True, progress=progress)

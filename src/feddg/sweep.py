@@ -59,7 +59,7 @@ from feddg.evaluation.selection import (
 from feddg.evaluation.tables import STATS_NOTE, csv_table, markdown_table
 from feddg.experiment import console, progress_bar, run_experiment
 from feddg.federation.checkpoint import CheckpointError, has_checkpoint
-from feddg.federation.provenance import config_hash, stored_config_hash
+from feddg.federation.provenance import changed_inputs, config_hash, record_resume, stored_config_hash
 from feddg.federation.server import RESULTS
 from feddg.seeds import derived_seed
 from feddg.settings import Settings
@@ -293,12 +293,16 @@ def _run_or_load(cfg: ExperimentConfig, run_dir: Path, progress: bool) -> dict[s
             why = "its config changed" if stored else "it has no provenance.json or config.yaml to compare"
             _say(f"rerunning {run_dir} from scratch: {why}")
             return run_experiment(cfg, run_dir, overwrite=True, progress=progress)
+        if changed := changed_inputs(run_dir, cfg):
+            _say(f"rerunning {run_dir} from scratch: the files of {', '.join(changed)} changed since it ran")
+            return run_experiment(cfg, run_dir, overwrite=True, progress=progress)
     results = _results(run_dir)
     if results is not None:
         _say(f"[dim]done already: {escape(str(run_dir))}[/dim]", markup=True)
         return results
     if has_checkpoint(run_dir):
         try:
+            record_resume(run_dir, cfg, [])  # the resumed process's code and kernels, as feddg run --resume notes them
             return run_experiment(cfg, run_dir, resume=True, progress=progress)
         except CheckpointError as err:
             _say(f"rerunning {run_dir} from scratch: {err}")

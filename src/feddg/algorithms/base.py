@@ -167,6 +167,8 @@ class Method(ABC):
     #: what the method needs of the task's batches and of the model (``feddg.tasks`` capabilities: images,
     #: class_labels, conv_stages, batchnorm, ...); a config that cannot serve it is refused at load
     requires: ClassVar[frozenset[str]] = frozenset()
+    #: True when the server state depends on ``federation.rounds`` (FedDG-GA's step decay): a resume cannot grow it
+    rounds_in_state: ClassVar[bool] = False
     #: False when the loss uses the labels beyond the task's loss (class-conditional terms, class prototypes):
     #: label-mixing augmentations, whose targets are soft, are refused with it
     takes_soft_targets: ClassVar[bool] = True

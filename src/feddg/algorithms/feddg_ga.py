@@ -107,6 +107,7 @@ class FedDGGA(Method):
     """FedAvg's local training; aggregation weights adjusted by the clients' generalisation gaps."""
 
     name = "feddg_ga"
+    rounds_in_state = True  # d_r = d (1 − r/R) decays over the run's R rounds
     Params = FedDGGAParams
     params: FedDGGAParams
     search_space: ClassVar[dict[str, list[Any]]] = {"step": [0.025, 0.05, 0.2 / 3, 0.1, 0.2]}

@@ -53,8 +53,18 @@ HASH_EXCLUDES = (
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
-    """sha256 (hex) of ``cfg`` without :data:`HASH_EXCLUDES`: equal hashes mean the same computation."""
+    """sha256 (hex) of ``cfg`` without :data:`HASH_EXCLUDES`: equal hashes mean the same computation. The method's
+    and the hierarchy's parameters are hashed resolved, defaults filled in: ``{}`` and the defaults written out are
+    the same computation, and a changed default changes the hash."""
+    from feddg.aggregation.merges import HFedATMParams  # every hierarchy key (config.py: _hierarchy_fits)
+    from feddg.algorithms.registry import method_class
+
     tree = cfg.model_dump(mode="json")
+    tree["method"]["params"] = method_class(cfg.method.name).Params(**cfg.method.params).model_dump(mode="json")
+    if cfg.hierarchy is not None:
+        tree["hierarchy"]["params"] = HFedATMParams(**cfg.hierarchy.params).model_dump(mode="json")
+    if cfg.flower.secure_aggregation == "none":  # SecAgg+'s settings change nothing without it
+        tree["flower"].pop("secaggplus", None)
     for dotted in HASH_EXCLUDES:
         *parents, leaf = dotted.split(".")
         node = tree
@@ -65,10 +75,34 @@ def config_hash(cfg: ExperimentConfig) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def input_paths(cfg: ExperimentConfig) -> dict[str, str]:
+    """The files and folders a run of ``cfg`` reads beside its config, by config key."""
+    named = {"data.root": cfg.data.root, "data.tokenizer": cfg.data.tokenizer, "model.weights": cfg.model.weights,
+             "model.path": cfg.model.path, **{f"eval.extra.{e.name}.root": e.root for e in cfg.eval.extra}}
+    return {key: path for key, path in named.items() if path}
+
+
+def inputs_stamp(cfg: ExperimentConfig) -> dict[str, str]:
+    """Per input path (:func:`input_paths`): sha256 over every file under it of its relative path, size and
+    modification time (``"missing"`` where nothing is). The config hash covers the paths, this their content: a
+    sweep reruns a cell whose data or weights were rewritten in place."""
+    out = {}
+    for key, path in input_paths(cfg).items():
+        root = Path(path).expanduser()
+        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else []
+        h = hashlib.sha256()
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.relative_to(root) if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        out[key] = h.hexdigest() if files else "missing"
+    return out
+
+
 def provenance(cfg: ExperimentConfig) -> dict[str, Any]:
     """The provenance record of a run of ``cfg`` started now, on this machine."""
     return {
         "config_hash": config_hash(cfg),
+        "inputs": inputs_stamp(cfg),
         "hash_excludes": list(HASH_EXCLUDES),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "feddg": feddg.__version__,
@@ -90,18 +124,39 @@ def write_provenance(run_dir: str | Path, cfg: ExperimentConfig) -> Path:
     return _write(Path(run_dir) / PROVENANCE, provenance(cfg))
 
 
-def record_resume(run_dir: str | Path, cfg: ExperimentConfig, overrides: list[str]) -> None:
-    """Note a resume (when, with which feddg, which overrides) in ``provenance.json``; the hash follows ``cfg``."""
+#: a resumed run's hash when it is not what a fresh run of its config computes: equal to no config's
+CHANGED_ON_RESUME = "changed-on-resume:"
+
+
+def record_resume(run_dir: str | Path, cfg: ExperimentConfig, overrides: list[str], same_as_fresh: bool = True) -> None:
+    """Note a resume (when, with which feddg, which overrides) in ``provenance.json``. The hash follows ``cfg`` where
+    the resumed run is what a fresh run of ``cfg`` computes (``same_as_fresh``), else it is marked so that no sweep
+    takes the run for one of ``cfg`` (an ``eval.every`` changed on resume, an extension whose old last round was not
+    due for evaluation)."""
     path = Path(run_dir) / PROVENANCE
     record = _read(path)
     if record is None:
         return  # a run from before provenance.json: its config.yaml is re-hashed instead
-    record["config_hash"] = config_hash(cfg)
+    marked = str(record.get("config_hash", "")).startswith(CHANGED_ON_RESUME)
+    record["config_hash"] = config_hash(cfg) if same_as_fresh and not marked else CHANGED_ON_RESUME + config_hash(cfg)
     record.setdefault("resumed", []).append(
         {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": overrides, "feddg": feddg.__version__, **git_state(),
+         "torch": torch.__version__, "numpy": np.__version__,
+         "machine": {"cpus": os.cpu_count(), "device": _device(cfg.device), "hostname": socket.gethostname()},
          "reproducibility": kernel_record(cfg.reproducibility)}
     )
     _write(path, record)
+
+
+def changed_inputs(run_dir: str | Path, cfg: ExperimentConfig) -> list[str]:
+    """The input paths (:func:`inputs_stamp`) whose files changed since the run in ``run_dir`` recorded them (none
+    for a run from before the record)."""
+    record = _read(Path(run_dir) / PROVENANCE) or {}
+    stored = record.get("inputs")
+    if not isinstance(stored, dict):
+        return []
+    now = inputs_stamp(cfg)
+    return sorted(k for k in set(stored) | set(now) if stored.get(k) != now.get(k))
 
 
 def stored_config_hash(run_dir: str | Path) -> str | None:

@@ -140,7 +140,8 @@ class Server:
         self.evaluator = Evaluator(fed)
         dp = fed.cfg.dp_weights  # DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights")
         self.dp = None if dp is None else WeightPrivacy(dp, len(fed.clients), fc.client_fraction, fed.cfg.seed,
-                                                        ckpt.get("dp_weights_clip") if ckpt is not None else None)
+                                                        ckpt.get("dp_weights_clip") if ckpt is not None else None,
+                                                        ckpt.get("dp_weights_uncovered") if ckpt is not None else None)
         if self.dp is not None and any(k.endswith("running_var") for k in self.declared):
             log.warning("dp_weights: the model's BatchNorm running statistics are part of each clipped update and take "
                         "the noise (a noised variance can go negative); model cnn_gn or lenet has none "
@@ -388,7 +389,8 @@ class Server:
                 "metrics": self.metrics,
                 "norm_reference": None if self.norm_bound is None else self.norm_bound.reference,
                 **({} if self.loss_guard is None else {"loss_reference": self.loss_guard.best}),
-                **({} if self.dp is None else {"dp_weights_clip": self.dp.clip}),
+                **({} if self.dp is None else {"dp_weights_clip": self.dp.clip,
+                                               "dp_weights_uncovered": sorted(self.dp.uncovered)}),
             },
         )
         self.stores.saved(index)

@@ -33,7 +33,7 @@ class WeightPrivacy:
     payloads the guarantee does not cover (anything but ``w/``, ``num_examples``, ``train_loss``)."""
 
     def __init__(self, cfg: WeightDPConfig, num_clients: int, fraction: float, seed: int,
-                 clip: float | None = None) -> None:
+                 clip: float | None = None, uncovered: list[str] | None = None) -> None:
         self.cfg = cfg
         self.num_clients = num_clients
         self.sampled = sample_size(num_clients, fraction)  # m, as sample_members draws them
@@ -44,7 +44,7 @@ class WeightPrivacy:
                                           if cfg.adaptive is not None else (0.0, cfg.noise_multiplier))
         self.unclipped = 0
         self.next = self.clip
-        self.uncovered: set[str] = set()
+        self.uncovered: set[str] = set(uncovered or ())  # checkpointed: a resumed run reports the whole run's
 
     def begin(self) -> None:
         self.unclipped = 0
