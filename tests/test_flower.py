@@ -61,6 +61,9 @@ class PayloadProbe(FedAvg):
     def setup_request(self, state):
         return {"ask": "labels", "bins": 4}
 
+    def setup_layout(self, model, request, weights):
+        return {"hist/labels": array_slot((int(request["bins"]),), np.int64)}
+
     def client_setup(self, model, msg, client_state, ctx):
         hist = np.bincount(ctx.dataset.labels[ctx.train_idx], minlength=int(msg["bins"])).astype(np.int64)
         return {"hist/labels": hist, "num_examples": ctx.num_examples}, {"setup_seen": 1}

@@ -14,7 +14,7 @@ from feddg.algorithms.base import ClientContext, ClientState, Method
 from feddg.config import build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
-from feddg.federation.validation import check_reply
+from feddg.federation.validation import RunStopped, check_reply, check_setup_replies
 from feddg.messages import Message, array_slot, like_slot, number_slot
 from feddg.models.permutation import register_spec, sequential_spec
 
@@ -99,3 +99,33 @@ def test_a_malformed_reply_beside_the_weights_drops_that_client_and_the_round_go
     assert reasons[1] == {}  # honest replies fit the layout
     assert list(reasons[2]) == ["3"] and reasons[2]["3"].startswith(why), reasons[2]
     assert max(reasons) == server.round  # and the run went on to its end
+
+
+def test_setup_replies_are_checked_and_open_sizes_must_agree_past_the_first_dimension():
+    layout = {"bank": array_slot((-1, -1, 3), np.float32), "n": number_slot(int), "latent": array_slot((4,), np.float32)}
+    good = {"bank": np.zeros((5, 2, 3), np.float32), "n": 5, "latent": np.zeros(4, np.float32)}
+    assert check_setup_replies({0: good, 1: {**good, "bank": np.zeros((9, 2, 3), np.float32)}}, layout) == {}
+    replies = {0: good, 1: good, 2: {**good, "bank": np.zeros((5, 7, 3), np.float32)},  # another C than the others
+               3: {**good, "latent": np.zeros(1, np.float32)},  # copy_ would have broadcast it over ν[3]
+               4: {**good, "extra": np.zeros(1)}, 5: {**good, "n": 2.5},
+               6: {**good, "bank": np.full((5, 2, 3), np.nan, np.float32)}}
+    assert check_setup_replies(replies, layout) == {
+        2: "bank has shape (5, 7, 3), the other clients' (5, 2, 3)", 3: "latent has shape (1,), expected (4,)",
+        4: "unexpected array extra", 5: "n is 2.5, not an int", 6: "NaN in bank"}
+
+
+def test_a_malformed_setup_reply_stops_the_run_in_one_line_before_the_method_stacks_it(tmp_path):
+    cfg = build_config({"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
+                        "federation": {"rounds": 1, "batch_size": 16, "workers": 1}, "device": "cpu",
+                        "method": {"name": "fedmix"}})
+    fed = toy_federation_of(cfg)
+    honest = fed.method.client_setup
+
+    def client_setup(model, msg, client_state, ctx):
+        reply, state = honest(model, msg, client_state, ctx)
+        return ({**reply, "mix/y": reply["mix/y"][:, :2]} if ctx.client_id == 1 else reply), state
+
+    fed.method.client_setup = client_setup  # type: ignore[method-assign]
+    with pytest.raises(RunStopped, match=r"^setup exchange: client 1: mix/y has shape \(\d+, 2\), the other clients' "
+                                         r"\(\d+, 4\)$"):
+        run_inprocess(Server(fed, tmp_path / "run"))

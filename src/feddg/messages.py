@@ -28,8 +28,9 @@ WEIGHT_PREFIX = "w/"
 
 @dataclass(frozen=True)
 class Slot:
-    """A value a reply carries beside its ``w/`` arrays (``Method.reply_layout``): an array of ``dtype`` and
-    ``shape`` (``None``: any shape, for a group of arrays under a key ending in ``/``), or with ``number`` a number
+    """A value a reply carries beside its ``w/`` arrays (``Method.reply_layout``, ``Method.setup_layout``): an array
+    of ``dtype`` and ``shape`` (``None``: any shape, for a group of arrays under a key ending in ``/``; a dimension
+    of -1: any size, the same in every client's setup reply but for the first), or with ``number`` a number
     (``dtype`` float takes an int too) that equals ``value`` where given (an echo of what was sent)."""
 
     dtype: np.dtype

@@ -276,6 +276,12 @@ class Method(ABC):
         """A message sent once to *every* client before round 1, or ``None`` for no setup."""
         return None
 
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        """What :meth:`server_setup` reads of each client's reply to ``request`` (as :meth:`reply_layout`; a -1 size
+        may differ from the other clients' only in the first dimension); a reply that differs stops the run in one
+        line. Default: nothing."""
+        return {}
+
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:

@@ -34,7 +34,7 @@ from feddg.algorithms.components.style import (
     style_setup_request,
 )
 from feddg.devices import Inputs, images
-from feddg.messages import Message, load_weights, subset
+from feddg.messages import Layout, Message, Shapes, array_slot, load_weights, subset
 from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
 if TYPE_CHECKING:
@@ -78,6 +78,9 @@ class CCST(Method):
     # --- setup exchange ------------------------------------------------------------------
     def setup_request(self, state: ServerState) -> Message | None:
         return style_setup_request(self.params, state["weights"])
+
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        return {STYLE_MEAN: array_slot((-1, -1), np.float32), STYLE_STD: array_slot((-1, -1), np.float32)}  # [J, C]
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

@@ -63,7 +63,7 @@ from feddg.algorithms.base import (
 from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.algorithms.harmofl import amplitude_window, low_freq_radius, mix_low_frequency
 from feddg.devices import images
-from feddg.messages import Message, load_weights
+from feddg.messages import Layout, Message, Shapes, array_slot, load_weights
 from feddg.models.base import FedModel
 from feddg.tasks import DENSE_MASKS, IMAGES
 
@@ -226,6 +226,9 @@ class ELCFS(Method):
     def setup_request(self, state: ServerState) -> Message | None:
         state["setup_started"] = time.perf_counter()
         return {"amp/window": self.params.window}
+
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        return {AMP_BANK: array_slot((-1, -1, -1, -1), np.float32)}  # [M, C, 2b+1, 2b+1]
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

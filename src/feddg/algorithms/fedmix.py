@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from feddg.algorithms.base import ClientContext, ClientState, Method, Params, Reply, ServerState, weights_reply
 from feddg.algorithms.components.local import train_local
 from feddg.devices import Inputs, images
-from feddg.messages import Message, load_weights
+from feddg.messages import Layout, Message, Shapes, array_slot, load_weights
 from feddg.tasks import CLASS_LABELS, IMAGES, Task
 
 MEAN_X, MEAN_Y = "mix/x", "mix/y"  # [G, C, H, W] mean images, [G, classes] mean one-hot labels
@@ -70,6 +70,9 @@ class FedMix(Method):
     # --- setup exchange ------------------------------------------------------------------
     def setup_request(self, state: ServerState) -> Message | None:
         return {"mean_size": self.params.mean_size}
+
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        return {MEAN_X: array_slot((-1, -1, -1, -1), np.float32), MEAN_Y: array_slot((-1, -1), np.float32)}
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

@@ -41,7 +41,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import train_local
 from feddg.devices import images
-from feddg.messages import Layout, Message, Shapes, load_weights, number_slot
+from feddg.messages import Layout, Message, Shapes, array_slot, load_weights, number_slot
 from feddg.tasks import IMAGES
 
 MEAN, VAR, N, N_EFF = "fedrc/mean", "fedrc/var", "fedrc/n", "fedrc/n_eff"  # a client's Gaussian (setup reply)
@@ -97,6 +97,10 @@ class FedRC(Method):
     # --- setup: every client's Gaussian, once ------------------------------------------------
     def setup_request(self, state: ServerState) -> Message | None:
         return {"fedrc/request": 1}
+
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        return {N: number_slot(int), N_EFF: number_slot(), MEAN: array_slot((-1,), np.float64),
+                VAR: array_slot((-1,), np.float64)}  # the client's Gaussian
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

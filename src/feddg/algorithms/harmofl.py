@@ -51,7 +51,7 @@ from feddg.algorithms.base import (
 )
 from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.devices import Inputs, images
-from feddg.messages import Message, load_weights
+from feddg.messages import Layout, Message, Shapes, array_slot, load_weights
 from feddg.models.base import FedModel
 from feddg.tasks import IMAGES
 
@@ -248,6 +248,9 @@ class HarmoFL(Method):
             return None
         state["setup_started"] = time.perf_counter()
         return {"amp/radius": self.params.radius}
+
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        return {AMP_MEAN: array_slot(weights[f"w/{AMP_KEY}"][0], np.float32)}  # Ā_k, the normaliser's window
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

@@ -325,6 +325,9 @@ class HFedF(Method):
             return None
         return {"ae_seed": derived_seed(state["seed"], 41, bits=31), "latent_dim": state["hnet"].embed_dim}
 
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        return {EMB_KEY: array_slot((int(request["latent_dim"]),), np.float32)}  # the client's mean latent
+
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:

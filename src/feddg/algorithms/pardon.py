@@ -59,7 +59,7 @@ from feddg.algorithms.components.style import (
 )
 from feddg.data.transforms import BatchRandomCrop
 from feddg.devices import Inputs, images
-from feddg.messages import Message, load_weights, subset
+from feddg.messages import Layout, Message, Shapes, array_slot, load_weights, subset
 from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
 if TYPE_CHECKING:
@@ -220,6 +220,9 @@ class Pardon(Method):
             return None
         state["setup_started"] = time.perf_counter()
         return style_setup_request(self.params, state["weights"])
+
+    def setup_layout(self, model: nn.Module, request: Message, weights: Shapes) -> Layout:
+        return {STYLE_MEAN: array_slot((-1,), np.float32), STYLE_STD: array_slot((-1,), np.float32)}  # one (μ, σ)
 
     def client_setup(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext

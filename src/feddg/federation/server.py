@@ -35,7 +35,14 @@ from feddg.federation.integrity import (
 from feddg.federation.provenance import write_provenance
 from feddg.federation.rounds import learning_rate
 from feddg.federation.setup import Federation
-from feddg.federation.validation import RunStopped, check_reply, outliers, shapes_of, update_norm
+from feddg.federation.validation import (
+    RunStopped,
+    check_reply,
+    check_setup_replies,
+    outliers,
+    shapes_of,
+    update_norm,
+)
 from feddg.federation.weight_privacy import WeightPrivacy
 from feddg.messages import Message, message_nbytes, weights_of
 from feddg.reproducibility import check_pinned
@@ -129,6 +136,7 @@ class Server:
             self.round = ckpt["round"]
             self.setup_done = ckpt["setup_done"]
         self.saved_round: int | None = ckpt["round"] if ckpt is not None else None
+        self.setup_sent: Message | None = None  # the setup request, once made (its replies are checked against it)
         fc = fed.cfg.federation
         reference = ckpt.get("norm_reference") if ckpt is not None else None  # older checkpoints: none yet
         self.norm_bound = (NormBound(fc.update_norm_factor, reference)
@@ -151,9 +159,15 @@ class Server:
     # --- setup exchange ----------------------------------------------------------------
     def setup_request(self) -> Message | None:
         """The one-time setup message for every client, if the method has one and it is pending."""
-        return None if self.setup_done else self.fed.topology.setup_request(self.fed.method, self.state)
+        self.setup_sent = None if self.setup_done else self.fed.topology.setup_request(self.fed.method, self.state)
+        return self.setup_sent
 
     def finish_setup(self, replies: list[Reply]) -> None:
+        """Check every setup reply against the method's layout (the exchange needs every client: one that fails
+        stops the run in one line, before the method stacks them), then hand them to the method."""
+        layout = self.fed.method.setup_layout(self.fed.model, self.setup_sent or {}, self.declared)
+        if problems := check_setup_replies({r.client_id: r.message for r in replies}, layout):
+            raise RunStopped("setup exchange: " + "; ".join(f"client {c}: {why}" for c, why in sorted(problems.items())))
         self.state = self.fed.topology.server_setup(self.fed.method, self.state, replies)
         self.setup_done = True
         self.checkpoint()

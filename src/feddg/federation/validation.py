@@ -101,8 +101,9 @@ def _slot_problem(value: Value, slot: Slot) -> str | None:
         return None
     if not isinstance(value, np.ndarray):
         return f"is a {type(value).__name__}, not an array"
-    if slot.shape is not None and value.shape != slot.shape:
-        return f"has shape {value.shape}, expected {slot.shape}"
+    if slot.shape is not None and (len(value.shape) != len(slot.shape)
+                                   or any(want not in (-1, got) for got, want in zip(value.shape, slot.shape))):
+        return f"has shape {value.shape}, expected {_shape_text(slot.shape)}"
     if value.dtype != slot.dtype:
         return f"is {value.dtype}, expected {slot.dtype}"
     return None
@@ -125,3 +126,32 @@ def outliers(norms: Mapping[int, float], factor: float) -> dict[int, str]:
     median = float(np.median(list(norms.values())))
     return {cid: f"update norm {n:.4g} > {factor:g} x median {median:.4g}"
             for cid, n in norms.items() if n > factor * median}
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join("any" if d == -1 else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_setup_replies(replies: Mapping[int, Message], layout: Layout) -> dict[int, str]:
+    """Client id -> why its setup reply must not reach the method's ``server_setup``: a value it does not declare or
+    of another kind, a float not finite, or an array whose sizes left open (-1) past the first dimension differ from
+    the other clients' (the method stacks them)."""
+    problems = {}
+    for cid, msg in replies.items():
+        for key, value in msg.items():
+            if isinstance(value, np.ndarray) and value.dtype.kind in "fc" and not np.isfinite(value).all():
+                problems[cid] = f"{'NaN' if np.isnan(value).any() else 'Inf'} in {key}"
+                break
+        else:
+            if (why := _beside_problem(msg, layout)) is not None:
+                problems[cid] = why
+    for key, slot in layout.items():
+        open_dims = [i for i, d in enumerate((slot.shape or ())[1:], start=1) if d == -1]
+        sizes = {cid: tuple(np.shape(msg[key])[i] for i in open_dims)
+                 for cid, msg in replies.items() if cid not in problems and key in msg}
+        if len(set(sizes.values())) > 1:  # the most common sizes stand; the others are the odd ones out
+            common = max(set(sizes.values()), key=list(sizes.values()).count)
+            problems.update({cid: f"{key} has shape {np.shape(replies[cid][key])}, the other clients' "
+                                  f"{np.shape(replies[next(c for c, v in sizes.items() if v == common)][key])}"
+                             for cid, v in sizes.items() if v != common})
+    return problems
