@@ -109,6 +109,15 @@ def test_a_sweep_cell_whose_input_files_changed_is_rerun(tmp_path, monkeypatch):
                                                                                           "progress": False}]
     assert provenance.inputs_stamp(build_config({"data": {"root": str(tmp_path / "nowhere")}})) == {
         "data.root": "missing"}
+    (data := tmp_path / "data").mkdir()
+    (data / "a.png").write_bytes(b"x")
+    folder = build_config({"data": {"root": str(data), "cache_dir": str(data / "cache")}})
+    before = provenance.inputs_stamp(folder)
+    (data / "cache").mkdir()
+    (data / "cache" / "images.npy").write_bytes(b"feddg's own")  # a cache under the root is not an input
+    assert provenance.inputs_stamp(folder) == before
+    (data / "b.png").write_bytes(b"y")
+    assert provenance.inputs_stamp(folder) != before
 
 
 def test_a_resume_keeps_the_hash_only_where_a_fresh_run_computes_the_same(tmp_path):

@@ -48,10 +48,9 @@ def array_slot(shape: tuple[int, ...] | None, dtype: Any, required: bool = True)
     return Slot(np.dtype(dtype), None if shape is None else tuple(shape), required=required)
 
 
-def like_slot(value: Value, dtype: Any = None, required: bool = True) -> Slot:
-    """An array of ``value``'s shape and dtype (or ``dtype``)."""
-    return Slot(np.dtype(dtype if dtype is not None else np.asarray(value).dtype), tuple(np.shape(value)),
-                required=required)
+def like_slot(value: Value) -> Slot:
+    """An array of ``value``'s shape and dtype."""
+    return Slot(np.asarray(value).dtype, tuple(np.shape(value)))
 
 
 def number_slot(kind: type = float, required: bool = True, value: float | None = None) -> Slot:

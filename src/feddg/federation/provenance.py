@@ -25,6 +25,7 @@ import torch
 
 import feddg
 from feddg.config import ConfigError, ExperimentConfig, build_config, read_yaml
+from feddg.data.cache import resolve_cache_dir
 from feddg.reproducibility import kernel_record
 
 PROVENANCE = "provenance.json"
@@ -86,10 +87,13 @@ def inputs_stamp(cfg: ExperimentConfig) -> dict[str, str]:
     """Per input path (:func:`input_paths`): sha256 over every file under it of its relative path, size and
     modification time (``"missing"`` where nothing is). The config hash covers the paths, this their content: a
     sweep reruns a cell whose data or weights were rewritten in place."""
+    cache = resolve_cache_dir(cfg.data.cache_dir).resolve()  # feddg's own writes, should it lie under a root
     out = {}
     for key, path in input_paths(cfg).items():
         root = Path(path).expanduser()
-        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else []
+        files = ([root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file()
+                                                      and not f.resolve().is_relative_to(cache))
+                 if root.is_dir() else [])
         h = hashlib.sha256()
         for f in files:
             st = f.stat()
