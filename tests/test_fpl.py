@@ -47,6 +47,32 @@ def test_upcr_reductions():
     assert upcr_loss(z, u, "mse").item() == pytest.approx(3.0)
 
 
+def test_the_prototype_terms_are_summed_over_the_samples_with_prototypes_and_divided_by_the_batch():
+    """The authors' ``loss_InfoNCE / i`` (``i`` counts every label): 2 of 8 samples with a prototype weigh 2/8."""
+    from feddg.algorithms.fpl import CLUSTER, CLUSTER_CLASS, FPL, HAS_UNBIASED, UNBIASED, FPLParams
+
+    g = torch.Generator().manual_seed(0)
+    z, y = torch.randn(8, 3, generator=g), torch.tensor([0, 1, 1, 1, 1, 1, 1, 0])
+    protos = {CLUSTER: torch.randn(2, 3, generator=g), CLUSTER_CLASS: torch.tensor([0, 1]),
+              UNBIASED: torch.randn(2, 3, generator=g), HAS_UNBIASED: torch.tensor([1, 0])}  # class 0 only
+    has = y == 0
+    each = (cpcl_loss(z[has], y[has], protos[CLUSTER], protos[CLUSTER_CLASS], FPLParams().temperature)
+            + upcr_loss(z[has], protos[UNBIASED][y[has]], FPLParams().upcr_reduction))
+    assert FPL()._proto_terms(z, y, protos).item() == pytest.approx(each.sum().item() / 8, rel=1e-6)
+
+
+def test_a_client_with_no_trainable_batch_reports_no_class_instead_of_failing():
+    """One sample under BatchNorm trains no batch (local_batches skips it): FPL asserted and failed the client."""
+    import dataclasses
+
+    fed = toy_federation("method.name=fpl")
+    msg = {**fed.method.client_config(fed.method.server_init(fed.model, None), 0, 1), "lr": 0.1, "round": 1}
+    ctx = client_context(fed, 0, 1)
+    ctx = dataclasses.replace(ctx, train_idx=ctx.train_idx[:1])
+    reply, _ = fed.method.client_update(fed.model, msg, {}, ctx)
+    assert not reply["proto/present"].any() and reply["proto/mean"].shape == (4, 16) and not reply["proto/mean"].any()
+
+
 def test_uploaded_prototypes_are_class_means_of_the_features():
     fed = toy_federation("method.name=fpl")
     msg = {**fed.method.client_config(fed.method.server_init(fed.model, None), 0, 1), "lr": 0.0, "round": 1}

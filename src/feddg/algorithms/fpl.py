@@ -112,10 +112,8 @@ class FPL(Method):
 
     def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
         """The client's class prototypes ``[K, D]`` and which classes it saw ``[K]``."""
-        head = [m for m in cast(nn.Module, model.classifier).modules() if isinstance(m, nn.Linear)][-1]
-        classes = head.out_features
-        return {PROTO_MEAN: array_slot((classes, int(cast(int, model.feature_dim))), np.float32),
-                PROTO_PRESENT: array_slot((classes,), np.int8)}
+        classes, dim = _proto_shape(model)
+        return {PROTO_MEAN: array_slot((classes, dim), np.float32), PROTO_PRESENT: array_slot((classes,), np.int8)}
 
     def keep(self, reply: Reply) -> Message:
         return {k: reply.message[k] for k in (PROTO_MEAN, PROTO_PRESENT)}
@@ -156,7 +154,9 @@ class FPL(Method):
                     counts = torch.zeros(logits.shape[1])
                 sums.index_add_(0, y.cpu(), z.detach().float().cpu())
                 counts.index_add_(0, y.cpu(), torch.ones(len(y)))
-        assert sums is not None and counts is not None, "a client trained on no batch"
+        if sums is None or counts is None:  # no batch trained (one sample under BatchNorm): no class present
+            classes, dim = _proto_shape(model)
+            sums, counts = torch.zeros(classes, dim), torch.zeros(classes)
         present = counts > 0
         mean = torch.where(present[:, None], sums / counts.clamp_min(1)[:, None], torch.zeros_like(sums))
         local: dict[str, np.ndarray] = {PROTO_MEAN: mean.numpy().astype(np.float32)}
@@ -172,7 +172,8 @@ class FPL(Method):
         return statistic_privacy(self.params.dp, rounds_done) if self.params.dp is not None else None
 
     def _proto_terms(self, z: Tensor, y: Tensor, protos: dict[str, Tensor]) -> Tensor:
-        """``mean_i [w_c·CPCL_i + w_u·UPCR_i]`` over samples whose class has global prototypes."""
+        """``Σ_i [w_c·CPCL_i + w_u·UPCR_i] / B``: summed over the samples whose class has global prototypes, divided
+        by the whole batch ``B`` (the authors' ``loss_InfoNCE / i``, ``i`` counting every label)."""
         if not protos:
             return z.sum() * 0.0
         has = protos[HAS_UNBIASED].to(z.device)[y].bool()
@@ -182,4 +183,10 @@ class FPL(Method):
         clusters = protos[CLUSTER].to(z)
         cpcl = cpcl_loss(zs, ys, clusters, protos[CLUSTER_CLASS].to(z.device), self.params.temperature)
         upcr = upcr_loss(zs, protos[UNBIASED].to(z)[ys], self.params.upcr_reduction)
-        return (self.params.cpcl_weight * cpcl + self.params.upcr_weight * upcr).mean()
+        return (self.params.cpcl_weight * cpcl + self.params.upcr_weight * upcr).sum() / len(y)
+
+
+def _proto_shape(model: nn.Module) -> tuple[int, int]:
+    """``(K, D)`` of a model's prototypes: its head's classes and its feature size."""
+    head = [m for m in cast(nn.Module, model.classifier).modules() if isinstance(m, nn.Linear)][-1]
+    return head.out_features, int(cast(int, model.feature_dim))
