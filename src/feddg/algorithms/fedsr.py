@@ -23,7 +23,7 @@ from feddg.algorithms.base import ClientContext, ClientState, Method, Params, we
 from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.devices import Inputs
 from feddg.messages import Message, load_weights
-from feddg.models.base import FedModel
+from feddg.models.base import FedModel, head_linear
 from feddg.tasks import CLASS_LABELS
 
 REF_KEYS = ("ref/mu", "ref/sigma", "ref/scale")
@@ -48,7 +48,7 @@ class FedSRNet(FedModel):
 
     def __init__(self, net: FedModel, z_dim: int | None = None) -> None:
         super().__init__()
-        head_name, head = _last_linear(net)
+        head_name, head = head_linear(net, "for FedSR to widen")
         self.z_dim = z_dim or net.feature_dim
         self.feature_dim = self.z_dim
         _set_module(net, head_name, nn.Linear(head.in_features, 2 * self.z_dim))
@@ -63,15 +63,6 @@ class FedSRNet(FedModel):
     def features(self, x: Tensor) -> Tensor:
         mu, sigma = self.distribution(x)
         return mu + sigma * torch.randn_like(mu) if self.training else mu
-
-
-def _last_linear(net: FedModel) -> tuple[str, nn.Linear]:
-    heads = [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]
-    head_root = next(n for n, m in net.named_modules() if m is net.classifier)
-    inside = [(n, m) for n, m in heads if n == head_root or n.startswith(f"{head_root}.")]
-    if not inside:
-        raise TypeError(f"{type(net).__name__}: its classifier has no nn.Linear for FedSR to widen")
-    return inside[-1]
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:

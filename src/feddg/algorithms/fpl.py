@@ -41,6 +41,7 @@ from feddg.algorithms.base import (
 from feddg.algorithms.components.local import grad_scaler, local_batches, make_optimizer, scaled_step
 from feddg.algorithms.components.style import finch_labels
 from feddg.messages import Layout, Message, Shapes, array_slot, load_weights
+from feddg.models.base import head_linear
 from feddg.tasks import CLASS_LABELS
 
 if TYPE_CHECKING:
@@ -188,5 +189,4 @@ class FPL(Method):
 
 def _proto_shape(model: nn.Module) -> tuple[int, int]:
     """``(K, D)`` of a model's prototypes: its head's classes and its feature size."""
-    head = [m for m in cast(nn.Module, model.classifier).modules() if isinstance(m, nn.Linear)][-1]
-    return head.out_features, int(cast(int, model.feature_dim))
+    return head_linear(model, "for FPL's class prototypes")[1].out_features, int(cast(int, model.feature_dim))

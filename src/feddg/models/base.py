@@ -21,3 +21,14 @@ class FedModel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
+
+
+def head_linear(net: nn.Module, purpose: str) -> tuple[str, nn.Linear]:
+    """The last ``nn.Linear`` of ``net.classifier`` (its name in ``net``): the layer that makes the classes;
+    ``TypeError`` naming ``purpose`` where the head has none."""
+    head_root = next(n for n, m in net.named_modules() if m is net.classifier)
+    inside = [(n, m) for n, m in net.named_modules()
+              if isinstance(m, nn.Linear) and (n == head_root or n.startswith(f"{head_root}."))]
+    if not inside:
+        raise TypeError(f"{type(net).__name__}: its classifier has no nn.Linear {purpose}")
+    return inside[-1]
