@@ -112,6 +112,10 @@ def test_setup_replies_are_checked_and_open_sizes_must_agree_past_the_first_dime
     assert check_setup_replies(replies, layout) == {
         2: "bank has shape (5, 7, 3), the other clients' (5, 2, 3)", 3: "latent has shape (1,), expected (4,)",
         4: "unexpected array extra", 5: "n is 2.5, not an int", 6: "NaN in bank"}
+    split = {0: good, 1: {**good, "bank": np.zeros((5, 7, 3), np.float32)}}  # one against one: no side is blamed
+    assert check_setup_replies(split, layout) == {
+        0: "bank has shape (5, 2, 3): the clients' shapes differ, none shared by most",
+        1: "bank has shape (5, 7, 3): the clients' shapes differ, none shared by most"}
 
 
 def test_a_malformed_setup_reply_stops_the_run_in_one_line_before_the_method_stacks_it(tmp_path):

@@ -149,8 +149,12 @@ def check_setup_replies(replies: Mapping[int, Message], layout: Layout) -> dict[
         open_dims = [i for i, d in enumerate((slot.shape or ())[1:], start=1) if d == -1]
         sizes = {cid: tuple(np.shape(msg[key])[i] for i in open_dims)
                  for cid, msg in replies.items() if cid not in problems and key in msg}
-        if len(set(sizes.values())) > 1:  # the most common sizes stand; the others are the odd ones out
+        if len(set(sizes.values())) > 1:  # sizes most clients share stand; without a majority none does
             common = max(set(sizes.values()), key=list(sizes.values()).count)
+            if 2 * list(sizes.values()).count(common) <= len(sizes):
+                problems.update({cid: f"{key} has shape {np.shape(replies[cid][key])}: the clients' shapes differ, "
+                                      "none shared by most" for cid in sizes})
+                continue
             problems.update({cid: f"{key} has shape {np.shape(replies[cid][key])}, the other clients' "
                                   f"{np.shape(replies[next(c for c, v in sizes.items() if v == common)][key])}"
                              for cid, v in sizes.items() if v != common})
