@@ -25,6 +25,7 @@ def test_overall_style_is_the_pooled_style_of_the_client_and_the_bank_excludes_t
         assert np.allclose(mean[cid], m.numpy()[0], atol=1e-5) and np.allclose(std[cid], s.numpy()[0], atol=1e-4)
     msg = fed.method.client_config(server.state, 2, 1)
     assert np.array_equal(msg["bank/mean"], mean[[0, 1, 3]]) and np.array_equal(msg["bank/std"], std[[0, 1, 3]])
+    assert list(msg["bank/owner"]) == [0, 1, 3]
 
 
 def test_single_image_styles_are_per_image_statistics(tmp_path):
@@ -40,9 +41,21 @@ def test_single_image_styles_are_per_image_statistics(tmp_path):
 def test_draw_styles_are_distinct_and_capped_by_the_bank():
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        rows = draw_styles(5, 3, g)
+        rows = draw_styles(np.array([4, 0, 2, 3, 1]), 3, g)
         assert len(rows) == 3 and len(set(rows.tolist())) == 3 and rows.max() < 5
-    assert sorted(draw_styles(2, 3, g).tolist()) == [0, 1]
+    assert sorted(draw_styles(np.array([1, 3]), 3, g).tolist()) == [0, 1]
+
+
+def test_single_image_styles_are_drawn_from_distinct_clients_each_of_its_rows_alike():
+    """Three image styles of each of three other clients: K = 3 styles always come from the three clients (a draw
+    over the pooled rows repeats a client in 1 − 9·6·3/(9·8·7) = 68 % of draws), and every row of a client is used."""
+    owners = np.repeat([0, 2, 3], 3)
+    g = torch.Generator().manual_seed(0)
+    draws = [draw_styles(owners, 3, g) for _ in range(300)]
+    assert all(sorted(owners[d.numpy()].tolist()) == [0, 2, 3] for d in draws)
+    counts = np.bincount(torch.cat(draws).numpy(), minlength=9)
+    assert counts.min() > 60  # 100 expected per row
+    assert sorted(owners[draw_styles(owners, 2, g).numpy()].tolist()) in ([0, 2], [0, 3], [2, 3])
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -1,10 +1,12 @@
 """FedIIR: classifier-gradient penalty, the server's EMA mean, and what a client sends."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from toy import toy_federation
+from toy import ToyMLPHeadNet, toy_federation
 
 from feddg.algorithms import Reply
 from feddg.algorithms.fedavg import FedAvg
@@ -36,7 +38,7 @@ def test_batch_gradient_sum_adds_per_batch_classifier_gradients_and_keeps_bn_sta
     fed = toy_federation()
     model, ctx = fed.model, client_context(fed, 0, 1)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
-    got, batches = batch_gradient_sum(model, ctx)
+    got, batches = batch_gradient_sum(model, ctx, model.classifier)
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
     expected = [torch.zeros_like(p) for p in model.classifier.parameters()]
     n = 0
@@ -48,6 +50,31 @@ def test_batch_gradient_sum_adds_per_batch_classifier_gradients_and_keeps_bn_sta
     assert batches == n == int(np.ceil(ctx.num_examples / 16))
     np.testing.assert_allclose(got["weight"], expected[0].numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got["bias"], expected[1].numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_on_an_mlp_head_the_penalty_takes_its_last_linear_layer_unless_the_whole_head_is_asked_for():
+    """The official code's classifier is one linear layer on the featurizer: on an AlexNet-like head the hidden
+    layers and their BatchNorm are featurizer, not penalised (they were: 10.5 M parameters on AlexNet)."""
+    model = ToyMLPHeadNet()
+    last = FedIIR().server_init(model, None)["grad_mean"]
+    assert {k: v.shape for k, v in last.items()} == {"weight": (4, 8), "bias": (4,)}
+    whole = FedIIR(FedIIRParams(penalised="head")).server_init(model, None)["grad_mean"]
+    assert set(whole) == {"0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"}
+
+
+def test_the_gradient_pass_skips_a_single_sample_batch_under_batchnorm_as_training_does():
+    fed = toy_federation()
+    model, ctx = ToyMLPHeadNet(), client_context(fed, 0, 1)
+    ctx = replace(ctx, batch_size=ctx.num_examples - 1)  # one full batch, then one sample (BatchNorm1d raises)
+    got, batches = batch_gradient_sum(model, ctx, model.classifier[3])
+    x, y = next(ctx.batches(shuffle=False, train=False))
+    model.train()
+    expected = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.classifier[3].parameters()))
+    assert batches == 1
+    np.testing.assert_allclose(got["weight"], expected[0].numpy(), rtol=1e-5, atol=1e-7)
+    reply, _ = FedIIR().client_update(model, {**weights_of(model), **FedIIR().client_config(
+        FedIIR().server_init(model, None), 0, 1), "lr": 0.1, "round": 1}, {}, ctx)
+    assert reply[BATCHES] == 1 and reply[GRAD_PREFIX + "weight"].shape == (4, 8)
 
 
 def test_server_folds_batch_weighted_client_gradients_into_the_ema():

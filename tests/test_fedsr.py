@@ -36,6 +36,15 @@ def test_the_featurizer_outputs_mean_and_scale_of_z(name):
     assert (net.classifier.in_features, net.classifier.out_features, net.feature_dim) == (16, 7, 16)
 
 
+@pytest.mark.parametrize(("name", "z_dim"), [("lenet", 84), ("alexnet", 1024), ("resnet18", 512)])
+def test_the_default_z_is_as_wide_as_the_layer_it_replaces(name, z_dim):
+    """z takes the place of the head's last linear layer's input: AlexNet's 1024-d hidden layer, not its 9216-d
+    features (which made fc3 1024 → 18432 and the classifier 9216-wide)."""
+    with torch.device("meta"):
+        net = FedSRNet(create_model(name, num_classes=7, in_channels=3, image_size=32))
+    assert net.z_dim == net.classifier.in_features == z_dim
+
+
 def test_features_sample_in_training_and_return_the_mean_in_eval():
     torch.manual_seed(0)
     net = FedSRNet(ToyNet(), z_dim=5)

@@ -5,11 +5,20 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from toy import Point, quadratic, toy_federation
+from toy import Point, ToyMLPHeadNet, quadratic, toy_federation
 
 from feddg.algorithms import Reply, ServerContext
 from feddg.algorithms.fedavg import FedAvg
-from feddg.algorithms.scaffold import CONTROL, DELTA, OWN, Scaffold, ScaffoldParams, corrected_training, option2
+from feddg.algorithms.scaffold import (
+    CONTROL,
+    DELTA,
+    OWN,
+    Scaffold,
+    ScaffoldParams,
+    corrected_training,
+    full_gradient,
+    option2,
+)
 from feddg.federation.client import client_context
 from feddg.messages import load_weights, weights_of
 
@@ -129,3 +138,51 @@ def test_option_two_with_momentum_or_adam_is_refused_when_the_config_loads():
             build_config({}, ["method.name=scaffold", *over])
     build_config({}, ["method.name=scaffold", "optim.momentum=0"])
     build_config({}, ["method.name=scaffold", "method.params.control=option1", "optim.name=adam"])
+
+
+class OverflowOnce:
+    """The quadratic, its first call scaled past fp16's range: the loss scaler skips that step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, model, x, y):
+        self.calls += 1
+        return quadratic(model, x, y) * (1e38 if self.calls == 1 else 1.0)
+
+
+def test_option2_counts_only_the_steps_fp16_took():
+    """K is the optimiser steps that moved y: three epochs with the first step skipped give
+    ``c_i⁺ = (x − y)/(2 η)`` with ``y = a + (1 − η)² (x − a)`` (the skipped step counted made it 2/3 of that)."""
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000", "optim.amp='fp16'")
+    method, model, lr = Scaffold(), Point(), 0.1
+    method.loss_fn = OverflowOnce()
+    state = method.server_init(model, ServerContext(4, 2, 0))
+    msg = {**method.client_config(state, 0, 1), "lr": lr, "round": 1}
+    ctx = replace(client_context(fed, 0, 1), local_epochs=3)
+    reply, own = method.client_update(model, msg, {}, ctx)
+    x, a = 3.0, _targets(fed)[0]
+    np.testing.assert_allclose(reply["w/w"], a + (1 - lr) ** 2 * (x - a), rtol=1e-5)
+    np.testing.assert_allclose(own[OWN + "w"], (x - a) * (1 - (1 - lr) ** 2) / (2 * lr), rtol=1e-5)
+
+
+def test_option1_skips_a_single_sample_batch_under_batchnorm_and_keeps_ci_without_any_batch():
+    fed = toy_federation("optim.weight_decay=0")
+    model, ctx = ToyMLPHeadNet(), client_context(fed, 0, 1)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    ctx = replace(ctx, batch_size=ctx.num_examples - 1)  # one full batch, then one sample (BatchNorm1d raises)
+    got = full_gradient(model, ctx)
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    x, y = next(ctx.batches(shuffle=False, train=False))
+    model.train()
+    expected = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+    for g, e in zip(got, expected, strict=True):  # the mean over the samples it used, not over all of them
+        np.testing.assert_allclose(g, e.numpy(), rtol=1e-4, atol=1e-6)
+    alone = replace(ctx, train_idx=ctx.train_idx[:1])
+    assert full_gradient(model, alone) is None
+    method = Scaffold(ScaffoldParams(control="option1"))
+    msg = {**method.client_config(method.server_init(model, ServerContext(4, 2, 0)), 0, 1), "lr": 0.1, "round": 1}
+    ci = {OWN + n: np.full(p.shape, 0.5, np.float32) for n, p in model.named_parameters()}
+    reply, own = method.client_update(model, msg, ci, alone)
+    assert all(np.array_equal(own[k], v) for k, v in ci.items())
+    assert all(not reply[DELTA + n].any() for n, _ in model.named_parameters())

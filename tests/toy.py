@@ -59,6 +59,15 @@ class ToyNet(FedModel):
         return torch.relu(self.fc(torch.relu(self.bn(self.conv(x))).flatten(1)))
 
 
+class ToyMLPHeadNet(ToyNet):
+    """ToyNet with an AlexNet-like MLP head, linear → BatchNorm1d → ReLU → linear (BatchNorm1d cannot train on a
+    single sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+
+
 def toy_federation(*overrides: str) -> Federation:
     cfg = build_config(
         {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},

@@ -6,7 +6,8 @@ the *overall domain style* (eq. 2 style of all its ``E(x)``, one ``(μ, σ)``) o
 styles* (the per-image ``(μ, σ)`` of ``images_per_client`` random images). The server keeps
 them as the style bank and sends every client the bank without its own entries.
 
-Each round: for every batch the client draws ``K`` distinct styles of the bank, builds
+Each round: for every batch the client draws ``K`` styles of ``K`` distinct other clients (one random image
+style of each under ``single``, as the authors' code stylises with a random image style of every other domain), builds
 ``x̃_k = D(α·AdaIN(E(x), S_k) + (1 − α)·E(x))`` without gradient and minimises
 ``CE(h(g(x)), y) + CE(h(g([x̃_1; …; x̃_K])), [y; …; y])``. FedAvg aggregation by ``n_k``.
 """
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from feddg.models.base import FedModel
 
 STYLE_MEAN, STYLE_STD = "style/mean", "style/std"
-BANK_MEAN, BANK_STD = "bank/mean", "bank/std"
+BANK_MEAN, BANK_STD, BANK_OWNER = "bank/mean", "bank/std", "bank/owner"
 
 
 class CCSTParams(StyleParams):
@@ -54,9 +55,16 @@ class CCSTParams(StyleParams):
     dp: StatisticDP | None = Field(None, description="clip + Gaussian noise on the uploaded styles (docs/privacy.md)")
 
 
-def draw_styles(bank_size: int, k: int, generator: torch.Generator | None = None) -> Tensor:
-    """``min(k, bank_size)`` distinct bank rows, uniformly."""
-    return torch.randperm(bank_size, generator=generator)[: min(k, bank_size)]
+def draw_styles(owners: np.ndarray, k: int, generator: torch.Generator | None = None) -> Tensor:
+    """Bank rows of ``min(k, clients)`` distinct owners drawn uniformly, one row of each, drawn uniformly among its
+    rows (with one row per client: ``k`` distinct rows)."""
+    clients = list(dict.fromkeys(owners.tolist()))  # in bank order
+    rows = []
+    for c in torch.randperm(len(clients), generator=generator)[:k].tolist():
+        mine = np.flatnonzero(owners == clients[c])
+        pick = 0 if len(mine) == 1 else int(torch.randint(len(mine), (1,), generator=generator))
+        rows.append(int(mine[pick]))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 class CCST(Method):
@@ -113,10 +121,10 @@ class CCST(Method):
 
     # --- rounds --------------------------------------------------------------------------
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
-        """The global weights and the style bank without the client's own styles."""
+        """The global weights and the style bank without the client's own styles, each row with its owner."""
         mean, std, owners = state["bank"]
         others = owners != client_id
-        return {**state["weights"], BANK_MEAN: mean[others], BANK_STD: std[others]}
+        return {**state["weights"], BANK_MEAN: mean[others], BANK_STD: std[others], BANK_OWNER: owners[others]}
 
     def client_update(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
@@ -127,12 +135,13 @@ class CCST(Method):
         codec = make_codec(self.params, model, client_state)
         bank_mean = torch.as_tensor(np.asarray(msg[BANK_MEAN]))
         bank_std = torch.as_tensor(np.asarray(msg[BANK_STD]))
+        bank_owner = np.asarray(msg[BANK_OWNER])
         k, alpha = self.params.k, self.params.alpha
 
         def loss_fn(m: nn.Module, inputs: Inputs, y: Tensor) -> Tensor:
             net = cast("FedModel", m)  # the network is a zoo model: classifier(features(x))
             x = images(inputs)
-            rows = draw_styles(len(bank_mean), k, ctx.generator)
+            rows = draw_styles(bank_owner, k, ctx.generator)
             if len(rows) == 0:  # a federation of one client has no other styles
                 return ctx.task.loss(net(x), y)
             x_tilde = torch.cat([codec.transfer(x, bank_mean[r], bank_std[r], alpha) for r in rows.tolist()])

@@ -15,6 +15,8 @@ folds them into ``ḡ`` at aggregation, so round ``t``'s penalty uses gradients 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 from pydantic import Field
@@ -33,9 +35,10 @@ from feddg.algorithms.base import (
     ServerState,
     weights_reply,
 )
-from feddg.algorithms.components.local import train_local
+from feddg.algorithms.components.local import gradient_batches, train_local
 from feddg.devices import Inputs
 from feddg.messages import Layout, Message, Shapes, like_slot, load_weights, number_slot, weights_of
+from feddg.models.base import head_linear
 from feddg.tasks import CLASS_LABELS
 
 MEAN_PREFIX = "iir/"  # server -> client: ḡ per classifier parameter
@@ -46,13 +49,20 @@ BATCHES = "grad_batches"  # client -> server: number of those batches
 class FedIIRParams(Params):
     penalty: float = Field(1e-3, ge=0, description="γ, weight of the gradient-alignment penalty")
     ema: float = Field(0.95, ge=0, lt=1, description="β, EMA factor of the server's mean classifier gradient")
+    penalised: Literal["last_linear", "head"] = Field(
+        "last_linear", description="the classifier whose gradients are aligned: the head's last linear layer "
+        "(the official code's default linear classifier) or the zoo model's whole `classifier` block")
 
 
-def classifier(model: nn.Module) -> nn.Module:
+def classifier(model: nn.Module, penalised: str = "last_linear") -> nn.Module:
+    """The layers FedIIR's classifier gradient is taken over. The official code's default classifier is one linear
+    layer on the featurizer; on zoo models with an MLP head (AlexNet, VGG) the hidden layers, BatchNorm included,
+    then belong to the featurizer, so ``last_linear`` (the default) takes the head's last ``nn.Linear`` and
+    ``head`` the whole ``classifier`` block (the same layer on every other zoo model)."""
     head = getattr(model, "classifier", None)
     if not isinstance(head, nn.Module):
         raise TypeError("FedIIR needs a model with a `classifier` head (a zoo model)")
-    return head
+    return head_linear(model, "for FedIIR's gradient penalty")[1] if penalised == "last_linear" else head
 
 
 def gradient_penalty(grads: tuple[Tensor, ...], mean: list[Tensor]) -> Tensor | int:
@@ -65,20 +75,20 @@ def ema_update(old: dict[str, np.ndarray], new: dict[str, np.ndarray], beta: flo
     return {k: (beta * old[k] + (1.0 - beta) * new[k]).astype(old[k].dtype) for k in old}
 
 
-def batch_gradient_sum(model: nn.Module, ctx: ClientContext) -> tuple[dict[str, np.ndarray], int]:
+def batch_gradient_sum(model: nn.Module, ctx: ClientContext, head: nn.Module) -> tuple[dict[str, np.ndarray], int]:
     """Σ over the client's batches of ``∇_classifier`` of the task's loss (cross-entropy) at the current weights,
     and the batch count.
 
     Runs in training mode like the official code (BatchNorm running statistics are restored after), over
-    the client's data in order and without augmentation, so it draws nothing from the client's random stream.
+    the client's data in order and without augmentation, so it draws nothing from the client's random stream;
+    a single-sample batch is skipped under BatchNorm, as training skips it.
     """
-    head = classifier(model)
     names, params = zip(*head.named_parameters(), strict=True)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     total = [torch.zeros_like(p) for p in params]
     batches = 0
     model.train()
-    for x, y in ctx.batches(shuffle=False, train=False):
+    for x, y in gradient_batches(model, ctx):
         grads = autograd.grad(ctx.task.loss(model(x), y), params)
         total = [t + g for t, g in zip(total, grads, strict=True)]
         batches += 1
@@ -97,7 +107,8 @@ class FedIIR(Method):
 
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
-        mean = {n: np.zeros_like(p.detach().cpu().numpy()) for n, p in classifier(model).named_parameters()}
+        head = classifier(model, self.params.penalised)
+        mean = {n: np.zeros_like(p.detach().cpu().numpy()) for n, p in head.named_parameters()}
         return {"weights": weights_of(model), "grad_mean": mean}
 
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
@@ -107,10 +118,10 @@ class FedIIR(Method):
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
     ) -> tuple[Message, ClientState]:
         load_weights(model, msg)
-        head = classifier(model)
+        head = classifier(model, self.params.penalised)
         names = [n for n, _ in head.named_parameters()]
         mean = [torch.from_numpy(np.asarray(msg[MEAN_PREFIX + n])).to(ctx.device) for n in names]
-        grad_sum, batches = batch_gradient_sum(model, ctx)
+        grad_sum, batches = batch_gradient_sum(model, ctx, head)
         params = list(head.parameters())
         gamma = self.params.penalty
 

@@ -32,7 +32,8 @@ REF_KEYS = ("ref/mu", "ref/sigma", "ref/scale")
 class FedSRParams(Params):
     l2r: float = Field(1e-2, ge=0, description="λ_L2R, weight of E‖z‖₂")
     cmi: float = Field(5e-4, ge=0, description="λ_CMI, weight of KL(p(z|x) ‖ r(z|y))")
-    z_dim: int | None = Field(None, ge=1, description="size of z (default: the zoo model's feature_dim)")
+    z_dim: int | None = Field(None, ge=1, description="size of z (default: the input size of the head's last "
+                              "linear layer, the layer widened to 2·z_dim)")
     num_samples: int = Field(20, ge=1, description="Monte-Carlo draws of z at test time")
 
 
@@ -49,7 +50,7 @@ class FedSRNet(FedModel):
     def __init__(self, net: FedModel, z_dim: int | None = None) -> None:
         super().__init__()
         head_name, head = head_linear(net, "for FedSR to widen")
-        self.z_dim = z_dim or net.feature_dim
+        self.z_dim = z_dim or head.in_features  # = feature_dim for a one-layer head; an MLP head's hidden size
         self.feature_dim = self.z_dim
         _set_module(net, head_name, nn.Linear(head.in_features, 2 * self.z_dim))
         self.net = net

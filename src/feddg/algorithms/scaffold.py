@@ -40,8 +40,7 @@ from feddg.algorithms.base import (
     ServerState,
     weights_reply,
 )
-from feddg.algorithms.components.local import LossFn, task_loss, train_local
-from feddg.devices import Inputs
+from feddg.algorithms.components.local import LossFn, gradient_batches, task_loss, train_steps
 from feddg.messages import WEIGHT_PREFIX, Layout, Message, Shapes, like_slot, load_weights, weights_of
 
 CONTROL = "c/"  # server -> client: c per trainable parameter
@@ -64,41 +63,39 @@ def option2(ci: np.ndarray, c: np.ndarray, x: np.ndarray, y: np.ndarray, steps: 
 def corrected_training(model: nn.Module, ctx: ClientContext, lr: float, correction: list[Tensor],
                        loss_fn: LossFn | None = None) -> tuple[float, int]:
     """``train_local`` with each parameter's gradient ``g`` replaced by ``g + correction`` (``= g − c_i + c``), added
-    to the unscaled gradient (under ``optim.amp: fp16`` too); returns the mean loss and the number of local steps
-    ``K``."""
-    steps = 0
+    to the unscaled gradient (under ``optim.amp: fp16`` too); returns the mean loss and ``K``, the optimiser steps
+    taken (a step fp16 skipped moved nothing, so it is not one of them)."""
     params = list(model.parameters())
-    objective = loss_fn or task_loss(ctx)
-
-    def counted(m: nn.Module, x: Inputs, y: Tensor) -> Tensor:
-        nonlocal steps
-        steps += 1
-        return objective(m, x, y)
 
     def correct() -> None:
         for p, d in zip(params, correction, strict=True):
             if p.grad is not None:
                 p.grad.add_(d)
 
-    return train_local(model, ctx, lr=lr, loss_fn=counted, edit_grads=correct), steps
+    return train_steps(model, ctx, lr, loss_fn, edit_grads=correct)
 
 
-def full_gradient(model: nn.Module, ctx: ClientContext, loss_fn: LossFn | None = None) -> list[np.ndarray]:
-    """``∇f_i(x)``: the gradient of the client's mean loss over all its data (train mode as in training, in
-    order, no augmentation; BatchNorm statistics restored after) plus the optimiser's L2 term ``wd · x``."""
+def full_gradient(model: nn.Module, ctx: ClientContext, loss_fn: LossFn | None = None) -> list[np.ndarray] | None:
+    """``∇f_i(x)``: the gradient of the client's mean loss over the data it trains on (train mode as in training,
+    in order, no augmentation, a single-sample batch skipped under BatchNorm as training skips it; BatchNorm
+    statistics restored after) plus the optimiser's L2 term ``wd · x``; ``None`` when no batch is left."""
     params = list(model.parameters())
     objective = loss_fn or task_loss(ctx)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     total = [torch.zeros_like(p) for p in params]
+    samples = 0
     model.train()
-    for x, y in ctx.batches(shuffle=False, train=False):
+    for x, y in gradient_batches(model, ctx):
         grads = torch.autograd.grad(objective(model, x, y) * len(y), params)
         total = [t + g for t, g in zip(total, grads, strict=True)]
+        samples += len(y)
     with torch.no_grad():
         for k, v in model.named_buffers():
             v.copy_(buffers[k])
+    if samples == 0:
+        return None
     wd = ctx.optim.weight_decay
-    return [(t / ctx.num_examples + wd * p.detach()).cpu().numpy() for t, p in zip(total, params, strict=True)]
+    return [(t / samples + wd * p.detach()).cpu().numpy() for t, p in zip(total, params, strict=True)]
 
 
 class Scaffold(Method):
@@ -140,9 +137,9 @@ class Scaffold(Method):
         correction = [torch.from_numpy(cc - cic).to(ctx.device) for cc, cic in zip(c, ci, strict=True)]
         loss, steps = corrected_training(model, ctx, lr, correction, self.loss_fn)
         reply = weights_reply(model, ctx.num_examples, loss)
-        if grad_x is not None:
-            new = [g.astype(v.dtype) for g, v in zip(grad_x, ci, strict=True)]
-        elif steps == 0:  # no local step (a single-sample BatchNorm client): nothing to estimate
+        if self.params.control == "option1":
+            new = ci if grad_x is None else [g.astype(v.dtype) for g, v in zip(grad_x, ci, strict=True)]
+        elif steps == 0:  # no local step (a single-sample BatchNorm client, fp16 overflows): nothing to estimate
             new = ci
         else:
             new = [option2(cic, cc, xx, np.asarray(reply[WEIGHT_PREFIX + n]), steps, lr)

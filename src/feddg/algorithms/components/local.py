@@ -48,10 +48,11 @@ GradEdit = Callable[[], None]
 
 
 def scaled_step(loss: Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                edit_grads: GradEdit | None = None, clip: float | None = None) -> None:
+                edit_grads: GradEdit | None = None, clip: float | None = None) -> bool:
     """Backward and step through ``scaler`` (plain ``loss.backward(); opt.step()`` when it is disabled).
     ``edit_grads`` sees the true, unscaled gradients (fp16's loss scale already divided out): a term it adds
-    moves the weights by ``lr × term`` under every ``optim.amp``; ``clip`` then bounds their global L2 norm."""
+    moves the weights by ``lr × term`` under every ``optim.amp``; ``clip`` then bounds their global L2 norm.
+    Returns whether the optimiser stepped (fp16 skips a step whose gradients overflowed)."""
     scaler.scale(loss).backward()
     if edit_grads is not None or clip is not None:
         scaler.unscale_(opt)  # a no-op when the scaler is disabled
@@ -60,15 +61,28 @@ def scaled_step(loss: Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.Grad
     if clip is not None:
         params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, clip)
+    scale = scaler.get_scale()  # 1.0 when disabled; the scaler reads its overflow flag to the host in step anyway
     scaler.step(opt)
     scaler.update()
+    return scaler.get_scale() >= scale  # it backs the scale off exactly when it skipped the step
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def gradient_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[Inputs, Tensor]]:
+    """The client's batches in order, without augmentation (an extra gradient pass in training mode: SCAFFOLD's
+    ``∇f_i(x)``, FedIIR's mean gradient), skipping a single-sample batch under BatchNorm as training does."""
+    bn = has_batchnorm(model)
+    return ((x, y) for x, y in ctx.batches(shuffle=False, train=False) if not (bn and len(y) < 2))
 
 
 def local_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Inputs, Tensor]]:
     """``(epoch, x, target)`` over ``ctx.local_epochs`` epochs of the client's batches, with ``optim.augment``
     applied (its stage hooks live while the batches are drawn; the target is soft after label mixing) and
     single-sample batches skipped when the model has BatchNorm (it cannot train on one sample)."""
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    has_bn = has_batchnorm(model)
     specs = parse_augment(ctx.optim.augment)
     batches = ((epoch, x, y) for epoch in range(ctx.local_epochs) for x, y in ctx.batches()
                if not (has_bn and len(y) < 2))
@@ -81,20 +95,27 @@ def local_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[int, I
             yield (epoch, *augment.step(images(x), y))
 
 
-def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn | None = None,
-                edit_grads: GradEdit | None = None) -> float:
+def train_steps(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn | None = None,
+                edit_grads: GradEdit | None = None) -> tuple[float, int]:
     """Run ``ctx.local_epochs`` epochs of ``loss_fn`` (default: the task's loss) on the client's data; return the
-    mean loss. ``edit_grads``: see :func:`scaled_step`."""
+    mean loss over its batches and the number of optimiser steps taken (fewer than batches where fp16 skipped
+    one). ``edit_grads``: see :func:`scaled_step`."""
     loss_fn = loss_fn or task_loss(ctx)
     model.train()
     opt = make_optimizer(model.parameters(), ctx.optim, lr)
     scaler = grad_scaler(ctx)
-    total, steps = 0.0, 0
+    total, batches, steps = 0.0, 0, 0
     for _, x, y in local_batches(model, ctx):
         opt.zero_grad(set_to_none=True)
         with ctx.autocast():
             loss = loss_fn(model, x, y)
-        scaled_step(loss, opt, scaler, edit_grads, ctx.optim.grad_clip)
+        steps += scaled_step(loss, opt, scaler, edit_grads, ctx.optim.grad_clip)
         total += float(loss.detach())
-        steps += 1
-    return total / max(steps, 1)
+        batches += 1
+    return total / max(batches, 1), steps
+
+
+def train_local(model: nn.Module, ctx: ClientContext, lr: float, loss_fn: LossFn | None = None,
+                edit_grads: GradEdit | None = None) -> float:
+    """:func:`train_steps`' mean loss."""
+    return train_steps(model, ctx, lr, loss_fn, edit_grads)[0]
