@@ -71,6 +71,8 @@ CASES = [  # method, extra overrides, key, how, the reason the server gives
     ("hfedf", [], "delta/", "shape", "delta/conv.weight has shape (3,), expected (4, 1, 3, 3)"),
     ("feddg_ga", [], "ga_weight", "value", "ga_weight is"),
     ("feddg_ga", [], "ga_gap", "drop", "missing ga_gap"),
+    ("fedfa", ["method.params.stages=[conv, bn]"], "stat/", "shape", "stat/1/mu_bar has shape (3,), expected (4,)"),
+    ("fedfa", ["method.params.stages=[conv, bn]"], "hist/", "shape", "hist/pi has shape (3,), expected (4, 8)"),
     ("fedavg", ["hierarchy.stations=2", "hierarchy.station_rounds=2", "hierarchy.merge=hfedatm"], "gram/", "shape",
      "gram/fc has shape (3,), expected (144, 144)"),
 ]

@@ -49,6 +49,7 @@ from feddg.messages import (
     Value,
     array_slot,
     entries,
+    like_slot,
     load_weights,
     message_nbytes,
     number_slot,
@@ -152,11 +153,17 @@ class FedFA(Method):
         return {**state["weights"], **state["broadcast"]}
 
     def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
-        """The FFA statistics (``stat/``, float32; their shapes are not checked: the server's FFA layers are sized at
-        a client's first forward pass) and, when aligning, the histogram π_m and the alignment loss."""
-        layout: Layout = {STAT: array_slot(None, np.float32)} if self.uploads_stats else {}
+        """The FFA statistics ``stat/<k>/{mu,sigma}_bar`` and, when aligning, the histogram π_m and the alignment
+        loss, each float32 and shaped as the modulation or average histogram sent from the second round on (the
+        FFA layers' channels are set by a forward pass, so the first round's shapes are not checked)."""
+        layout: Layout = {}
+        if self.uploads_stats:
+            sent_stats = {f"{STAT}{key[len(FFA):].rsplit('/', 1)[0]}/{'mu' if key.endswith('_mu') else 'sigma'}_bar":
+                          like_slot(v) for key, v in sent.items() if key.startswith(FFA)}  # ffa/<k>/gamma_mu etc.
+            layout.update(sent_stats or {STAT: array_slot(None, np.float32)})
         if self.aligns:
-            layout.update({HIST_KEY: array_slot(None, np.float32), "align_loss": number_slot(required=False)})
+            hist = like_slot(sent[HIST_KEY]) if HIST_KEY in sent else array_slot(None, np.float32)
+            layout.update({HIST_KEY: hist, "align_loss": number_slot(required=False)})
         return layout
 
     def keep(self, reply: Reply) -> Message:
