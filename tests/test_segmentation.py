@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from monai.metrics import compute_dice
 
 from feddg.evaluation.tally import domain_metrics
+from feddg.reports.figures import diagnostic_panels
+from feddg.tasks import TaskInfo
 from feddg.tasks.segmentation import Segmentation
 
 
@@ -111,3 +113,15 @@ def test_loss_is_cross_entropy_plus_the_soft_dice_of_the_foreground():
 def test_a_segmentation_needs_a_foreground_class():
     with pytest.raises(ValueError, match="background and at least one class"):
         Segmentation(1)
+
+
+def test_slice_dice_keys_are_not_read_as_the_dice_of_a_role_named_slice():
+    """``ood_slice_dice/BIDMC`` was parsed as role ``ood_slice`` of ``dice``: the results table and the report
+    listed it as Dice and dropped its curve from the diagnostics."""
+    info = TaskInfo.of(Segmentation(2).with_metrics(["slice_dice"]).info())
+    assert info.parse("ood_slice_dice/BIDMC") is None and info.parse("id_slice_dice") is None
+    assert info.parse("ood_dice/BIDMC") == ("ood", "BIDMC") and info.parse("extra/rot_dice") == ("extra/rot", None)
+    older = TaskInfo.of(Segmentation(2).info())  # a block without extra_metrics: the task's offers still tell
+    assert older.parse("ood_slice_dice/a") is None
+    panels = diagnostic_panels([{"round": 1, "ood_dice": 70.0, "ood_slice_dice": 80.0}], info)
+    assert panels == {"other": {"ood_slice_dice": {"ood_slice_dice": [(1, 80.0)]}}}

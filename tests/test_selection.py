@@ -135,6 +135,8 @@ def test_federated_validation_equals_the_pooled_holdouts():
     per_domain = [100 * np.mean([ok for d, ok in pooled if d == k]) for k in (0, 1)]
     assert federated_validation([tally(c) for c in clients], task) == pytest.approx(np.mean(per_domain))
     assert federated_validation([tally(c) for c in clients], task) == pytest.approx((400 / 6 + 40) / 2)
+    with pytest.raises(ValueError, match="no client holdout has a sample"):  # was nan, read as a score
+        federated_validation([tally([])], task)
 
 
 def test_rule_tables_carry_the_picks_and_never_mix_rules(lodo_rows, tmp_path, capsys):

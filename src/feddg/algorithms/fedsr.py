@@ -132,12 +132,12 @@ class FedSR(Method):
         return reply, state
 
     def predict(self, model: nn.Module, x: Inputs) -> Tensor:
-        """``log`` of the softmax averaged over ``num_samples`` draws of ``z`` (drawn from a fixed seed,
-        so evaluation is deterministic and independent of what ran before)."""
+        """``log`` of the softmax averaged over ``num_samples`` draws of ``z``. The draws ``ε`` come from a fixed
+        seed and are the same for every sample, so a sample's prediction depends on neither what ran before nor
+        the batch it is evaluated in (draws per batch position made figures move with ``eval.batch_size``)."""
         assert isinstance(model, FedSRNet)
         mu, sigma = model.distribution(x)
-        gen = torch.Generator(device=mu.device).manual_seed(0)
         s = self.params.num_samples
-        eps = torch.randn((s, *mu.shape), generator=gen, device=mu.device, dtype=mu.dtype)
+        eps = torch.randn((s, 1, mu.shape[1]), generator=torch.Generator().manual_seed(0)).to(mu.device, mu.dtype)
         probs = F.softmax(model.classifier((mu + sigma * eps).reshape(-1, mu.shape[1])), dim=1)
         return probs.reshape(s, mu.shape[0], -1).mean(0).clamp_min(1e-12).log()

@@ -93,7 +93,10 @@ def federated_validation(client_tallies: list[np.ndarray], task: Task) -> float:
     (tallies add: no sample leaves its client), scored per domain with samples and averaged over those domains,
     as ``id_<metric>`` in metrics.jsonl."""
     total = np.sum(client_tallies, axis=0)
-    return float(np.mean([task.score(row) for row in total if task.count(row) > 0]))
+    scores = [task.score(row) for row in total if task.count(row) > 0]
+    if not scores:
+        raise ValueError("no client holdout has a sample: there is no training-domain validation score")
+    return float(np.mean(scores))
 
 
 def select(rows: list[dict[str, Any]], rule: str, task: TaskInfo,

@@ -1,7 +1,8 @@
 """A model's per-domain tallies on index sets of a dataset (one pass, any task), and the metrics from them.
 
 Tallies are the task's additive sufficient statistics (``feddg.tasks``), ``[num_domains, ...]``: the tally of a
-union of index sets is the sum of theirs, so a figure does not depend on how evaluation was split.
+union of index sets is the sum of theirs, so a figure does not depend on how evaluation was split (where a
+sample's output does not depend on its batch: FedBN's ``unseen_bn: target`` normalises with the batch's statistics).
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ class Evaluator:
 
     @torch.no_grad()
     def holdout_loss(self, state: Any) -> float:
-        """The task's mean loss (``Task.loss``, per sample) of the global model of ``state`` on the clients'
-        holdouts, in eval mode: what ``federation.rollback_loss_factor`` compares."""
+        """The task's loss (``Task.loss``) of the global model of ``state`` on the clients' holdouts, each batch's
+        weighted by its samples, in eval mode: what ``federation.rollback_loss_factor`` compares, round against
+        round at the same ``eval.batch_size`` (a loss that pools over its batch, segmentation's soft Dice, is not a
+        per-sample mean, so its value moves with the batch size)."""
         fed, cfg = self.fed, self.fed.cfg
         self._load(state, None)
         total, count = 0.0, 0

@@ -21,13 +21,20 @@ class TaskInfo:
     bounds: tuple[float, float]
     higher_is_better: bool
     chance: float | None
+    #: the task's other metrics (those it offers, those the run reported): keys of theirs are not this metric's
+    others: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, block: Mapping[str, Any]) -> TaskInfo:
         """From results.json's ``task`` block."""
+        from feddg.tasks.registry import TASKS
+
         lo, hi = block["bounds"]
+        offered = TASKS[block["name"]].offers if block["name"] in TASKS else ()
+        others = tuple(dict.fromkeys([*block.get("extra_metrics", ()), *offered]))
         return cls(block["name"], block["metric"], block["label"], block.get("unit", ""), (float(lo), float(hi)),
-                   bool(block["higher_is_better"]), None if block.get("chance") is None else float(block["chance"]))
+                   bool(block["higher_is_better"]), None if block.get("chance") is None else float(block["chance"]),
+                   others)
 
     @property
     def axis_label(self) -> str:
@@ -39,11 +46,14 @@ class TaskInfo:
 
     def parse(self, key: str) -> tuple[str, str | None] | None:
         """``(role, domain)`` of a key of this metric (``ood_acc/uci`` -> ``("ood", "uci")``, ``id_acc`` ->
-        ``("id", None)``, ``extra/rot_acc/a`` -> ``("extra/rot", "a")``), ``None`` for any other key."""
+        ``("id", None)``, ``extra/rot_acc/a`` -> ``("extra/rot", "a")``), ``None`` for any other key, among them
+        another metric's whose name ends in this one's (``ood_slice_dice/a`` is ``slice_dice``'s, not ``dice``'s)."""
         head, prefix = (key[len(EXTRA):], EXTRA) if key.startswith(EXTRA) else (key, "")
         base, sep, domain = head.partition("/")
         suffix = f"_{self.metric}"
         if not base.endswith(suffix) or base == suffix:
+            return None
+        if any(other.endswith(suffix) and base.endswith(f"_{other}") for other in self.others):
             return None
         return prefix + base[: -len(suffix)], (domain if sep else None)
 
