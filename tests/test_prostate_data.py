@@ -12,8 +12,9 @@ import torch
 
 from feddg.data import prostate
 from feddg.data.prostate import check_prostate, load_prostate, read_sites
-from feddg.data.slices import SliceDataset, scale_intensities, slices_from_volumes
+from feddg.data.slices import AUGMENTS, SliceDataset, rot90_flip, rotate_and_flip, scale_intensities, slices_from_volumes
 from feddg.data.synthetic_mri import export_nifti, load_synthetic_mri, synthetic_volumes
+from feddg.data.transform_spec import SLICE_AUGMENTS
 
 SITES = ["BIDMC", "ISBI_1.5"]
 DEPTH, SIZE = 5, 16
@@ -117,6 +118,48 @@ def test_batches_normalise_and_flip_image_and_mask_together(root: Path) -> None:
     assert 0 < int(flipped.sum()) < len(ds)
     assert torch.equal(xt[flipped], x[flipped].flip(-1)) and torch.equal(yt[flipped], y[flipped].flip(-1))
     assert torch.equal(yt[~flipped], y[~flipped])
+
+
+def _reference(image_hwc: np.ndarray, mask: np.ndarray, k: int, code: int) -> tuple[np.ndarray, np.ndarray]:
+    """HarmoFL's ``RandomRotate90`` / ``RandomFlip`` on one ``[H, W, C]`` slice in numpy: ``np.rot90`` over the first
+    two axes, then ``cv2.flip``'s code 0 (rows), 1 (columns), −1 (both) as ``np.flip`` (−2 here: no flip)."""
+    image_hwc, mask = np.rot90(image_hwc, k), np.rot90(mask, k)
+    axes = {0: (0,), 1: (1,), -1: (0, 1), -2: ()}[code]
+    return np.flip(image_hwc, axes) if axes else image_hwc, np.flip(mask, axes) if axes else mask
+
+
+def test_rotate_and_flip_is_the_papers_numpy_and_cv2_per_slice() -> None:
+    g = np.random.default_rng(0)
+    x = torch.from_numpy(g.random((20, 3, 5, 5), dtype=np.float32))
+    y = torch.from_numpy(g.integers(0, 2, (20, 5, 5)))
+    k = torch.tensor([i % 5 for i in range(20)])
+    flip = torch.tensor([i % 4 - 1 for i in range(20)])  # -1 none, 0 rows, 1 columns, 2 both
+    xt, yt = rotate_and_flip(x.clone(), y.clone(), k, flip)
+    for i in range(20):
+        code = {-1: -2, 0: 0, 1: 1, 2: -1}[int(flip[i])]
+        want_x, want_y = _reference(x[i].permute(1, 2, 0).numpy(), y[i].numpy(), int(k[i]), code)
+        assert np.array_equal(xt[i].permute(1, 2, 0).numpy(), want_x) and np.array_equal(yt[i].numpy(), want_y)
+
+
+def test_rot90_flip_draws_each_symmetry_as_often_as_the_papers_code() -> None:
+    """Rotations k ∈ {0, ..., 4} (Python's inclusive randint) then, with p 0.75, one of three flips: the 8
+    symmetries of a square are drawn with the probabilities that composition gives (0 and 4 both the identity)."""
+    square = np.arange(4, dtype=np.float32).reshape(2, 2)
+    exact: dict[bytes, float] = {}
+    for k in range(5):
+        for code, p in ((-2, 0.25), (0, 0.25), (1, 0.25), (-1, 0.25)):
+            out = _reference(square[:, :, None], square, k, code)[1].tobytes()
+            exact[out] = exact.get(out, 0.0) + p / 5
+    n = 40_000
+    x = torch.from_numpy(np.broadcast_to(square, (n, 3, 2, 2)).copy())
+    _, y = rot90_flip(x, torch.from_numpy(np.broadcast_to(square, (n, 2, 2)).copy()), torch.Generator().manual_seed(0))
+    seen: dict[bytes, int] = {}
+    for row in y.numpy():
+        seen[row.tobytes()] = seen.get(row.tobytes(), 0) + 1
+    assert set(seen) == set(exact) and len(exact) == 8
+    for key, p in exact.items():  # within 5 standard deviations of a binomial count
+        assert abs(seen[key] - n * p) < 5 * np.sqrt(n * p * (1 - p)), (seen[key], n * p)
+    assert set(AUGMENTS) == set(SLICE_AUGMENTS)  # the config's names are the loader's
 
 
 def test_a_slice_is_read_as_simpleitk_reads_it_and_the_flip_is_left_right(tmp_path: Path) -> None:

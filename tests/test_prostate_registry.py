@@ -54,8 +54,13 @@ def test_load_dataset_selects_sites_in_order_and_caps_slices(saml, tmp_path):
                       max_per_domain=5)
     assert ds.domains == ["UCL", "HK"] and ds.task == "segmentation" and ds.image_shape == (3, 32, 32)
     assert np.bincount(ds.domain_ids).tolist() == [5, 5]
-    with pytest.raises(ValueError, match="prostate takes no data.transforms"):
+    with pytest.raises(ValueError, match="prostate takes data.transforms hflip or rot90_flip, got 'none'"):
         load_dataset("prostate", root=str(saml), cache_dir=tmp_path, image_size=32, transforms="none")
+    rotated = load_dataset("prostate", root=str(saml), cache_dir=tmp_path, image_size=32, transforms="rot90_flip")
+    assert ds.augment == "hflip" and rotated.augment == "rot90_flip"
+    assert rotated.subset(np.arange(3), rotated.domains).augment == "rot90_flip"  # clients' subsets keep it
+    with pytest.raises(ValueError, match="'rot90_flip' is a segmentation slices' augmentation"):
+        load_dataset("digits-dg", cache_dir=tmp_path, transforms="rot90_flip")
     with pytest.raises(ValueError, match="prostate needs root="):
         load_dataset("prostate")
     with pytest.raises(ValueError, match="synthetic-mri is built in and takes no root"):

@@ -42,7 +42,8 @@ class DataConfig(Settings):
     transforms: Any = Field(  # a preset name or a mapping; checked by _transforms_valid with one clear line
         None, description="training augmentation and normalisation: a preset (none | digits | domainbed) or a "
         "mapping of preset, crop_scale, crop_ratio, flip, jitter, grayscale, pad_crop, mean, std (docs/data.md); "
-        "default: the dataset's own (no augmentation for the built-ins, DomainBed's for folder presets)"
+        "default: the dataset's own (no augmentation for the built-ins, DomainBed's for folder presets); segmentation "
+        "slices: hflip (default) or rot90_flip (the papers' code's)"
     )
     loader_workers: int = Field(
         0, ge=0, description="DataLoader processes building training batches (0 = in the client's process); "
@@ -59,9 +60,10 @@ class DataConfig(Settings):
 
     @model_validator(mode="after")
     def _transforms_valid(self) -> DataConfig:
-        from feddg.data.transform_spec import parse_transforms  # lazy: the CLI imports this module without torch
+        from feddg.data.transform_spec import SLICE_AUGMENTS, parse_transforms  # lazy: the CLI imports this without torch
 
-        parse_transforms(self.transforms)
+        if not (isinstance(self.transforms, str) and self.transforms in SLICE_AUGMENTS):  # the loader checks those
+            parse_transforms(self.transforms)
         return self
 
 

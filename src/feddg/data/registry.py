@@ -49,7 +49,7 @@ from feddg.data.slices import SliceDataset
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.data.text import DEFAULT_MAX_LENGTH, DEFAULT_VOCAB_SIZE, BowDataset, TokenDataset
 from feddg.data.transform_spec import PRESETS as TRANSFORM_PRESETS
-from feddg.data.transform_spec import TransformSpec, check_channels, parse_transforms
+from feddg.data.transform_spec import TransformSpec, check_channels, parse_slice_augment, parse_transforms
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,6 @@ class Plugin:
 PLUGINS: dict[str, Plugin] = {}
 
 
-def _no_transforms(name: str, transforms: object) -> None:
-    if transforms is not None:
-        raise ValueError(f"{name} takes no data.transforms: its slices are scaled per volume to 0..255, normalised "
-                         f"with (0.5, 0.5) and flipped left-right in training")
 
 
 Trimmable = TypeVar("Trimmable", SliceDataset, TokenDataset, BowDataset)
@@ -122,23 +118,24 @@ def _trimmed(ds: Trimmable, domains: list[str] | None, max_per_domain: int | Non
 
 def _load_prostate(*, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None, seed: int,
                    domains: list[str] | None, max_per_domain: int | None, transforms: object) -> SliceDataset:
-    _no_transforms(prostate.NAME, transforms)
+    augment = parse_slice_augment(transforms, prostate.NAME)
     if root is None:
         raise ValueError(f"dataset prostate needs root=<folder> laid out as {prostate.LAYOUT}")
     sites = _select(prostate.NAME, prostate.SITES, domains)
     ds = prostate.load_prostate(root, image_size or prostate.DEFAULT_IMAGE_SIZE, sites=sites, cache_dir=cache_dir)
-    return _trimmed(ds, None, max_per_domain, seed)
+    return _trimmed(ds, None, max_per_domain, seed).with_augment(augment)
 
 
 def _load_synthetic_mri(*, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None,
                         seed: int, domains: list[str] | None, max_per_domain: int | None,
                         transforms: object) -> SliceDataset:
-    _no_transforms(synthetic_mri.NAME, transforms)
+    augment = parse_slice_augment(transforms, synthetic_mri.NAME)
     if root is not None:
         raise ValueError(f"{synthetic_mri.NAME} is built in and takes no root (got {root!r}); "
                          f"`feddg export {synthetic_mri.NAME} DIR` writes it as NIfTI for dataset prostate")
     size = image_size or synthetic_mri.DEFAULT_IMAGE_SIZE
-    return _trimmed(synthetic_mri.load_synthetic_mri(seed, size, cache_dir=cache_dir), domains, max_per_domain, seed)
+    ds = synthetic_mri.load_synthetic_mri(seed, size, cache_dir=cache_dir)
+    return _trimmed(ds, domains, max_per_domain, seed).with_augment(augment)
 
 
 # Multi-site volumes read as 2.5-D slices (feddg.data.slices) for the segmentation task.

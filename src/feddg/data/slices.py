@@ -11,6 +11,7 @@ uint8 arrays and slices batches from them.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -96,12 +97,14 @@ class SliceDataset(DomainDataset):
         cases: int64 ``[N]``, a global case id per slice: splits must keep a case's slices together (its neighbouring
             slices are in each other's channels).
 
-    ``labels`` is 1 where a slice's mask has foreground, else 0. Training batches are flipped horizontally (image and
-    mask together) with probability 1/2 each, drawn from the batch's generator.
+    ``labels`` is 1 where a slice's mask has foreground, else 0. Training batches are augmented, image and mask
+    together, from the batch's generator: by :attr:`augment` (``data.transforms``), ``hflip`` (left-right flips,
+    p 1/2; the default) or ``rot90_flip`` (:func:`rot90_flip`, the papers' code's).
     """
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    augment: str = "hflip"
 
     task = "segmentation"
     inputs = "images"
@@ -150,7 +153,15 @@ class SliceDataset(DomainDataset):
         if (domain_ids < 0).any():
             raise ValueError(f"indices reach domains beyond {domains}")
         return SliceDataset(self.name, self.images[indices], self.masks[indices], domain_ids, self.cases[indices],
-                            domains, self.mean, self.std)
+                            domains, self.mean, self.std).with_augment(self.augment)
+
+    def with_augment(self, augment: str) -> SliceDataset:
+        """This dataset (its arrays shared) with training augmentation ``augment`` (a key of :data:`AUGMENTS`)."""
+        if augment not in AUGMENTS:
+            raise ValueError(f"unknown slice augmentation {augment!r}; expected one of {', '.join(AUGMENTS)}")
+        out = copy.copy(self)
+        out.augment = augment
+        return out
 
     @classmethod
     def from_arrays(cls, name: str, arrays: Arrays, domains: list[str]) -> SliceDataset:
@@ -166,7 +177,43 @@ class SliceDataset(DomainDataset):
         x = torch.from_numpy(np.ascontiguousarray(self.images[idx])).float().div_(255.0)
         y = torch.from_numpy(np.asarray(self.masks[idx], dtype=np.int64))
         if train:
-            flip = torch.rand(len(idx), generator=generator) < 0.5
-            x[flip] = x[flip].flip(-1)
-            y[flip] = y[flip].flip(-1)
+            x, y = AUGMENTS[self.augment](x, y, generator)
         return x.mul_(self._scale).sub_(self._shift), y
+
+
+def hflip(x: Tensor, y: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Each slice ``x [B, C, S, S]`` and its mask ``y [B, S, S]`` flipped left-right with probability 1/2."""
+    flip = torch.rand(len(y), generator=generator) < 0.5
+    x[flip] = x[flip].flip(-1)
+    y[flip] = y[flip].flip(-1)
+    return x, y
+
+
+def rot90_flip(x: Tensor, y: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """HarmoFL's and FedFA's prostate training augmentation (HarmoFL ``utils/dataset.py``: ``RandomRotate90`` then
+    ``RandomFlip(0.75)``), per slice: a rotation by ``k``·90° with ``k`` uniform over Python's inclusive
+    ``randint(0, 4)`` (0 and 4 are both the identity: 2/5 of the slices stay upright), then with probability 0.75
+    a flip of the rows, the columns or both, uniformly (``cv2.flip`` codes 0, 1, −1)."""
+    n = len(y)
+    k = torch.randint(0, 5, (n,), generator=generator)
+    flip = torch.rand(n, generator=generator) < 0.75
+    how = torch.randint(0, 3, (n,), generator=generator)
+    return rotate_and_flip(x, y, k, torch.where(flip, how, -1))
+
+
+def rotate_and_flip(x: Tensor, y: Tensor, k: Tensor, flip: Tensor) -> tuple[Tensor, Tensor]:
+    """Slice ``i`` rotated by ``k[i]``·90° in the image plane (``np.rot90``'s direction), then flipped: its rows for
+    ``flip[i] == 0``, its columns for 1, both for 2, not at all for −1; the mask moves with it."""
+    for turns in (1, 2, 3):
+        sel = k == turns
+        x[sel] = torch.rot90(x[sel], turns, (-2, -1))
+        y[sel] = torch.rot90(y[sel], turns, (-2, -1))
+    for code, dims in ((0, (-2,)), (1, (-1,)), (2, (-2, -1))):
+        sel = flip == code
+        x[sel] = x[sel].flip(dims)
+        y[sel] = y[sel].flip(dims)
+    return x, y
+
+
+#: ``data.transforms`` of the slice datasets -> the training augmentation of a batch
+AUGMENTS = {"hflip": hflip, "rot90_flip": rot90_flip}

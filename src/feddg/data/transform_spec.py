@@ -131,9 +131,31 @@ def _field(key: str, value: Any) -> Any:
 
 
 def _preset(name: Any) -> TransformSpec:
+    if isinstance(name, str) and name in SLICE_AUGMENTS:
+        raise ValueError(f"{name!r} is a segmentation slices' augmentation (synthetic-mri, prostate); an image "
+                         f"dataset takes a preset: {', '.join(PRESETS)}")
     if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"unknown transforms preset {name!r}; expected one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+#: the training augmentations of the 2.5-D slice datasets (their ``data.transforms``; image and mask move together)
+SLICE_AUGMENTS = {
+    "hflip": "a left-right flip with probability 1/2 (feddg's default)",
+    "rot90_flip": "HarmoFL's and FedFA's code's: a random 90° rotation, then a flip of the rows, the columns or both "
+                  "with probability 0.75",
+}
+
+
+def parse_slice_augment(value: Any, dataset: str) -> str:
+    """The slice augmentation ``value`` names (``None``: ``hflip``); one line for anything else."""
+    if value is None:
+        return "hflip"
+    if isinstance(value, str) and value in SLICE_AUGMENTS:
+        return value
+    options = "; ".join(f"{k} ({v})" for k, v in SLICE_AUGMENTS.items())
+    raise ValueError(f"{dataset} takes data.transforms {' or '.join(SLICE_AUGMENTS)}, got {value!r}: its slices are "
+                     f"scaled per volume to 0..255 and normalised with (0.5, 0.5); {options}")
 
 
 def _on(base: TransformSpec, preset: TransformSpec) -> TransformSpec:
