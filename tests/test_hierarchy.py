@@ -116,6 +116,9 @@ def test_hierarchy_config_is_validated():
     with pytest.raises(ConfigError, match="partition.params.groups"):
         build_config({"partition": {"num_clients": 6, "kind": "two_level_dirichlet", "params": {"groups": 3}},
                       "hierarchy": {"stations": 2}})
+    with pytest.raises(ConfigError, match="it needs hierarchy.assignment=contiguous, not round_robin$"):  # groups fit
+        build_config({"partition": {"num_clients": 6, "kind": "two_level_dirichlet", "params": {"groups": 3}},
+                      "hierarchy": {"stations": 3, "assignment": "round_robin"}})
 
 
 # --- the engine under a hierarchy ----------------------------------------------------------

@@ -77,6 +77,23 @@ def test_raw_reader_names_the_line_of_a_malformed_review(tmp_path: Path) -> None
         load_dataset("amazon-reviews", root=str(root), cache_dir=tmp_path / "cache")
 
 
+def test_a_review_file_without_reviews_or_with_two_texts_in_one_is_a_problem(tmp_path: Path) -> None:
+    """An empty ``.review`` file, or a processed_acl tree read as raw, loaded as an empty domain that training then
+    dropped; a second ``<review_text>`` overwrote the first."""
+    root = _raw_root(tmp_path)
+    empty = _write(root / "books" / "positive.review", "")
+    twice = _write(root / "kitchen_&_housewares" / "negative.review",
+                   "<review>\n<review_text>first</review_text>\n<review_text>second</review_text>\n</review>\n")
+    assert read_raw(root, ("books", "kitchen"))[1] == [
+        f"{empty}: no <review> entries; expected root/<domain>/{{positive,negative}}.review (Blitzer et al.'s "
+        "release; domains books, dvd, electronics, kitchen)",
+        f"{twice}:3: a second <review_text> in one <review>"]
+    acl = tmp_path / "acl"
+    for polarity in ("positive", "negative"):
+        _write(acl / "books" / f"{polarity}.review", f"good:1 #label#:{polarity}\n")
+    assert all("no <review> entries" in p for p in read_raw(acl, ("books",))[1])
+
+
 def test_table_reader_csv_and_jsonl(tmp_path: Path) -> None:
     root = tmp_path / "table"
     _write(root / "a.csv", 'text,label,domain\n"two\nlines",1,web\nbad stuff,negative,mail\n')
@@ -99,6 +116,39 @@ def test_table_reader_names_every_malformed_line(tmp_path: Path) -> None:
                                              "label, domain"]
     assert len(check_dataset("text-table", root=str(tmp_path / "t"))) == 3
 
+
+
+def test_table_rows_with_extra_fields_or_non_text_values_and_empty_files_are_problems(tmp_path: Path) -> None:
+    """An unquoted comma shifted the label and domain (``great, works well,positive,books`` made a domain
+    ``positive``); JSON's 1 and 1.0 made two classes; a file without rows loaded nothing."""
+    shifted = _write(tmp_path / "t" / "a.csv", "text,label,domain\ngreat, works well,positive,books\nok,1,books\n")
+    numbers = _write(tmp_path / "t" / "b.jsonl", "".join(json.dumps(row) + "\n" for row in (
+        {"text": "a", "label": 1, "domain": "d"}, {"text": "b", "label": 1.0, "domain": "d"},
+        {"text": "c", "label": True, "domain": "d"}, {"text": ["x"], "label": 0, "domain": 3})))
+    empty = _write(tmp_path / "t" / "c.csv", "text,label,domain\n")
+    domains, rows, problems = read_table(tmp_path / "t")
+    assert problems == [f"{shifted}:2: 1 field(s) more than the header's 3",
+                        f"{numbers}:2: the row has label 1.0: text must be a string, label and domain strings or "
+                        "integers",
+                        f"{numbers}:3: the row has label True: text must be a string, label and domain strings or "
+                        "integers",
+                        f"{numbers}:4: the row has text ['x']: text must be a string, label and domain strings or "
+                        "integers",
+                        f"{empty}: no rows; expected a .csv or .jsonl file (or a folder of them) with columns text, "
+                        "label, domain"]
+    assert rows == {"books": [("ok", "positive")], "d": [("a", "positive")]}
+
+
+def test_processed_acl_lines_split_at_newlines_and_spaces_only(tmp_path: Path) -> None:
+    """A Latin-1 file's byte 0x85 is U+0085, a line break to ``str.splitlines``; 0xA0 a space to ``str.split``."""
+    root = tmp_path / "acl"
+    (root / "books").mkdir(parents=True)
+    (root / "books" / "positive.review").write_bytes(b"caf\xe9\x85:2 a\xa0b:1 #label#:positive\r\n")
+    empty = _write(root / "books" / "negative.review", "\n")
+    samples, problems = read_processed_acl(root, ("books",))
+    assert samples["books"] == [({"caf\xe9\x85": 2, "a\xa0b": 1}, 1)]
+    assert problems == [f"{empty}: no review lines; expected root/<domain>/{{positive,negative}}.review with lines "
+                        "`tok:count ... #label#:positive|negative`"]
 
 
 def test_table_reader_drops_a_utf8_bom(tmp_path: Path) -> None:  # Excel's "CSV UTF-8" starts with one

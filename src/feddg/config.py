@@ -546,9 +546,12 @@ class ExperimentConfig(Settings):
         if self.partition.num_clients < h.stations:
             raise ValueError(f"hierarchy.stations: {h.stations} stations need partition.num_clients >= {h.stations}")
         groups = self.partition.params.get("groups")
-        if self.partition.kind == "two_level_dirichlet" and (groups != h.stations or h.assignment != "contiguous"):
+        if self.partition.kind == "two_level_dirichlet" and groups != h.stations:
             raise ValueError(f"partition.kind=two_level_dirichlet: partition.params.groups ({groups}) must equal "
-                             f"hierarchy.stations ({h.stations}) with hierarchy.assignment=contiguous")
+                             f"hierarchy.stations ({h.stations})")
+        if self.partition.kind == "two_level_dirichlet" and h.assignment != "contiguous":
+            raise ValueError(f"partition.kind=two_level_dirichlet numbers clients station by station: it needs "
+                             f"hierarchy.assignment=contiguous, not {h.assignment}")
         return self
 
     @model_validator(mode="after")

@@ -108,6 +108,8 @@ def parse_raw_reviews(path: Path) -> tuple[list[str], list[str]]:
         elif not closing:
             if review_at is None:
                 problems.append(f"{path}:{_line(text, pos)}: <review_text> outside a <review>")
+            elif body_at is not None or body is not None:
+                problems.append(f"{path}:{_line(text, pos)}: a second <review_text> in one <review>")
             body_at = m.end()
         elif body_at is None:
             problems.append(f"{path}:{_line(text, pos)}: </review_text> without <review_text>")
@@ -115,6 +117,8 @@ def parse_raw_reviews(path: Path) -> tuple[list[str], list[str]]:
             body, body_at = " ".join(html.unescape(text[body_at:pos]).split()), None
     if review_at is not None:
         problems.append(f"{path}:{_line(text, review_at)}: <review> is not closed")
+    if not texts and not problems:  # an empty file, or another layout's (processed_acl's lines)
+        problems.append(f"{path}: no <review> entries; expected {RAW_LAYOUT}")
     return texts, problems
 
 
@@ -130,8 +134,9 @@ def read_raw(root: str | Path, domains: tuple[str, ...] = AMAZON_DOMAINS) -> tup
 
 
 def parse_acl_line(path: Path, number: int, line: str) -> tuple[dict[str, int], str] | str:
-    """``(feature counts, label name)`` of a ``processed_acl`` line, or the problem with it."""
-    *pairs, last = line.split()
+    """``(feature counts, label name)`` of a ``processed_acl`` line, or the problem with it. Tokens are split at
+    spaces only (a Latin-1 file's U+00A0 or U+0085 is part of a token, not a separator)."""
+    *pairs, last = [t for t in line.split(" ") if t]
     if not last.startswith("#label#:"):
         return f"{path}:{number}: the line does not end with #label#:positive or #label#:negative"
     label = last.removeprefix("#label#:")
@@ -152,8 +157,10 @@ def read_processed_acl(root: str | Path, domains: tuple[str, ...] = AMAZON_DOMAI
     files, problems = review_files(root, domains)
     out: dict[str, Counts] = {d: [] for d in domains}
     for domain, file, k in files:
-        for number, line in enumerate(_read_text(file).splitlines(), 1):
-            if not line.strip():
+        before = len(out[domain])
+        for number, line in enumerate(_read_text(file).split("\n"), 1):  # not splitlines: U+0085 is a line break there
+            line = line.removesuffix("\r")
+            if not line.strip(" "):
                 continue
             parsed = parse_acl_line(file, number, line)
             if isinstance(parsed, str):
@@ -162,6 +169,8 @@ def read_processed_acl(root: str | Path, domains: tuple[str, ...] = AMAZON_DOMAI
                 problems.append(f"{file}:{number}: label {parsed[1]} in the {SENTIMENT[k]} file")
             else:
                 out[domain].append((parsed[0], k))
+        if len(out[domain]) == before and not any(p.startswith(f"{file}:") for p in problems):
+            problems.append(f"{file}: no review lines; expected {ACL_LAYOUT}")
     return out, problems
 
 
@@ -191,6 +200,9 @@ def _csv_rows(text: str) -> Iterator[tuple[int, dict[str, object] | str]]:
         yield 1, f"the header lacks column(s) {', '.join(missing)}; expected {', '.join(TABLE_COLUMNS)}"
         return
     for row in reader:
+        if None in row:  # csv.DictReader files the fields past the header's under None
+            yield reader.line_num, f"{len(row[None])} field(s) more than the header's {len(reader.fieldnames or [])}"
+            continue
         yield reader.line_num, dict(row)
 
 
@@ -228,21 +240,39 @@ def _class_names(labels: set[str]) -> dict[str, str]:
     return {label: label for label in labels}
 
 
+def _field(row: dict[str, object], column: str) -> str | None:
+    """A cell as text: a string, or an integer label or domain (JSON's ``1``); ``None`` for any other value (a float,
+    a boolean, a list, an object: ``1`` and ``1.0`` must not become two classes)."""
+    value = row.get(column)
+    if isinstance(value, str):
+        return value.strip()
+    if column != "text" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
 def read_table(root: str | Path) -> tuple[list[str], dict[str, list[tuple[str, str]]], list[str]]:
     """CSV / JSONL rows: the sorted domain names, ``(text, label name)`` per row of each, and the problems."""
     files, problems = table_files(root)
     out: dict[str, list[tuple[str, str]]] = {}
     for file in files:
+        rows = 0
         for number, row in _rows(file):
+            rows += 1
             if isinstance(row, str):
                 problems.append(f"{file}:{number}: {row}")
                 continue
             missing = [c for c in TABLE_COLUMNS if row.get(c) is None]
-            text, label, domain = ("" if row.get(c) is None else str(row.get(c)).strip() for c in TABLE_COLUMNS)
-            if missing or not (text and label and domain):
-                what = f"lacks {', '.join(missing)}" if missing else "has an empty text, label or domain"
+            wrong = [c for c in TABLE_COLUMNS if c not in missing and _field(row, c) is None]
+            text, label, domain = (_field(row, c) or "" for c in TABLE_COLUMNS)
+            if missing or wrong or not (text and label and domain):
+                what = (f"lacks {', '.join(missing)}" if missing else
+                        f"has {', '.join(f'{c} {row[c]!r}' for c in wrong)}: text must be a string, label and domain "
+                        "strings or integers" if wrong else "has an empty text, label or domain")
                 problems.append(f"{file}:{number}: the row {what}")
                 continue
             out.setdefault(domain, []).append((" ".join(text.split()), label))
+        if rows == 0:
+            problems.append(f"{file}: no rows; expected {TABLE_LAYOUT}")
     names = _class_names({label for samples in out.values() for _, label in samples})
     return sorted(out), {d: [(t, names[label]) for t, label in out[d]] for d in sorted(out)}, problems
