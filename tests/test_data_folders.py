@@ -249,3 +249,40 @@ def test_error_unknown_domain_and_missing_root_argument(tmp_path: Path) -> None:
         load_dataset("folder", root=str(root), domains=["c"])
     with pytest.raises(ValueError, match="needs root"):
         load_dataset("office-home")
+
+
+def test_a_preset_class_without_any_folder_is_a_check_problem_and_a_load_warning(tmp_path: Path, caplog) -> None:
+    """A PACS copy without person/ anywhere loaded with a dead output while --check said every domain has every
+    class; a partial copy still loads (the earlier test), now with one warning line."""
+    root = make_tree(tmp_path / "PACS", PACS.domains, [c for c in PACS.classes if c != "person"], per_class=1)
+    problems = check_dataset("pacs", root=str(root))
+    assert problems == [f"pacs: class(es) person of the preset have no folder in any domain under {root}: the model "
+                        "keeps their outputs, no sample trains or tests them"]
+    with caplog.at_level("WARNING"):
+        ds = load_dataset("pacs", root=str(root), image_size=8)
+    assert len(ds) == 24 and "class(es) person of the preset have no folder" in caplog.text
+
+
+def test_images_behind_symlinked_folders_are_read_and_a_dangling_link_is_a_problem(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "data", ["a", "b"], ["x"], per_class=1)
+    _png(tmp_path / "elsewhere" / "batch2" / "1.png", (7, 7, 7))
+    (root / "a" / "x" / "batch2").symlink_to(tmp_path / "elsewhere" / "batch2", target_is_directory=True)
+    (root / "a" / "x" / "batch2" / "loop").symlink_to(root / "a", target_is_directory=True)  # walked once, no cycle
+    ds = load_dataset("folder", root=str(root), image_size=8)
+    assert root / "a" / "x" / "batch2" / "1.png" in ds.files and len(ds) == 3
+    (root / "b" / "x" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    assert check_dataset("folder", root=str(root)) == [
+        f"image {root / 'b' / 'x' / 'gone.png'} is a link to nothing ({tmp_path / 'nowhere.png'})"]
+
+
+def test_a_16_bit_image_is_refused_not_saturated(tmp_path: Path) -> None:
+    """PIL's convert("RGB") clips I;16 pixels at 255 (a mid-grey 16-bit image read as white)."""
+    root = make_tree(tmp_path / "data", ["a", "b"], ["x"], per_class=1)
+    deep = root / "b" / "x" / "deep.png"
+    Image.fromarray(np.full((8, 8), 30000, dtype=np.uint16)).save(deep)
+    assert Image.open(deep).mode.startswith("I")
+    assert check_dataset("folder", root=str(root)) == [
+        f"cannot read image {deep}: ValueError: a {Image.open(deep).mode} image (16-bit, 32-bit or float): feddg reads "
+        "8-bit images, convert it first"]
+    with pytest.raises(ValueError, match="deep.png"):
+        load_dataset("folder", root=str(root), image_size=8)

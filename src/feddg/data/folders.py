@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from feddg.data.augment import BatchAugment
 from feddg.data.base import first_problem
+from feddg.data.image_cache import rgb8
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.data.transform_spec import TransformSpec, check_channels
 
@@ -85,11 +87,27 @@ def _is_image(path: Path) -> bool:
     return path.is_file() and not path.name.startswith(".") and path.suffix.lower() in IMAGE_EXTENSIONS
 
 
-def _images_under(folder: Path) -> list[Path]:
-    """The images anywhere under ``folder``, sorted; hidden files and whatever lies in a hidden folder
-    (``.ipynb_checkpoints/``) left out."""
-    return sorted(p for p in folder.rglob("*")
-                  if _is_image(p) and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+def _images_under(folder: Path) -> tuple[list[Path], list[str]]:
+    """The images anywhere under ``folder``, sorted, through symlinked sub-folders too (each real folder once), and
+    the problems: an image name whose link leads nowhere. Hidden files and whatever lies in a hidden folder
+    (``.ipynb_checkpoints/``) are left out."""
+    images, problems, seen = [], [], set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:  # a link back up the tree, or two links to one folder
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            path = Path(top) / name
+            if name.startswith(".") or path.suffix.lower() not in IMAGE_EXTENSIONS:
+                continue
+            if path.is_file():
+                images.append(path)
+            else:
+                problems.append(f"image {path} is a link to nothing ({os.readlink(path)})")
+    return sorted(images), problems
 
 
 def _subfolders(path: Path) -> list[str]:
@@ -130,6 +148,12 @@ class FolderScan:
     labels: list[int] = field(default_factory=list)
     domain_ids: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: a preset's classes that no scanned domain has a folder for (a partial copy, or a broken one)
+    absent: list[str] = field(default_factory=list)
+
+    def absent_line(self, name: str, root: Path) -> str:
+        return (f"{name}: class(es) {_names(self.absent)} of the preset have no folder in any domain under {root}: "
+                f"the model keeps their outputs, no sample trains or tests them")
 
     def error(self, name: str, root: Path) -> str:
         """One line: the first problem, and how to list the others."""
@@ -179,7 +203,8 @@ def scan_tree(root: Path, domains: list[str], classes: list[str], fixed: bool = 
         scan.problems += _domain_problems(root / name, classes, fixed)
         count = 0
         for c in known[name]:
-            images = _images_under(root / name / c)
+            images, broken = _images_under(root / name / c)
+            scan.problems += broken
             if not images:
                 scan.problems.append(f"class folder {root / name / c} has no images")
             scan.files += images
@@ -189,6 +214,8 @@ def scan_tree(root: Path, domains: list[str], classes: list[str], fixed: bool = 
         if not count:
             scan.problems.append(f"domain folder {root / name} has no images")
     scan.problems += _missing_classes(root, domains, known)
+    if fixed:
+        scan.absent = [c for c in classes if not any(c in known[d] for d in domains)]
     return scan
 
 
@@ -213,7 +240,7 @@ def load_image(path: Path) -> Tensor:
     """RGB float ``[3, H, W]`` in ``[0, 1]``; a one-line error naming the file if it cannot be decoded."""
     try:
         with Image.open(path) as im:
-            pixels = np.asarray(im.convert("RGB"))
+            pixels = rgb8(im)
     except (OSError, ValueError, SyntaxError) as err:
         reason = " ".join(str(err).split())
         raise ValueError(f"cannot read image {path}: {reason}; {LAYOUT}") from None

@@ -48,12 +48,20 @@ def cache_path(cache_dir: Path, tag: str, root: Path, files: Sequence[Path], siz
     return cache_dir / "folders" / name
 
 
+def rgb8(im: Image.Image) -> np.ndarray:
+    """The image as RGB uint8 ``[H, W, 3]`` (PIL's ``convert("RGB")``: grey repeated, alpha dropped); ``ValueError``
+    for 16-bit, 32-bit and float images, which that conversion saturates or zeroes instead of scaling."""
+    if im.mode in ("I", "F") or im.mode.startswith("I;16"):
+        raise ValueError(f"a {im.mode} image (16-bit, 32-bit or float): feddg reads 8-bit images, convert it first")
+    return np.array(im.convert("RGB"))
+
+
 def decode(path: str | Path, size: int | None) -> np.ndarray:
     """RGB uint8 ``[size, size, 3]`` (bilinear, antialiased as PIL; ``None`` keeps the file's own size)."""
     with Image.open(path) as im:
         if size is not None:
             im.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale still >= size
-        rgb = np.array(im.convert("RGB"))
+        rgb = rgb8(im)
     if size is None or rgb.shape[:2] == (size, size):
         return rgb
     x = torch.from_numpy(rgb).permute(2, 0, 1).unsqueeze(0)  # channels last: torch's fast uint8 path
@@ -78,12 +86,12 @@ def _decode_chunk(paths: list[str], size: int) -> tuple[np.ndarray, list[tuple[i
 
 
 def _check_chunk(paths: list[str]) -> list[tuple[int, str]]:
-    """``(position, reason)`` of each file in ``paths`` that cannot be fully decoded."""
+    """``(position, reason)`` of each file in ``paths`` that cannot be fully decoded to 8-bit RGB."""
     errors = []
     for i, p in enumerate(paths):
         try:
             with Image.open(p) as im:
-                im.load()
+                rgb8(im)
         except Exception as err:
             errors.append((i, _reason(err)))
     return errors

@@ -128,4 +128,5 @@ def check_dataset(name: str, *, root: str | None = None, workers: int | None = N
     classes = list(preset.classes) or discover_classes(path, available)
     scan = scan_tree(path, present, classes, fixed=bool(preset.classes)) if present else FolderScan()
     bad = image_cache.unreadable(scan.files, workers)
-    return problems + scan.problems + [f"cannot read image {file}: {reason}" for file, reason in bad]
+    absent = [scan.absent_line(name, path)] if scan.absent else []
+    return problems + scan.problems + absent + [f"cannot read image {file}: {reason}" for file, reason in bad]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from collections.abc import Callable
@@ -50,6 +51,8 @@ from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.data.text import DEFAULT_MAX_LENGTH, DEFAULT_VOCAB_SIZE, BowDataset, TokenDataset
 from feddg.data.transform_spec import PRESETS as TRANSFORM_PRESETS
 from feddg.data.transform_spec import TransformSpec, check_channels, parse_slice_augment, parse_transforms
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -375,6 +378,8 @@ def _load_folder(
     path, chosen, classes, scan = scan_folder(name, root, domains)
     if scan.problems:
         raise ValueError(scan.error(name, path))
+    if scan.absent:
+        log.warning(scan.absent_line(name, path))
     labels, domain_ids = np.array(scan.labels, dtype=np.int64), np.array(scan.domain_ids, dtype=np.int64)
     keep = subsample(chosen, domain_ids, labels, max_per_domain, seed)
     files = [scan.files[i] for i in keep]
