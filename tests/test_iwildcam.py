@@ -53,6 +53,30 @@ def test_a_split_that_would_train_on_wilds_ood_validation_split_is_refused(tmp_p
     assert _load(iwildcam_tree(tmp_path / "no-val", [r for r in IWILDCAM_ROWS if r[0] != "val"])).ood_validation is None
 
 
+def test_holding_out_wilds_val_alone_does_not_train_on_its_test_split(tmp_path):
+    """split.target: val made WILDS' official ood test split a training domain (a client under a natural
+    partition)."""
+    ds = _load(iwildcam_tree(tmp_path))
+    assert ds.ood_test == "test"
+    with pytest.raises(ValueError, match="domain 'test' is its official ood test split and would train"):
+        make_split(ds, build_config({"data": {"dataset": "iwildcam"}, "split": {"target": "val"}}))
+    split = make_split(ds, build_config({"data": {"dataset": "iwildcam"}, "split": {"target": ["test", "val"]}}))
+    assert {ds.domains[d] for d in split.source_domains} == set(TRAIN_LOCATIONS)
+
+
+def test_metadata_rows_are_numbered_as_the_file_and_a_row_with_extra_fields_is_refused(tmp_path):
+    root = iwildcam_tree(tmp_path)
+    table = root / "iwildcam_v2.0" / "metadata.csv"
+    lines = table.read_text().splitlines()
+    table.write_text("\ufeff" + "\n".join([*lines[:3], "", "", lines[3].replace(",0,0002.jpg", ",999,0002.jpg"),
+                                            *lines[4:]]) + "\n")  # a BOM, two blank lines, then a bad label
+    with pytest.raises(ValueError, match=r"metadata.csv: line 6: y '999' is not an integer in 0\.\.181$"):
+        _load(root)
+    table.write_text("\n".join([*lines[:2], lines[2] + ",EXTRA", *lines[3:]]) + "\n")
+    with pytest.raises(ValueError, match=r"metadata.csv: line 3: 1 field\(s\) more than the header's 7$"):
+        _load(root)
+
+
 def test_split_codes_read_as_names(tmp_path):
     coded = [({"train": "0", "val": "1", "test": "2", "id_val": "3"}[s], loc, y) for s, loc, y in IWILDCAM_ROWS[:-1]]
     ds = _load(iwildcam_tree(tmp_path, coded))

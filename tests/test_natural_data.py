@@ -92,6 +92,30 @@ def test_an_image_listed_on_two_lines_of_metadata_csv_is_one_line_naming_both(tm
            "(train)" in str(err.value)
 
 
+def test_leaf_files_that_repeat_a_user_or_disagree_with_themselves_are_one_line(tmp_path):
+    """A copied all_data file was read twice (every sample of its writers doubled); a user only in user_data was
+    dropped; an x without y crashed naming no file."""
+    write_json(tmp_path / "a" / "all_data_0.json", leaf_blob({"f1": ([0.5], [1]), "f2": ([0.5], [2])}))
+    write_json(tmp_path / "a" / "all_data_0 (copy).json", leaf_blob({"f1": ([0.5], [1])}))
+    cases = {"a": f"{tmp_path / 'a' / 'all_data_0.json'}: user f1 is also in {tmp_path / 'a' / 'all_data_0 (copy).json'}"}
+    unlisted = leaf_blob({"f1": ([0.5], [1])})
+    unlisted["user_data"]["f9"] = {"x": [], "y": []}
+    write_json(tmp_path / "b" / "all_data_0.json", unlisted)
+    cases["b"] = "all_data_0.json: user f9: in user_data but not listed in users"
+    counted = leaf_blob({"f1": ([0.5], [1])})
+    counted["num_samples"] = [5]
+    write_json(tmp_path / "c" / "all_data_0.json", counted)
+    cases["c"] = "all_data_0.json: user f1: num_samples says 5, user_data holds 1 samples"
+    unlabelled = leaf_blob({"f1": ([0.5], [1]), "f2": ([0.5, 0.5], [])})
+    unlabelled["num_samples"] = [1, 0]
+    write_json(tmp_path / "d" / "all_data_0.json", unlabelled)
+    cases["d"] = "all_data_0.json: user f2: x must be 0 lists of 784 numbers (one per label), got shape (2, 784)"
+    for folder, expected in cases.items():
+        with pytest.raises(ValueError, match=r"^[^\n]*$") as err:
+            load_dataset("femnist", root=str(tmp_path / folder), cache_dir=tmp_path / "cache")
+        assert expected in str(err.value), (folder, str(err.value))
+
+
 def _broken_leaf(root):
     write_json(root / "all_data_0.json", leaf_blob({"u": ([0.5], [1])}))
     return []

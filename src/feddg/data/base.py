@@ -64,6 +64,7 @@ class DomainDataset(ABC):
     group_names: list[str] | None = None
     cases: np.ndarray | None = None
     ood_validation: str | None = None  # the domain that is the data's official ood validation split (WILDS' val)
+    ood_test: str | None = None  # the domain that is its official ood test split (WILDS' test)
     image_shape: tuple[int, int, int]
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None

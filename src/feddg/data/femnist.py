@@ -25,7 +25,7 @@ import numpy as np
 
 from feddg.data import image_cache
 from feddg.data.cache import cached
-from feddg.data.natural import Row, Samples, Source, read_csv, split_order, wilds_rows, wilds_split
+from feddg.data.natural import Lines, Row, Samples, Source, read_csv, split_order, wilds_rows, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "femnist"
@@ -57,7 +57,7 @@ def _user_arrays(path: Path, user: str, data: object) -> tuple[np.ndarray, np.nd
             raise ValueError("expected an object with x and y")
         y = np.array([_label(v) for v in data["y"]], dtype=np.int64)
         x = np.asarray(data["x"], dtype=np.float64)
-        if x.shape != (len(y), PIXELS) and len(y):
+        if (x.shape != (len(y), PIXELS) and len(y)) or (not len(y) and x.size):
             raise ValueError(f"x must be {len(y)} lists of {PIXELS} numbers (one per label), got shape {x.shape}")
         if len(y) and not (x.min() >= 0 and x.max() <= 1):
             raise ValueError("x values must lie in 0..1")
@@ -76,11 +76,19 @@ def read_leaf_file(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     if not isinstance(blob, dict) or not isinstance(blob.get("users"), list) or not isinstance(
             blob.get("user_data"), dict):
         raise ValueError(f"{path}: expected LEAF's object with users, num_samples and user_data")
+    unlisted = sorted(set(blob["user_data"]) - {str(u) for u in blob["users"]})
+    if unlisted:
+        raise ValueError(f"{path}: user {unlisted[0]}: in user_data but not listed in users ({len(unlisted)} such)")
+    counts = blob.get("num_samples")
+    if counts is not None and (not isinstance(counts, list) or len(counts) != len(blob["users"])):
+        raise ValueError(f"{path}: num_samples must list one count per user ({len(blob['users'])})")
     out = {}
-    for user in blob["users"]:
+    for k, user in enumerate(blob["users"]):
         if str(user) not in blob["user_data"]:
             raise ValueError(f"{path}: user {user}: listed in users but missing from user_data")
         x, y = _user_arrays(path, str(user), blob["user_data"][str(user)])
+        if counts is not None and counts[k] != len(y):
+            raise ValueError(f"{path}: user {user}: num_samples says {counts[k]!r}, user_data holds {len(y)} samples")
         if len(y):
             out[str(user)] = (x, y)
     return out
@@ -99,8 +107,13 @@ def _read_leaf(root: Path, files: dict[str, list[Path]]) -> dict[str, np.ndarray
     """Every sample of the LEAF files: images, labels, split index (into ``files``) and writer name."""
     xs, ys, splits, users = [], [], [], []
     for s, paths in enumerate(files.values()):
+        home: dict[str, Path] = {}  # each user's file within this split: a user in two is a copied file
         for path in paths:
             for user, (x, y) in read_leaf_file(path).items():
+                if user in home:
+                    raise ValueError(f"{path}: user {user} is also in {home[user]} (a copy of a LEAF file? each "
+                                     "writer's samples of a split live in one file)")
+                home[user] = path
                 xs.append(x)
                 ys.append(y)
                 splits.append(np.full(len(y), s, dtype=np.int64))
@@ -126,7 +139,7 @@ def read_leaf(root: Path, cache_dir: Path) -> Samples:
     return Samples(list(files), CLASSES, arrays["y"], arrays["split"], SIZE, 1, groups, names, arrays["x"])
 
 
-def _metadata_rows(table: Path) -> tuple[list[dict[str, str]], str]:
+def _metadata_rows(table: Path) -> tuple[Lines, str]:
     """The rows of ``table`` and the name of its writer column; one line naming it when unreadable or incomplete."""
     rows, header = read_csv(table)
     writer = next((c for c in WRITER_COLUMNS if c in header), None)
@@ -158,7 +171,7 @@ def read_metadata(folder: Path) -> Samples:
     domain_ids = np.array([domains.index(s) for s in splits], dtype=np.int64)
     return Samples(domains, CLASSES, np.array(labels, dtype=np.int64), domain_ids, SIZE, 1, groups,
                    [str(n) for n in names], files=files, root=folder,
-                   ood_validation="val" if "val" in domains else None)
+                   ood_validation="val" if "val" in domains else None, ood_test="test" if "test" in domains else None)
 
 
 def read_femnist(root: Path | None, seed: int, cache_dir: Path) -> Samples:

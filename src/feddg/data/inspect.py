@@ -1,4 +1,5 @@
-"""What ``feddg datasets NAME [--check]`` shows: counts and shapes without decoding, and a full check."""
+"""What ``feddg datasets NAME [--check]`` shows: counts and shapes (a folder scanned, not decoded; a built-in or a
+natural source loaded as a run loads it, so its image cache is built), and a full check."""
 
 from __future__ import annotations
 

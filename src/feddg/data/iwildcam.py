@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feddg.data.natural import Row, Samples, Source, read_csv, wilds_rows, wilds_split
+from feddg.data.natural import Lines, Row, Samples, Source, read_csv, wilds_rows, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
 NAME = "iwildcam"
@@ -45,8 +45,8 @@ def _integer(column: str, value: str, high: int | None = None) -> int:
     return int(text)
 
 
-def read_rows(table: Path) -> list[dict[str, str]]:
-    """The rows of ``metadata.csv``; one line naming it when unreadable or missing a column."""
+def read_rows(table: Path) -> Lines:
+    """The rows of ``metadata.csv`` with their lines; one line naming it when unreadable or missing a column."""
     rows, header = read_csv(table)
     if missing := [c for c in COLUMNS if c not in header]:
         raise ValueError(f"{table}: no column {', '.join(missing)}; expected WILDS' header with {', '.join(COLUMNS)}")
@@ -94,7 +94,7 @@ def _samples(folder: Path, files: list[Path], labels: np.ndarray, splits: np.nda
     names, groups = np.unique(locations, return_inverse=True)
     return Samples(domains, CLASSES, labels, domain_ids, SIZE, 3, groups.astype(np.int64),
                    [f"location_{n}" for n in names], files=files, root=folder,
-                   ood_validation="val" if "val" in pooled else None)
+                   ood_validation="val" if "val" in pooled else None, ood_test="test" if "test" in pooled else None)
 
 
 SOURCE = Source(read_iwildcam, [], CLASSES, SIZE, TRANSFORMS, layout=LAYOUT)

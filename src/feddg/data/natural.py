@@ -38,6 +38,7 @@ class Samples:
         root: the folder ``files`` lie under (the image cache's key is relative to it).
         channels: channels of the dataset's images (files decode as RGB; grayscale data keeps the first).
         ood_validation: the domain that is the data's official ood validation split (WILDS' ``val``): never trained.
+        ood_test: the domain that is its official ood test split (WILDS' ``test``): never trained either.
     """
 
     domains: list[str]
@@ -52,6 +53,7 @@ class Samples:
     files: list[Path] | None = None
     root: Path | None = None
     ood_validation: str | None = None
+    ood_test: str | None = None
 
     def take(self, rows: np.ndarray) -> Samples:
         """The samples at ``rows`` (domains and groups keep their names and ids)."""
@@ -68,7 +70,8 @@ class Samples:
         remap[ids] = np.arange(len(ids))
         kept = self.take(rows)
         return replace(kept, domains=list(chosen), domain_ids=remap[kept.domain_ids],
-                       ood_validation=self.ood_validation if self.ood_validation in chosen else None)
+                       ood_validation=self.ood_validation if self.ood_validation in chosen else None,
+                       ood_test=self.ood_test if self.ood_test in chosen else None)
 
 
 @dataclass(frozen=True)
@@ -104,15 +107,23 @@ WILDS_SPLITS = {"train": 0, "val": 1, "test": 2, "id_val": 3, "id_test": 4}
 WILDS_ID_SPLITS = ("id_val", "id_test")
 _WILDS_NAMES = {str(code): name for name, code in WILDS_SPLITS.items()}  # a code as the name it stands for
 Row = Mapping[str, str]  # a csv.DictReader row
+Lines = list[tuple[int, dict[str, str]]]  # each row with the file line it ends on
 T = TypeVar("T")
 
 
-def read_csv(table: Path) -> tuple[list[dict[str, str]], list[str]]:
-    """The rows and header of a metadata table; one line naming it when it cannot be read as CSV."""
+def read_csv(table: Path) -> tuple[Lines, list[str]]:
+    """The rows (each with its line in the file) and header of a metadata table (a leading byte-order mark
+    dropped); one line naming it when it cannot be read as CSV or a row has more fields than the header."""
+    rows: Lines = []
     try:
-        with table.open(newline="") as f:
+        with table.open(newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
-            return list(reader), list(reader.fieldnames or [])
+            for row in reader:
+                if None in row:  # csv.DictReader files the fields past the header's under None
+                    raise ValueError(f"{table}: line {reader.line_num}: {len(row[None])} field(s) more than the "
+                                     f"header's {len(reader.fieldnames or [])}")
+                rows.append((reader.line_num, row))
+            return rows, list(reader.fieldnames or [])
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise ValueError(f"{table}: not a readable CSV ({' '.join(str(err).split())})") from None
 
@@ -126,13 +137,14 @@ def wilds_split(value: str) -> str:
     raise ValueError(f"unknown split {value!r}; expected one of {choices}")
 
 
-def wilds_rows(table: Path, rows: Iterable[Row], parse: Callable[[Row], tuple[str, Path, T]]) -> list[tuple[str, Path, T]]:
+def wilds_rows(table: Path, rows: Iterable[tuple[int, Row]],
+               parse: Callable[[Row], tuple[str, Path, T]]) -> list[tuple[str, Path, T]]:
     """The rows of a WILDS ``metadata.csv`` outside the id splits, each ``parse``d to ``(split, image file, the
     rest)``; one line naming the table and line for a malformed row, for an image listed twice (in two splits it
     leaks between training and test) and for a table without a train row."""
     kept: list[tuple[str, Path, T]] = []
     seen: dict[str, tuple[int, str]] = {}
-    for line, row in enumerate(rows, start=2):
+    for line, row in rows:
         try:
             split, file, rest = parse(row)
             first, where = seen.setdefault(os.path.normpath(file), (line, split))
@@ -168,5 +180,6 @@ def to_dataset(name: str, samples: Samples, spec: TransformSpec, cache_dir: Path
         ds = TensorDomainDataset(name, torch.from_numpy(np.ascontiguousarray(x)), samples.labels, samples.domain_ids,
                                  samples.domains, samples.classes, mean, std,
                                  BatchAugment(spec) if spec.augments else None)
-    ds.groups, ds.group_names, ds.ood_validation = samples.groups, samples.group_names, samples.ood_validation
+    ds.groups, ds.group_names = samples.groups, samples.group_names
+    ds.ood_validation, ds.ood_test = samples.ood_validation, samples.ood_test
     return ds

@@ -140,6 +140,9 @@ def make_split(dataset: DomainDataset, cfg: ExperimentConfig) -> DomainSplit:
             raise ValueError(f"split.protocol=federated holds no domain out: drop split.{', split.'.join(given)}")
         return every_domain_trains(dataset.domain_ids)
     targets = held_out(dataset, cfg)
+    if (t := dataset.ood_test) is not None and dataset.domain_index(t) not in targets and s.val_domain != t:
+        raise ValueError(f"{dataset.name}'s domain {t!r} is its official ood test split and would train: hold it "
+                         f"out (split.target: {t}, or split: {{protocol: ltdo, val_domain: val, target: {t}}})")
     if (v := dataset.ood_validation) is not None and dataset.domain_index(v) not in targets and s.val_domain != v:
         raise ValueError(f"{dataset.name}'s domain {v!r} is its official ood validation split and would train: "
                          f"split: {{protocol: ltdo, val_domain: {v}, target: {dataset.domains[targets[0]]}}} "
