@@ -130,7 +130,8 @@ def read_leaf(root: Path, cache_dir: Path) -> Samples:
     if not files or not all(files.values()):
         raise ValueError(f"{root}: no FEMNIST data; expected {LAYOUT}")
     every = [p for paths in files.values() for p in paths]
-    key = image_cache.cache_path(cache_dir, f"{NAME}-leaf", root, every, SIZE).with_suffix(".npz")
+    # leaf2: a cache parsed before a user in two files was refused may hold such a user's samples twice
+    key = image_cache.cache_path(cache_dir, f"{NAME}-leaf2", root, every, SIZE).with_suffix(".npz")
     arrays = cached(key, ("x", "y", "split", "user"), lambda: _read_leaf(root, files))
     writers, groups = np.unique(arrays["user"], return_inverse=True)
     names = [str(w) for w in writers]

@@ -103,8 +103,6 @@ class Plugin:
 PLUGINS: dict[str, Plugin] = {}
 
 
-
-
 Trimmable = TypeVar("Trimmable", SliceDataset, TokenDataset, BowDataset)
 
 
