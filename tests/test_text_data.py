@@ -139,6 +139,16 @@ def test_table_rows_with_extra_fields_or_non_text_values_and_empty_files_are_pro
     assert rows == {"books": [("ok", "positive")], "d": [("a", "positive")]}
 
 
+def test_a_raw_file_of_mixed_encodings_decodes_each_line_as_its_own(tmp_path: Path) -> None:
+    """One Latin-1 byte made the whole file Latin-1: a UTF-8 'café' elsewhere in it read as 'cafÃ©'."""
+    root = _raw_root(tmp_path)
+    (root / "books" / "positive.review").write_bytes("<review>\n<review_text>\ncafé crème\n</review_text>\n</review>\n"
+                                                     "<review>\n<review_text>\n".encode() + b"na\xefve\n"
+                                                     + b"</review_text>\n</review>\n")
+    samples, problems = read_raw(root, ("books",))
+    assert problems == [] and [t for t, k in samples["books"] if k == 1] == ["café crème", "naïve"]
+
+
 def test_processed_acl_lines_split_at_newlines_and_spaces_only(tmp_path: Path) -> None:
     """A Latin-1 file's byte 0x85 is U+0085, a line break to ``str.splitlines``; 0xA0 a space to ``str.split``."""
     root = tmp_path / "acl"

@@ -139,7 +139,8 @@ def bag_of_words(samples: dict[str, list[tuple[dict[str, int], int]]], classes: 
 
 
 #: part of every text cache key: bumped when a reader parses the same files otherwise (2: processed_acl splits at
-#: spaces only; files the readers now refuse must not come back from an earlier cache)
+#: spaces only, mixed-encoding files decode line by line; files the readers now refuse must not come back from an
+#: earlier cache)
 READERS_VERSION = 2
 
 

@@ -38,12 +38,20 @@ Counts = list[tuple[dict[str, int], int]]  # (feature counts, class index) per r
 
 
 def _read_text(path: Path) -> str:
-    """The file as text: UTF-8, else Latin-1 (the 2007 release mixes encodings)."""
+    """The file as text: UTF-8, line by line Latin-1 where a line is not UTF-8 (the 2007 release mixes encodings;
+    decoding a whole file as Latin-1 for one odd byte turned every UTF-8 character of it into two)."""
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        return data.decode("latin-1")
+        return "\n".join(_line_text(line) for line in data.split(b"\n"))
+
+
+def _line_text(line: bytes) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        return line.decode("latin-1")
 
 
 def domain_folder(root: Path, domain: str) -> Path | None:
