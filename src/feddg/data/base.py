@@ -11,8 +11,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -26,6 +26,13 @@ def first_problem(problems: Sequence[str], name: str, root: str | os.PathLike[st
     them all."""
     more = len(problems) - 1
     return problems[0] + (f" (and {more} more: `feddg datasets {name} --root {root} --check` lists them)" if more else "")
+
+
+def surplus_fields(row: Mapping[str | None, object], header: Sequence[str] | None) -> str | None:
+    """Why a ``csv.DictReader`` row has too many fields (the reader files those past the header's under ``None``:
+    an unquoted comma shifts every later column), or ``None``."""
+    extra = row.get(None)
+    return None if extra is None else f"{len(cast(list, extra))} field(s) more than the header's {len(header or [])}"
 
 
 class DomainDataset(ABC):

@@ -20,7 +20,7 @@ import torch
 
 from feddg.data import image_cache
 from feddg.data.augment import BatchAugment
-from feddg.data.base import DomainDataset
+from feddg.data.base import DomainDataset, surplus_fields
 from feddg.data.digits import resize_uint8
 from feddg.data.folders import FolderDomainDataset
 from feddg.data.tensor_dataset import TensorDomainDataset
@@ -119,9 +119,8 @@ def read_csv(table: Path) -> tuple[Lines, list[str]]:
         with table.open(newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             for row in reader:
-                if None in row:  # csv.DictReader files the fields past the header's under None
-                    raise ValueError(f"{table}: line {reader.line_num}: {len(row[None])} field(s) more than the "
-                                     f"header's {len(reader.fieldnames or [])}")
+                if why := surplus_fields(row, reader.fieldnames):
+                    raise ValueError(f"{table}: line {reader.line_num}: {why}")
                 rows.append((reader.line_num, row))
             return rows, list(reader.fieldnames or [])
     except (OSError, UnicodeDecodeError, csv.Error) as err:

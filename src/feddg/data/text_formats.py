@@ -22,6 +22,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from feddg.data.base import surplus_fields
+
 #: Amazon Reviews' domains as feddg names them, and the folder names the release may use for each
 AMAZON_DOMAINS = ("books", "dvd", "electronics", "kitchen")
 AMAZON_FOLDERS = {"kitchen": ("kitchen", "kitchen_&_housewares")}
@@ -208,10 +210,7 @@ def _csv_rows(text: str) -> Iterator[tuple[int, dict[str, object] | str]]:
         yield 1, f"the header lacks column(s) {', '.join(missing)}; expected {', '.join(TABLE_COLUMNS)}"
         return
     for row in reader:
-        if None in row:  # csv.DictReader files the fields past the header's under None
-            yield reader.line_num, f"{len(row[None])} field(s) more than the header's {len(reader.fieldnames or [])}"
-            continue
-        yield reader.line_num, dict(row)
+        yield reader.line_num, surplus_fields(row, reader.fieldnames) or dict(row)
 
 
 def _jsonl_rows(text: str) -> Iterator[tuple[int, dict[str, object] | str]]:

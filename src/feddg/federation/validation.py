@@ -50,8 +50,8 @@ def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights:
     for key, value in reply.items():
         if not isinstance(value, np.ndarray | int | float | str | np.integer | np.floating):
             return f"{key} is a {type(value).__name__}, not an array, a number or a string"
-        if isinstance(value, np.ndarray) and value.dtype.kind in "fc" and not np.isfinite(value).all():
-            return f"{'NaN' if np.isnan(value).any() else 'Inf'} in {key}"
+        if (why := _not_finite(key, value)) is not None:
+            return why
         if isinstance(value, float | np.floating) and not math.isfinite(value):
             return f"{key} is {value}"
     got = shapes_of(reply)
@@ -72,6 +72,13 @@ def check_reply(reply: Message, sent: Message, declared: Shapes, *, all_weights:
         if extra:
             return f"unexpected weight {extra[0]}"
     return _beside_problem(reply, {**COMMON, **(beside or {})})
+
+
+def _not_finite(key: str, value: Value) -> str | None:
+    """``NaN in key`` / ``Inf in key`` for a float or complex array that is not finite."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "fc" and not np.isfinite(value).all():
+        return f"{'NaN' if np.isnan(value).any() else 'Inf'} in {key}"
+    return None
 
 
 def _beside_problem(reply: Message, layout: Layout) -> str | None:
@@ -138,13 +145,9 @@ def check_setup_replies(replies: Mapping[int, Message], layout: Layout) -> dict[
     the other clients' (the method stacks them)."""
     problems = {}
     for cid, msg in replies.items():
-        for key, value in msg.items():
-            if isinstance(value, np.ndarray) and value.dtype.kind in "fc" and not np.isfinite(value).all():
-                problems[cid] = f"{'NaN' if np.isnan(value).any() else 'Inf'} in {key}"
-                break
-        else:
-            if (why := _beside_problem(msg, layout)) is not None:
-                problems[cid] = why
+        why = next((w for key, value in msg.items() if (w := _not_finite(key, value)) is not None), None)
+        if (why := why or _beside_problem(msg, layout)) is not None:
+            problems[cid] = why
     for key, slot in layout.items():
         open_dims = [i for i, d in enumerate((slot.shape or ())[1:], start=1) if d == -1]
         sizes = {cid: tuple(np.shape(msg[key])[i] for i in open_dims)

@@ -71,21 +71,24 @@ def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def trainable(model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]]) -> Iterator[tuple[Inputs, Tensor]]:
+    """``batches`` without the single-sample ones when the model has BatchNorm (it cannot train on one sample)."""
+    bn = has_batchnorm(model)
+    return ((x, y) for x, y in batches if not (bn and len(y) < 2))
+
+
 def gradient_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[Inputs, Tensor]]:
     """The client's batches in order, without augmentation (an extra gradient pass in training mode: SCAFFOLD's
     ``∇f_i(x)``, FedIIR's mean gradient), skipping a single-sample batch under BatchNorm as training does."""
-    bn = has_batchnorm(model)
-    return ((x, y) for x, y in ctx.batches(shuffle=False, train=False) if not (bn and len(y) < 2))
+    return trainable(model, ctx.batches(shuffle=False, train=False))
 
 
 def local_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Inputs, Tensor]]:
     """``(epoch, x, target)`` over ``ctx.local_epochs`` epochs of the client's batches, with ``optim.augment``
     applied (its stage hooks live while the batches are drawn; the target is soft after label mixing) and
     single-sample batches skipped when the model has BatchNorm (it cannot train on one sample)."""
-    has_bn = has_batchnorm(model)
     specs = parse_augment(ctx.optim.augment)
-    batches = ((epoch, x, y) for epoch in range(ctx.local_epochs) for x, y in ctx.batches()
-               if not (has_bn and len(y) < 2))
+    batches = ((epoch, x, y) for epoch in range(ctx.local_epochs) for x, y in trainable(model, ctx.batches()))
     if not specs:  # no draw, no hooks: nothing to set up (an empty Augmenter cost a client ~40 µs)
         yield from batches
         return
