@@ -3,7 +3,7 @@
 A sweep file is an experiment config with one extra section::
 
     sweep:
-      targets: all            # or a list of domains (lodo); for ltdo: pairs [[val, test], ...]
+      targets: all            # or a list of domains (lodo); ltdo takes pairs: [[val, test], ...] (default all)
       seeds: [0, 1, 2]
       variants:               # row name -> config overrides
         FedAvg: {method.name: fedavg}
@@ -24,9 +24,10 @@ from __future__ import annotations
 import itertools
 import json
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, NonNegativeInt, ValidationError, field_validator
@@ -75,11 +76,12 @@ class SearchSpec(Settings):
 
 
 class SweepSpec(Settings):
-    targets: list[str] | str = "all"
-    pairs: list[tuple[str, str]] | None = Field(None, description="ltdo (val, test) pairs; default all ordered pairs")
+    targets: list[str] | Literal["all"] = Field("all", min_length=1, description="lodo target domains")
+    pairs: list[tuple[str, str]] | None = Field(None, min_length=1,
+                                                description="ltdo (val, test) pairs; default all ordered pairs")
     numbered_domains = field_validator("targets", "pairs", mode="before")(domain_names)
-    seeds: list[NonNegativeInt] = Field(default_factory=lambda: [0])
-    variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": dict[str, Any]()})
+    seeds: list[NonNegativeInt] = Field(default_factory=lambda: [0], min_length=1)
+    variants: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"default": dict[str, Any]()}, min_length=1)
     metrics: list[str] | None = Field(None, description="the tables' metric keys; default: the task's ood and id means "
                                       "(ood_acc, id_acc for classification)")
     search: SearchSpec | None = Field(None, description="random search over each variant's method.search_space")
@@ -87,6 +89,14 @@ class SweepSpec(Settings):
     selection: list[Rule] | None = Field(
         None, description="model-selection rules, a table_<metric>_<rule> each (docs/selection.md); default: "
                           "train_domain and last, plus lodo with ltdo pairs")
+
+    @field_validator("targets", "pairs", "seeds", "metrics")
+    @classmethod
+    def _once_each(cls, value: Any) -> Any:
+        """A repeated seed, target or pair would count one run as several in every mean."""
+        if isinstance(value, list) and (twice := [v for i, v in enumerate(value) if v in value[:i]]):
+            raise ValueError(f"{twice[0]} is listed twice")
+        return value
 
 
 LR_FACTORS = (0.1, 0.3, 1.0, 3.0)  # the learning rates searched for a method without a search_space, × optim.lr
@@ -129,15 +139,20 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
 def _cells(spec: SweepSpec, base: ExperimentConfig) -> list[tuple[str, list[str]]]:
     """(label, split overrides) for every target (lodo) or (val, test) pair (ltdo); one cell (federated, or a
     held-out fraction of the domains: ``split.target_fraction``)."""
+    ltdo = base.split.protocol == "ltdo"
+    if spec.targets != "all" and ltdo:
+        raise ConfigError("sweep.targets names lodo targets; split.protocol ltdo takes sweep.pairs: [[val, test], ...]")
+    if spec.pairs is not None and not ltdo:
+        raise ConfigError(f"sweep.pairs are (validation, test) pairs of split.protocol ltdo, not {base.split.protocol}")
     if base.split.protocol == "federated":
         return [("all", [])]
     if base.split.target_fraction is not None:  # natural clients: one seeded draw of held-out domains
         return [(f"unseen {base.split.target_fraction:g}", [])]
     domains = base.data.domains or dataset_info(base.data.dataset)["domains"]
-    named = spec.pairs is not None if base.split.protocol == "ltdo" else spec.targets != "all"
+    named = spec.pairs is not None if ltdo else spec.targets != "all"
     if not domains and not named:  # discovered domains (natural clients): only named cells
         raise ConfigError(f"sweep over 'all' targets needs data.domains for {base.data.dataset}")
-    if base.split.protocol == "ltdo":
+    if ltdo:
         pairs = spec.pairs or list(itertools.permutations(domains, 2))
         return [(f"{v}→{t}", [_override("split.val_domain", v), _override("split.target", t)]) for v, t in pairs]
     targets = domains if spec.targets == "all" else spec.targets
@@ -157,6 +172,9 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     spec, raw = load_sweep(path, overrides)
     base = build_config(raw)
     out = Path(out_dir) if out_dir is not None else Path(base.output_dir) / base.name
+    if spec.search is None and (drawn := [v for v in spec.variants if split_draw(v)[1] or v != split_draw(v)[0]]):
+        raise ConfigError(f"sweep variant {drawn[0]!r}: a name ending in ' #<k>' is a sweep.search draw's, and the "
+                          "selection tables would pool it with its namesakes; rename it")
     variants = search_variants(spec, raw)
     _distinct_folders("variant", list(variants))
     if spec.baseline is not None and spec.baseline not in variants:
@@ -170,15 +188,16 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
                 try:  # every cell validated before anything runs
                     cfg = build_config(raw, over)
                 except ConfigError as err:
-                    raise ConfigError(f"sweep variant {variant!r}, target {label}, seed {seed}: {err}") from None
+                    raise ConfigError(f"{_name(variant, label, seed)}: {err}") from None
                 cells.append(({"variant": variant, "target": label, "seed": seed},
                               cfg, out / _safe(variant) / _safe(label) / f"seed{seed}"))
     if len({cfg.reproducibility for _, cfg, _ in cells}) > 1:
         raise ConfigError("reproducibility: every cell of a sweep runs with the same CPU kernels; set it in the base "
                           "config, not in a variant")
     out.mkdir(parents=True, exist_ok=True)  # only once every cell is valid: a refused sweep leaves no folder
+    _clear_tables(out)
     if jobs == 1:
-        results = [_run_or_load(cfg, run_dir, progress) for _, cfg, run_dir in cells]
+        results = [_in_cell(cell, _run_or_load, cfg, run_dir, progress) for cell, cfg, run_dir in cells]
     else:
         results = _run_parallel(cells, jobs, progress)
     rows = [{**cell, "variant": labelled(str(cell["variant"]), cfg.method.name), "run_dir": str(run_dir),
@@ -193,17 +212,21 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     if spec.metrics is None:  # the task's ood and id means, as the runs wrote them (id only: no domain held out)
         spec.metrics = [task.key("id")] if federated else [task.key("ood"), task.key("id")]
     table_rows = _per_domain_rows(rows, spec.metrics, results[0]["source"]) if federated else rows
+    if missing := [m for m in spec.metrics if not any(m in r for r in table_rows)]:
+        keys = sorted({k for r in table_rows for k in r if isinstance(r[k], float)})
+        raise ConfigError(f"sweep.metrics: no run reports {missing[0]!r} (the runs finished and are kept; their "
+                          f"figures: {', '.join(keys)})")
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec.selection = spec.selection or default_rules(rows, task)  # resolved, for sweep.json
     record = {**spec.model_dump(mode="json"), "expanded": {labelled(v, build_config(raw, [
         _override(k, x) for k, x in extra.items()]).method.name): extra for v, extra in variants.items()}}
     (out / "sweep.json").write_text(json.dumps(record, indent=1))
-    tables = {m: markdown_table(table_rows, m, spec.baseline, task.bounds) for m in spec.metrics}
+    tables = {m: markdown_table(table_rows, m, spec.baseline, task.bounds_of(m)) for m in spec.metrics}
     md = "\n\n".join(f"### {m} over seeds {spec.seeds}: {STATS_NOTE}\n\n{t}" for m, t in tables.items())
     md += "\n\n" + variants_table(record["expanded"])
     (out / "table.md").write_text(f"# {base.name}\n\n{md}\n")
     for m in spec.metrics:
-        (out / f"table_{m}.csv").write_text(csv_table(table_rows, m, spec.baseline, task.bounds))
+        (out / f"table_{_safe(m)}.csv").write_text(csv_table(table_rows, m, spec.baseline, task.bounds_of(m)))
     for rule in spec.selection:
         write_rule_tables(out, rule, rows, table_rows, spec, task, results[0]["source"] if federated else None)
     return {"out_dir": str(out), "rows": rows, "markdown": md, "configs": [cfg for _, cfg, _ in cells]}
@@ -218,7 +241,7 @@ def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_row
     if (why := unavailable(rule, rows, task)) is not None:
         _say(why)
         for m in spec.metrics:
-            (out / f"table_{m}_{rule}.md").write_text(why + "\n")
+            (out / f"table_{_safe(m)}_{rule}.md").write_text(why + "\n")
         return
     picks, baseline = None, spec.baseline
     chosen = last_rows
@@ -230,17 +253,22 @@ def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_row
            "lodo": "leave-one-domain-out validation (val, mean over the source domains)", "oracle": ORACLE_NOTE,
            "last": "none: the last round, every draw its own row"}[rule]
     for m in spec.metrics:
+        name = f"table_{_safe(m)}_{rule}"
+        why = None
         if picks_by(rule, m):
             why = (f"{rule}: no {m} table, {m} is scored on the data this rule picks by (selection on the reported "
                    "data)")
+        elif not any(m in r for r in chosen):  # time_total_s: a run's figure, not a round's
+            why = f"{rule}: no {m} table, {m} is not a figure of the evaluated rounds this rule picks among"
+        if why is not None:
             _say(why)
-            (out / f"table_{m}_{rule}.md").write_text(why + "\n")
+            (out / f"{name}.md").write_text(why + "\n")
             continue
         note = "" if picks is None else "; beside each cell: per seed, the chosen search draw #k and round, of N candidates"
-        md = markdown_table(chosen, m, baseline, task.bounds, picks)
-        (out / f"table_{m}_{rule}.md").write_text(
+        md = markdown_table(chosen, m, baseline, task.bounds_of(m), picks)
+        (out / f"{name}.md").write_text(
             f"### {m} over seeds {spec.seeds}, model selection: {how}\n\n{STATS_NOTE}{note}\n\n{md}\n")
-        (out / f"table_{m}_{rule}.csv").write_text(csv_table(chosen, m, baseline, task.bounds, picks))
+        (out / f"{name}.csv").write_text(csv_table(chosen, m, baseline, task.bounds_of(m), picks))
 
 
 def _per_domain_rows(rows: list[dict[str, Any]], metrics: list[str], domains: list[str]) -> list[dict[str, Any]]:
@@ -251,6 +279,27 @@ def _per_domain_rows(rows: list[dict[str, Any]], metrics: list[str], domains: li
              **{m: r[f"{m}/{d}"] for m in metrics if f"{m}/{d}" in r}} for r in rows for d in domains]
 
 
+def _name(variant: str, target: str, seed: int) -> str:
+    return f"sweep variant {variant!r}, target {target}, seed {seed}"
+
+
+def _in_cell(cell: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``fn(*args)`` for ``cell``; a refusal only its data can make (``split.few_shot_k`` beyond the target's
+    samples) names the cell."""
+    try:
+        return fn(*args)
+    except (ConfigError, ValueError) as err:
+        raise ConfigError(f"{_name(cell['variant'], cell['target'], cell['seed'])}: {err}") from err
+
+
+def _clear_tables(out: Path) -> None:
+    """Remove a previous sweep's tables, runs.jsonl and sweep.json from ``out``: written at the end from this sweep's
+    runs, any left from another sweep (other rules, metrics or configs) would stand beside them as current in the
+    report, or alone if this one is interrupted. The runs' folders stay (cells whose config is unchanged load)."""
+    for path in [*out.glob("table*.md"), *out.glob("table_*.csv"), out / "runs.jsonl", out / "sweep.json"]:
+        path.unlink(missing_ok=True)
+
+
 def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jobs: int,
                   progress: bool = True) -> list[dict[str, Any]]:
     """Cells in ``jobs`` spawned processes under one progress bar (cells done / total, and the running
@@ -259,7 +308,8 @@ def _run_parallel(cells: list[tuple[dict[str, Any], ExperimentConfig, Path]], jo
     label = [f"{c['variant']} · {c['target']} · seed {c['seed']}" for c, _, _ in cells]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_job) as pool, \
             progress_bar(progress) as bar:
-        futures = [pool.submit(_run_or_load, _one_worker(cfg), run_dir, False) for _, cfg, run_dir in cells]
+        futures = [pool.submit(_in_cell, cell, _run_or_load, _one_worker(cfg), run_dir, False)
+                   for cell, cfg, run_dir in cells]
         task = bar.add_task(f"sweep, {jobs} at once", total=len(cells), status="")
         pending = set(range(len(cells)))
         while pending:

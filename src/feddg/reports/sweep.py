@@ -112,10 +112,15 @@ def bars(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
             ax.plot(x + np.linspace(-width / 5, width / 5, s.n), s.values, "o", color="black", markersize=2.5, zorder=3)
     chance_line(ax, task, metric)
     ax.set_xticks(range(len(columns)), columns)
-    ax.set(ylabel=f"{metric} ({task.unit})", ylim=task.bounds, title=f"{metric}: mean ± sample std, dots = seeds")
+    ax.set(ylabel=_axis_label(metric, task), ylim=task.bounds_of(metric), title=f"{metric}: mean ± sample std, dots = seeds")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncols=min(4, len(variants) + 1))
     return fig
+
+
+def _axis_label(metric: str, task: TaskInfo) -> str:
+    """``ood_acc (%)``; another figure (``time_total_s``) without the task's unit."""
+    return f"{metric} ({task.unit})" if task.bounds_of(metric) is not None and task.unit else metric
 
 
 def curves(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
@@ -138,9 +143,9 @@ def curves(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figur
                 ax.fill_between(rounds, mean - sd, mean + sd, color=f"C{j}", alpha=0.2)
         chance_line(ax, task, metric)
         integer_rounds(ax)
-        ax.set(title=f"held out {target}", ylim=task.bounds)
+        ax.set(title=f"held out {target}", ylim=task.bounds_of(metric))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"{metric} ({task.unit})")
+    axes[0][0].set_ylabel(_axis_label(metric, task))
     axes[0][0].legend(fontsize=7)
     return fig
 
@@ -181,7 +186,7 @@ def domains(rows: list[dict[str, Any]], variant: str, counts: dict[str, dict[str
 def table(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> dict[str, Any]:
     """Header and rows of the HTML table: per cell its stats, whether it is the column's best (the task's
     direction) and whether a run of it dropped clients; intervals clipped to the metric's bounds."""
-    variants, columns, st = cells(rows, metric, task.bounds)
+    variants, columns, st = cells(rows, metric, task.bounds_of(metric))
     pick = max if task.higher_is_better else min
     best = {c: pick((st[(v, c)].mean for v in variants if (v, c) in st), default=None) for c in columns}
     return {"columns": columns, "rows": [
@@ -206,23 +211,23 @@ def sweep_report(sweep_dir: Path) -> Path:
             counts[r["target"]] = c
     if task is None:
         raise ValueError(f"{sweep_dir}: the runs' task is unknown ({'; '.join(notes)})")
-    csv_metrics = [p.stem.removeprefix("table_") for p in sorted(sweep_dir.glob("table_*.csv"))
-                   if not p.stem.endswith(tuple(f"_{rule}" for rule in RULES))]  # the selection tables: below
+    spec = json.loads((sweep_dir / SPEC).read_text()) if (sweep_dir / SPEC).is_file() else {}
+    tabled = spec.get("metrics") or [p.stem.removeprefix("table_") for p in sorted(sweep_dir.glob("table_*.csv"))
+                                          if not p.stem.endswith(tuple(f"_{rule}" for rule in RULES))]  # rules: below
     selection = [{"title": p.stem.removeprefix("table_"), "text": p.read_text()}  # one per metric and rule
                  for p in sorted(sweep_dir.glob("table_*.md")) if p.stem.endswith(tuple(f"_{r}" for r in RULES))]
     metrics: list[str] = [m for m in (task.key(r) for r in ("ood", "val", "id"))
-                          if m in csv_metrics or (not csv_metrics and m in rows[0])]
-    metrics += [m for m in csv_metrics if m not in metrics]
+                          if m in tabled or (not tabled and m in rows[0])]
+    metrics += [m for m in tabled if m not in metrics]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     seeds = sorted({r["seed"] for r in rows})
     summary = [("runs", len(rows)), ("variants", len(variants)), ("targets", len({r["target"] for r in rows})),
                ("seeds", ", ".join(map(str, seeds))), ("time (s)", f"{sum(r.get('time_total_s', 0) for r in rows):.0f}")]
     summary += [("metric", task.axis_label)]
     summary += [(f"chance ({task.unit})", f"{task.chance:.3g}")] if task.chance is not None else []
-    spec = json.loads((sweep_dir / SPEC).read_text()) if (sweep_dir / SPEC).is_file() else {}
     baseline = spec.get("baseline")
     figures = {m: paired(rows, m, baseline) if baseline else None for m in metrics}
-    sections = [{"metric": m, "table": table(rows, m, task),
+    sections = [{"metric": m, "label": _axis_label(m, task), "table": table(rows, m, task),
                  "paired": None if (fig := figures[m]) is None else {
                      "title": f"{m}: paired difference from {baseline}", "uri": png_uri(fig),
                      "caption": f"per seed, the variant's average over targets minus {baseline}'s (same splits); "
@@ -241,7 +246,7 @@ def sweep_report(sweep_dir: Path) -> Path:
                  if Path(r["run_dir"]).is_relative_to(sweep_dir) else r["run_dir"]} for r in rows]
     return render("sweep.html.j2", sweep_dir / REPORT, **page_context(f"sweep: {name}", str(sweep_dir), notes),
                   subtitle=f"{len(variants)} variants × {len(counts)} targets × {len(seeds)} seeds",
-                  summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows, unit=task.unit,
+                  summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows,
                   metric_label=task.label, variants=spec.get("expanded", {}), degraded_note=DEGRADED_NOTE,
                   selection=selection, audit=sweep_audit_section(sweep_dir),
                   base_config=cfg_text)

@@ -57,9 +57,10 @@ class TaskInfo:
             return None
         return prefix + base[: -len(suffix)], (domain if sep else None)
 
-    def clip(self, low: float, high: float) -> tuple[float, float]:
-        """An interval clipped to the metric's bounds."""
-        return max(low, self.bounds[0]), min(high, self.bounds[1])
+    def bounds_of(self, key: str) -> tuple[float, float] | None:
+        """The bounds of the figures under ``key``: the metric's for its own keys, ``None`` (unbounded) for any other
+        (``time_total_s``, another metric's)."""
+        return self.bounds if self.parse(key) is not None else None
 
 
 def info_for_dataset(name: str) -> TaskInfo | None:

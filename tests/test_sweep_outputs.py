@@ -1,0 +1,147 @@
+"""A sweep's outputs mean what their labels say: refused specs, no stale tables, bounds only on the task's metric.
+
+The cells' runs are stand-ins (``_run_or_load`` patched to write a run's metrics.jsonl and return its results), so
+these tests exercise the sweep's bookkeeping, not training."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import feddg.sweep as sweep
+from feddg.config import ConfigError
+from feddg.evaluation.tables import ci95
+from feddg.reports.sweep import sweep_report
+from feddg.tasks.info import TaskInfo
+
+TASK = {"name": "classification", "metric": "acc", "label": "accuracy", "unit": "%", "bounds": [0, 100],
+        "higher_is_better": True, "chance": 10.0}
+BASE: dict[str, Any] = {"name": "s", "data": {"dataset": "digits-dg"},
+                        "sweep": {"targets": ["uci"], "seeds": [0, 1, 2], "variants": {"FedAvg": {}}}}
+SECONDS = {0: 290.0, 1: 310.0, 2: 330.0}  # three seeds' run times: a 95 % interval far above 100
+
+
+@pytest.fixture
+def stand_in_runs(monkeypatch):
+    """Each cell 'runs' in no time: two evaluated rounds in metrics.jsonl, the last one's figures in results."""
+    def run(cfg, run_dir: Path, progress: bool) -> dict[str, Any]:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rounds = [{"round": r, "id_acc": 50.0 + r + cfg.seed, "ood_acc": 40.0 + r}
+                  for r in (1, 2)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rounds))
+        final = {k: v for k, v in rounds[-1].items() if k != "round"}
+        results = {"final": final, "time_total_s": SECONDS[cfg.seed], "failures": {"client_rounds_lost": 0},
+                   "task": TASK, "source": ["mnist"], "seed": cfg.seed, "counts": {"ood_acc": 10, "id_acc": 10}}
+        (run_dir / "results.json").write_text(json.dumps(results))
+        return results
+    monkeypatch.setattr(sweep, "_run_or_load", run)
+
+
+def _sweep(tmp_path: Path, *overrides: str, section: dict[str, Any] | None = None) -> dict[str, Any]:
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "sweep": {**BASE["sweep"], **(section or {})}}))
+    return sweep.run_sweep(path, list(overrides), out_dir=tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"seeds": [0, 0]}, "sweep.seeds: .*0 is listed twice"),
+    ({"targets": ["uci", "uci"]}, "sweep.targets.*uci is listed twice"),
+    ({"seeds": []}, "sweep.seeds: .*at least 1 item"),
+    ({"targets": []}, "sweep.targets.*at least 1 item"),
+    ({"variants": {}}, "sweep.variants: .*at least 1 item"),
+    ({"targets": "uci"}, "sweep.targets"),  # a string other than 'all': formerly its letters were targets
+    ({"pairs": [["uci", "mnist"]]}, "sweep.pairs are .* of split.protocol ltdo, not lodo"),
+    ({"variants": {"Wide #1": {}, "Wide #2": {"method.name": "fedprox"}}}, "sweep variant 'Wide #1': a name ending"),
+])
+def test_a_spec_that_would_miscount_runs_is_refused_in_one_line_before_any_run(tmp_path, stand_in_runs, section,
+                                                                               message):
+    with pytest.raises(ConfigError, match=message) as err:
+        _sweep(tmp_path, section=section)
+    assert "\n" not in str(err.value).strip() and not (tmp_path / "out").exists()
+
+
+def test_ltdo_takes_pairs_not_targets(tmp_path, stand_in_runs):
+    with pytest.raises(ConfigError, match="split.protocol ltdo takes sweep.pairs"):
+        _sweep(tmp_path, "split.protocol=ltdo", "data.domains=[mnist,uci,svhn]")
+    res = _sweep(tmp_path, "split.protocol=ltdo", "data.domains=[mnist,uci,svhn]",
+                 section={"targets": "all", "pairs": [["mnist", "uci"]]})
+    assert {r["target"] for r in res["rows"]} == {"mnist→uci"}
+
+
+def test_a_rerun_leaves_no_table_of_the_sweep_before(tmp_path, stand_in_runs):
+    out = tmp_path / "out"
+    _sweep(tmp_path, "sweep.selection=[train_domain,oracle,last]", "sweep.metrics=[ood_acc,id_acc,time_total_s]")
+    assert (out / "table_ood_acc_oracle.md").is_file() and (out / "table_time_total_s.csv").is_file()
+    _sweep(tmp_path, "federation.rounds=3")  # other rules and metrics: nothing of the first sweep's stays
+    assert not list(out.glob("table_*oracle*")) and not list(out.glob("table_time_total_s*"))
+    assert json.loads((out / "sweep.json").read_text())["selection"] == ["train_domain", "last"]
+    report = sweep_report(out).read_text()
+    assert "oracle" not in report and "time_total_s" not in report
+
+
+def test_an_interrupted_rerun_reports_no_figure_of_the_run_before(tmp_path, stand_in_runs, monkeypatch):
+    out = tmp_path / "out"
+    _sweep(tmp_path)
+    assert (out / "runs.jsonl").is_file()
+
+    def killed(*args: Any) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sweep, "_run_or_load", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _sweep(tmp_path, "federation.rounds=3")
+    assert not (out / "runs.jsonl").exists() and not list(out.glob("table*"))  # the report reads the runs' own
+
+
+def test_a_figure_other_than_the_tasks_metric_keeps_its_own_interval_and_has_no_rule_table(tmp_path, stand_in_runs):
+    out = tmp_path / "out"
+    _sweep(tmp_path, "sweep.metrics=[ood_acc,time_total_s]")
+    row = next(csv.DictReader((out / "table_time_total_s.csv").open()))
+    lo, hi = ci95(list(SECONDS.values()))  # [260.3, 359.7]: clipped to accuracy's 0-100 it read [260.3, 100]
+    assert float(row["ci95_low"]) == pytest.approx(lo, abs=1e-3) and float(row["ci95_high"]) == pytest.approx(hi, abs=1e-3)
+    assert "not a figure of the evaluated rounds" in (out / "table_time_total_s_train_domain.md").read_text()
+    assert not (out / "table_time_total_s_train_domain.csv").exists()
+    acc = next(csv.DictReader((out / "table_ood_acc.csv").open()))
+    assert float(acc["ci95_high"]) <= 100.0  # the metric's own interval stays clipped to its bounds
+
+
+def test_a_metric_no_run_reports_is_refused_naming_the_figures(tmp_path, stand_in_runs):
+    with pytest.raises(ConfigError, match=r"sweep.metrics: no run reports 'bogus' .*figures: .*ood_acc"):
+        _sweep(tmp_path, "sweep.metrics=[ood_acc,bogus]")
+
+
+def test_a_per_domain_metric_gets_a_table_file_of_its_own(tmp_path, monkeypatch, stand_in_runs):
+    out = tmp_path / "out"
+    original = sweep._run_or_load
+
+    def with_domain(cfg, run_dir, progress):
+        res = original(cfg, run_dir, progress)
+        res["final"]["ood_acc/uci"] = res["final"]["ood_acc"]
+        return res
+    monkeypatch.setattr(sweep, "_run_or_load", with_domain)
+    _sweep(tmp_path, "sweep.metrics=[ood_acc/uci]", "sweep.selection=[last]")
+    row = next(csv.DictReader((out / "table_ood_acc_uci.csv").open()))
+    assert (row["target"], row["mean"], row["n"]) == ("uci", "42.000", "3")
+    assert "ood_acc/uci" in sweep_report(out).read_text()
+
+
+def test_bounds_belong_to_the_tasks_own_keys():
+    task = TaskInfo.of(TASK)
+    assert task.bounds_of("ood_acc") == task.bounds_of("id_acc/uci") == (0.0, 100.0)
+    assert task.bounds_of("time_total_s") is None and task.bounds_of("ood_macro_f1") is None
+
+
+def test_a_refusal_only_the_data_can_make_names_its_cell(tmp_path, monkeypatch, stand_in_runs):
+    original = sweep._run_or_load
+
+    def few_shot(cfg, run_dir, progress):
+        if cfg.split.few_shot_k:  # as the data set-up refuses it: more target samples than the domain has
+            raise ValueError(f"split.few_shot_k={cfg.split.few_shot_k} for 4 clients needs more target samples")
+        return original(cfg, run_dir, progress)
+    monkeypatch.setattr(sweep, "_run_or_load", few_shot)
+    with pytest.raises(ConfigError, match=r"^sweep variant 'B', target uci, seed 0: split.few_shot_k=9999 for 4"):
+        _sweep(tmp_path, section={"variants": {"A": {}, "B": {"split.few_shot_k": 9999}}})
