@@ -29,9 +29,9 @@ from feddg.audit.metrics import (
     ssim,
     to_unit,
 )
-from feddg.audit.privacy import Replay, attacks_for
+from feddg.audit.privacy import Replay
 from feddg.cli import app
-from feddg.config import AuditConfig, ConfigError, build_config
+from feddg.config import AuditConfig, ConfigError, audit_attacks, build_config
 from feddg.experiment import resume_experiment, run_experiment
 from feddg.reports.run import report
 
@@ -202,7 +202,7 @@ TINY = {"data": {"dataset": "digits-dg", "max_per_domain": 30}, "partition": {"k
 
 def test_cli_writes_privacy_json_and_grids_on_a_tiny_run(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
-    assert attacks_for(build_config(TINY)) == ("sample-style", "update-dlg")  # CCST's styles; every reply's update
+    assert audit_attacks(build_config(TINY)) == ("sample-style", "update-dlg")  # CCST's styles; every reply's update
     run_experiment(build_config(TINY), tmp_path / "r", progress=False)
     res = CliRunner().invoke(app, ["audit", "privacy", str(tmp_path / "r"), "--noise", "0", "--noise", "1",
                                    "--per-client", "6", "--steps", "30", "--attack", "sample-style", "--attack", "gram"])

@@ -135,3 +135,17 @@ def test_a_domain_named_by_a_whole_number_is_taken_by_its_name(tmp_path):
     path.write_text("data: {dataset: rotated-mnist}\nsweep:\n  targets: [15, 30]\n  pairs: [[0, 15]]\n")
     spec, _ = load_sweep(path)
     assert spec.targets == ["15", "30"] and spec.pairs == [("0", "15")]
+
+
+@pytest.mark.parametrize(("over", "why"), [
+    ("partition.kind=nosuch", "partition: unknown partition kind 'nosuch'"),
+    ("partition.params.lam=0.5", "partition: partition 'by_domain' takes no parameter 'lam'"),
+    ("federation.workers=0", "federation.workers.constrained-int: Input should be greater than or equal to 1"),
+    ("federation.workers=-2", "federation.workers.constrained-int: Input should be greater than or equal to 1"),
+])
+def test_partitions_and_worker_counts_are_checked_when_the_config_loads(over, why):
+    # before: an unknown kind loaded and failed when the data did (a sweep's later cell after the earlier ones ran);
+    # workers 0 or -2 ran sequentially as 1
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [over])
+    assert str(err.value).startswith(why)

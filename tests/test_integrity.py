@@ -21,6 +21,7 @@ from feddg.engines.inprocess import run_inprocess
 from feddg.federation.checkpoint import load_checkpoint
 from feddg.federation.integrity import LossGuard, NormBound, cap_examples, non_finite
 from feddg.federation.server import Server
+from feddg.federation.validation import RunStopped
 from feddg.messages import Message
 
 BASE = {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
@@ -213,6 +214,22 @@ def test_robust_rules_keep_an_attacker_out_without_the_norm_bound(tmp_path, rule
     assert rows(server)[-1]["ood_acc"] > rows(honest)[-1]["ood_acc"] - 15
     if rule.endswith("krum"):
         assert "3" in rows(server)[-1]["clients_left_out"]
+
+
+@pytest.mark.parametrize(("over", "why"), [
+    (["federation.aggregation=multi_krum", "federation.krum_keep=4"], "federation.krum_keep=4 keeps all 4 replies a "
+     "round samples: the plain mean, no defence; keep fewer (0: replies - krum_malicious)"),
+    (["federation.aggregation=krum", "federation.krum_malicious=2"], "federation.krum_malicious=2 attackers among the "
+     "4 replies a round samples leave no honest majority for federation.aggregation=krum"),
+    (["federation.aggregation=multi_krum", "federation.krum_malicious=1", "federation.client_fraction=0.5"],
+     "federation.krum_malicious=1 attackers among the 2 replies a round samples leave no honest majority for "
+     "federation.aggregation=multi_krum"),
+])
+def test_krum_settings_that_defend_nothing_stop_the_run_before_round_one_trains(tmp_path, over, why):
+    # multi_krum keeping every reply was the plain mean bit for bit, under the name of a robust rule
+    with pytest.raises(RunStopped) as err:
+        run(tmp_path, "krum", {}, *over)
+    assert str(err.value) == why
 
 
 @pytest.mark.parametrize(("over", "why"), [

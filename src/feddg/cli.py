@@ -700,11 +700,13 @@ def _audit_with_bar(run_dir: Path, settings: AuditConfig, quiet: bool = False) -
     """The privacy audit of one run (``settings``), one progress step per attack and attacker."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from feddg.audit.privacy import attacks_for
     from feddg.audit.privacy import audit_privacy as run_audit
-    from feddg.config import build_config
+    from feddg.config import audit_attacks, audit_problem, build_config
 
-    todo = settings.attacks or attacks_for(build_config(read_yaml(run_dir / "config.yaml")))
+    cfg = build_config(read_yaml(run_dir / "config.yaml"))
+    if (why := audit_problem(cfg, settings.attacks)) is not None:  # a task the attacks do not fit: before the bar
+        raise ValueError(why)
+    todo = settings.attacks or audit_attacks(cfg)
     total = 1 + sum(2 if a not in ("gram", "update-dlg") else 1 for a in todo)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=out,
                   disable=quiet) as bar:

@@ -14,7 +14,7 @@ import copy
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -97,6 +97,14 @@ class PartitionConfig(Settings):
     train_min: int = Field(0, ge=0, description="with train_fraction: keep at least this many training samples "
                            "per client (all it has if fewer); FedFA's mini-ProstateMRI keeps max(N/6, 32)")
 
+    @model_validator(mode="after")
+    def _known_partitioner(self) -> PartitionConfig:
+        """The kind and its parameters, checked before any data loads (a sweep's later cell refused up front)."""
+        from feddg.data.partition import check_partition  # lazy: the CLI imports this without torch
+
+        check_partition(self.kind, self.params)
+        return self
+
 
 class ModelConfig(Settings):
     name: str = "cnn"
@@ -154,7 +162,7 @@ class FederationConfig(Settings):
     client_fraction: float = Field(1.0, gt=0, le=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
-    workers: int | Literal["auto"] = Field(
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="in-process engine: warm client worker processes, one torch thread each (auto = one "
         "per core on the CPU, one per GPU on CUDA, at most one per client, sequential with one thread where that "
         "is one; the same bits for any N >= 2, auto and 1 at federation.threads auto); 1 = sequential in the "
@@ -274,6 +282,9 @@ class SecAggPlusConfig(Settings):
 #: ``flower.roster`` outside a deployment: ``feddg run`` (in-process or Flower's simulation) and sweeps have no nodes
 ROSTER_NEEDS_DEPLOYMENT = ("flower.roster is for deployments (feddg flower run: its nodes prove their keys); the "
                            "simulation and the in-process engine have no keys")
+#: ``flower.secure_aggregation`` where the in-process engine would run (``feddg run``, sweeps): it has no SecAgg+
+SECAGG_NEEDS_FLOWER = ("flower.secure_aggregation=secaggplus runs on Flower only: add -o federation.engine=flower "
+                       "(simulation) or submit it with feddg flower run (deployment)")
 
 
 class FlowerConfig(Settings):
@@ -359,6 +370,40 @@ class AuditConfig(Settings):
         if any(z < 0 for z in zs):
             raise ValueError(f"noise multipliers must be >= 0 (0: no DP); got {zs}")
         return zs
+
+
+#: the audit's attack on what each method shares (feddg.audit)
+METHOD_ATTACKS: dict[str, PrivacyAttack] = {"ccst": "sample-style", "pardon": "client-style", "fedfa": "fedfa-moments",
+                                            "fpl": "fpl-prototypes"}
+#: attacks that need class labels besides images: FPL's prototypes are per class, the Gram is of a classifier's
+#: ``[N, d]`` inputs, DLG inverts a classifier's cross-entropy (every attack inverts images)
+LABELLED_ATTACKS = ("fpl-prototypes", "gram", "update-dlg")
+
+
+def audit_attacks(cfg: ExperimentConfig) -> tuple[PrivacyAttack, ...]:
+    """The attacks on what the run's method shares: its statistic's, the Gram's under a hierarchy, and
+    always the inversion of a weights update."""
+    own = (METHOD_ATTACKS[cfg.method.name],) if cfg.method.name in METHOD_ATTACKS else ()
+    gram: tuple[PrivacyAttack, ...] = ("gram",) if cfg.hierarchy is not None else ()
+    return (*own, *gram, "update-dlg")
+
+
+def audit_problem(cfg: ExperimentConfig, attacks: list[PrivacyAttack] | None) -> str | None:
+    """Why ``attacks`` (``None``: :func:`audit_attacks` of the run) do not fit the task of ``cfg``'s dataset, on
+    one line; ``None`` when they all do."""
+    from feddg.data import dataset_info  # lazy: tasks import torch
+    from feddg.tasks import CLASS_LABELS, IMAGES, task_class
+
+    info = dataset_info(cfg.data.dataset)
+    provides = frozenset({info["inputs"]}) | task_class(info["task"]).targets
+    needs = {a: frozenset({IMAGES, *((CLASS_LABELS,) if a in LABELLED_ATTACKS else ())}) for a in get_args(PrivacyAttack)}
+    misfit = {a: needs[a] - provides for a in (attacks or audit_attacks(cfg)) if not needs[a] <= provides}
+    if not misfit:
+        return None
+    fit = [a for a, need in needs.items() if need <= provides]
+    why = "; ".join(f"{a} needs {', '.join(sorted(m))}" for a, m in misfit.items())
+    return (f"the privacy audit is for image classification: the {info['task']} task of {cfg.data.dataset} provides "
+            f"{', '.join(sorted(provides))}; {why} (attacks that fit: {', '.join(fit) or 'none'})")
 
 
 class ExtraEvalConfig(Settings):
@@ -579,6 +624,15 @@ class ExperimentConfig(Settings):
         return self
 
     @model_validator(mode="after")
+    def _audit_fits(self) -> ExperimentConfig:
+        """The ``audit:`` section's attacks (or the run's defaults) against the dataset's task."""
+        if self.audit is None:
+            return self
+        if (problem := audit_problem(self, self.audit.attacks)) is not None:
+            raise ValueError(f"audit: {problem}")
+        return self
+
+    @model_validator(mode="after")
     def _defences_fit(self) -> ExperimentConfig:
         """The server's defences where they are defined: robust rules and outlier rejection combine ``w/`` arrays
         (flat federations of methods that average weights), the loss rollback needs the clients' holdouts."""
@@ -603,7 +657,8 @@ class ExperimentConfig(Settings):
     @model_validator(mode="after")
     def _secure_aggregation_fits(self) -> ExperimentConfig:
         """SecAgg+ sums weights: the method's server half must need nothing of a reply but its share of the
-        weighted mean, and nothing of the round may need a single reply."""
+        weighted mean, and nothing of the round may need a single reply. (The engine is checked where a run starts,
+        :data:`SECAGG_NEEDS_FLOWER`: a deployment's config keeps ``federation.engine``'s default.)"""
         if self.flower.secure_aggregation == "none":
             return self
         from feddg.algorithms.base import Method  # lazy: methods import torch
@@ -613,8 +668,7 @@ class ExperimentConfig(Settings):
         own = [name for name in ("start", "accumulate", "keep", "client_config", "setup_request", "client_setup")
                if getattr(type(method), name) is not getattr(Method, name)]
         fc = self.federation
-        problem = ("federation.engine is not flower" if fc.engine != "flower"
-                   else f"{method.name}, which does not average weights" if not method.averages_weights
+        problem = (f"{method.name}, which does not average weights" if not method.averages_weights
                    else f"{method.name}, whose server uses more of a reply than its weights ({', '.join(own)})" if own
                    else "a station topology (hierarchy)" if self.hierarchy is not None
                    else f"federation.aggregation={fc.aggregation}" if fc.aggregation != "mean"

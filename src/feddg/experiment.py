@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from feddg.algorithms.registry import method_class
 from feddg.config import (
     ROSTER_NEEDS_DEPLOYMENT,
+    SECAGG_NEEDS_FLOWER,
     ConfigError,
     ExperimentConfig,
     build_config,
@@ -75,6 +76,8 @@ def run_experiment(
     """
     if cfg.flower.roster:  # before the run directory is made
         raise ValueError(ROSTER_NEEDS_DEPLOYMENT)
+    if cfg.flower.secure_aggregation != "none" and cfg.federation.engine != "flower":
+        raise ValueError(SECAGG_NEEDS_FLOWER)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     if not resume:
         _fresh_run_dir(run_dir, overwrite)

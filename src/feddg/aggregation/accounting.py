@@ -67,7 +67,9 @@ def dp_fedavg_epsilon(noise_multiplier: float, clients: int, sampled: int, round
     Kasiviswanathan 2019, Thm. 27; RDP only) or, with every client every round, the plain Gaussian."""
     if not 0 < sampled <= clients:
         raise ValueError(f"need 0 < sampled <= clients; got {sampled} of {clients}")
-    base = GaussianDpEvent(noise_multiplier / 2)
+    # RDP's Gaussian ignores the relation: it gets the mechanism's z/2. PLD's REPLACE_ONE already moves the mean by
+    # twice the event's sensitivity (its PLD of a Gaussian shifts both ways), so it gets z: z/2 would count the 2 twice
+    base = GaussianDpEvent(noise_multiplier / 2 if accountant == "rdp" else noise_multiplier)
     event = base if sampled == clients else SampledWithoutReplacementDpEvent(clients, sampled, base)
     return _epsilon(event, noise_multiplier, rounds, delta, accountant, NeighboringRelation.REPLACE_ONE)
 

@@ -24,13 +24,23 @@ import torch
 from feddg.aggregation.accounting import dp_fedavg_epsilon, gaussian_epsilon
 from feddg.aggregation.dp import clip_rows, symmetric_noise
 from feddg.algorithms.components.style import StyleParams, make_codec
+from feddg.algorithms.registry import create_method
 from feddg.audit.gradient import TinyNet, dlg, dp_update, one_step_update, update_norm
 from feddg.audit.gram import gram_audit
 from feddg.audit.grids import draw_grid
 from feddg.audit.inversion import Victims, nearest_true, scores, vector_inversion
 from feddg.audit.metrics import FID_NAME, denormalise, to_unit
 from feddg.audit.shares import Share, moments_share, prototype_share, stage_encoder, style_share
-from feddg.config import AuditConfig, ExperimentConfig, PrivacyAttack, build_config, read_yaml
+from feddg.config import (
+    METHOD_ATTACKS,
+    AuditConfig,
+    ExperimentConfig,
+    PrivacyAttack,
+    audit_attacks,
+    audit_problem,
+    build_config,
+    read_yaml,
+)
 from feddg.devices import images
 from feddg.experiment import AUDIT_DIR
 from feddg.federation.client_store import open_checkpoint
@@ -42,16 +52,8 @@ from feddg.models.base import FedModel
 PRIVACY_JSON = "privacy.json"
 VECTOR_ATTACKS = ("sample-style", "client-style", "fedfa-moments", "fpl-prototypes")
 ATTACKS: tuple[str, ...] = get_args(PrivacyAttack)
-METHOD_ATTACKS = {"ccst": "sample-style", "pardon": "client-style", "fedfa": "fedfa-moments", "fpl": "fpl-prototypes"}
 ATTACKERS = ("third-party", "inter-client")
 Progress = Callable[[str], None]
-
-
-def attacks_for(cfg: ExperimentConfig) -> tuple[str, ...]:
-    """The attacks on what the run's method shares: its statistic's, the Gram's under a hierarchy, and
-    always the inversion of a weights update."""
-    own = (METHOD_ATTACKS[cfg.method.name],) if cfg.method.name in METHOD_ATTACKS else ()
-    return (*own, *(("gram",) if cfg.hierarchy is not None else ()), "update-dlg")
 
 
 @dataclass
@@ -126,8 +128,17 @@ def _share(rp: Replay, attack: str, s: AuditConfig) -> Share:
 
 
 def _releases(rp: Replay, attack: str) -> int:
-    """Releases of the statistic over the run (styles once, at setup; FedFA's and FPL's every round)."""
-    return 1 if attack in ("sample-style", "client-style") else rp.cfg.federation.rounds
+    """Releases of the statistic over the run as its method's own accounting counts them (results.json's
+    ``privacy.releases``, with the run's params if the run is that method's, else its defaults): styles once, at
+    setup; FedFA's ``stat/`` and ``hist/`` and FPL's prototypes every engine round."""
+    if attack in ("sample-style", "client-style"):
+        return 1
+    name = next(m for m, a in METHOD_ATTACKS.items() if a == attack)
+    params = dict(rp.cfg.method.params) if rp.cfg.method.name == name else {}
+    method = create_method(name, {**params, "dp": {"noise_multiplier": 1.0, "clip": 1.0}})  # only to count
+    record = method.privacy(rp.fed.topology.engine_rounds(rp.cfg.federation.rounds))
+    assert record is not None
+    return int(record["releases"])
 
 
 def vector_attack(rp: Replay, attack: str, attacker: str, s: AuditConfig, out: Path) -> list[dict[str, Any]]:
@@ -210,14 +221,16 @@ def run_settings(run_dir: Path) -> AuditConfig:
 
 def audit_privacy(run_dir: str | Path, settings: AuditConfig | None = None, progress: Progress | None = None) -> Path:
     """Run the audit and write ``RUN_DIR/audit/privacy.json`` (and the grids); ``settings`` defaults to the run's
-    ``audit:`` section, its attacks to :func:`attacks_for` the run; ``progress`` is called with each step's name
-    before it runs."""
+    ``audit:`` section, its attacks to :func:`~feddg.config.audit_attacks` of the run (refused in one line where
+    they do not fit its task); ``progress`` is called with each step's name before it runs."""
     run_dir = Path(run_dir)
     s = settings or run_settings(run_dir)
     step = progress or (lambda _: None)
+    if (why := audit_problem(build_config(read_yaml(run_dir / "config.yaml")), s.attacks)) is not None:
+        raise ValueError(why)
     step("rebuilding the run")
     rp = replay(run_dir, s)
-    chosen = tuple(s.attacks) if s.attacks else attacks_for(rp.cfg)
+    chosen = tuple(s.attacks) if s.attacks else audit_attacks(rp.cfg)
     out = run_dir / f"{AUDIT_DIR}.partial"  # a crash leaves the earlier audit whole
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()

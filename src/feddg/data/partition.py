@@ -442,12 +442,23 @@ def make_partition(
     natural group, ``DomainDataset.groups``, or ``None``) goes to the partitioners that take it.
 
     Unknown kinds, unknown or missing parameters and out-of-range values fail with a
-    ``ValueError`` that names the kind and the offending key.
+    ``ValueError`` that names the kind and the offending key (:func:`check_partition`).
     """
+    grouped = check_partition(kind, params)
+    if grouped:
+        if natural_groups is None:
+            raise ValueError(f"partition {kind!r} makes a client of each natural group, and this dataset has none "
+                             "(DomainDataset.groups)")
+        params = {**params, "natural_groups": natural_groups}
+    return PARTITIONERS[kind](source_idx, domain_ids, labels, num_clients, rng, **params)
+
+
+def check_partition(kind: str, params: dict[str, Any]) -> bool:
+    """Refuse an unknown ``kind``, an unknown or missing parameter, an out-of-range value (no data needed: the
+    config checks it when it loads); whether the partitioner takes the dataset's natural groups."""
     if kind not in PARTITIONERS:
         raise ValueError(f"unknown partition kind {kind!r}; available: {sorted(PARTITIONERS)}")
-    fn = PARTITIONERS[kind]
-    keyword = {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    keyword = {n: p for n, p in inspect.signature(PARTITIONERS[kind]).parameters.items() if p.kind is p.KEYWORD_ONLY}
     grouped = keyword.pop("natural_groups", None) is not None  # the dataset's, never a config's parameter
     for key in params:
         if key not in keyword:
@@ -459,9 +470,4 @@ def make_partition(
         check, rule = _PARAM_CHECKS[key]
         if not check(value):
             raise ValueError(f"partition {kind!r}: {key} {rule}, got {value!r}")
-    if grouped:
-        if natural_groups is None:
-            raise ValueError(f"partition {kind!r} makes a client of each natural group, and this dataset has none "
-                             "(DomainDataset.groups)")
-        params = {**params, "natural_groups": natural_groups}
-    return fn(source_idx, domain_ids, labels, num_clients, rng, **params)
+    return grouped

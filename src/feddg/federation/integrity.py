@@ -85,6 +85,21 @@ def cap_examples(reply: Reply, known: int) -> tuple[Reply, int | None]:
     return Reply(reply.client_id, {**reply.message, "num_examples": known}), claimed
 
 
+def krum_problem(fc: FederationConfig, sampled: int) -> str | None:
+    """Why ``krum``/``multi_krum`` would be no defence with ``sampled`` replies a round, in one line: f attackers
+    without an honest majority (Krum's guarantee needs n > 2f + 2; below it the neighbour count is clamped, as
+    Flower's is), or ``krum_keep`` keeping every reply (the plain mean); ``None`` otherwise."""
+    if fc.aggregation not in ("krum", "multi_krum"):
+        return None
+    if 2 * fc.krum_malicious >= sampled:
+        return (f"federation.krum_malicious={fc.krum_malicious} attackers among the {sampled} replies a round samples "
+                "leave no honest majority for federation.aggregation=" + fc.aggregation)
+    if fc.aggregation == "multi_krum" and fc.krum_keep >= sampled:
+        return (f"federation.krum_keep={fc.krum_keep} keeps all {sampled} replies a round samples: the plain mean, "
+                "no defence; keep fewer (0: replies - krum_malicious)")
+    return None
+
+
 def robust_replies(replies: list[Reply], fc: FederationConfig) -> tuple[list[Reply], dict[int, str]]:
     """What the method folds under ``fc.aggregation`` (not ``mean``), and the replies left out with why.
 

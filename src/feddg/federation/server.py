@@ -29,6 +29,7 @@ from feddg.federation.integrity import (
     LossGuard,
     NormBound,
     cap_examples,
+    krum_problem,
     non_finite,
     robust_replies,
 )
@@ -164,10 +165,15 @@ class Server:
 
     def finish_setup(self, replies: list[Reply]) -> None:
         """Check every setup reply against the method's layout (the exchange needs every client: one that fails
-        stops the run in one line, before the method stacks them), then hand them to the method."""
+        stops the run in one line, before the method stacks them), then hand them to the method. Under
+        ``dp_weights`` their payloads are outside the guarantee (``not_covered``) unless the method's own ``dp:``
+        noises them."""
         layout = self.fed.method.setup_layout(self.fed.model, self.setup_sent or {}, self.declared)
         if problems := check_setup_replies({r.client_id: r.message for r in replies}, layout):
             raise RunStopped("setup exchange: " + "; ".join(f"client {c}: {why}" for c, why in sorted(problems.items())))
+        if self.dp is not None and getattr(self.fed.method.params, "dp", None) is None:  # else the method's own DP
+            for r in replies:
+                self.dp.note_clear(r.message, "setup replies")
         self.state = self.fed.topology.server_setup(self.fed.method, self.state, replies)
         self.setup_done = True
         self.checkpoint()
@@ -204,6 +210,8 @@ class Server:
         if len(sent) < fc.min_clients:
             raise RunStopped(f"a round samples {len(sent)} clients, fewer than federation.min_clients="
                              f"{fc.min_clients}: lower it or raise federation.client_fraction")
+        if (why := krum_problem(fc, len(sent))) is not None:
+            raise RunStopped(why)
         expected = {cid: len(self.fed.clients[cid].train_idx) for cid in sent}  # = each client's num_examples
         if self.dp is not None:
             self.dp.begin()

@@ -30,7 +30,8 @@ PLAIN_KEYS = frozenset({"num_examples", "train_loss"})
 
 class WeightPrivacy:
     """The run's DP-FedAvg: the current clip norm (checkpointed), the round's unclipped count, and the reply
-    payloads the guarantee does not cover (anything but ``w/``, ``num_examples``, ``train_loss``)."""
+    payloads the guarantee does not cover (anything but ``w/``, ``num_examples``, ``train_loss``; the setup
+    exchange's too, unless the method noises them under its own ``dp:``)."""
 
     def __init__(self, cfg: WeightDPConfig, num_clients: int, fraction: float, seed: int,
                  clip: float | None = None, uncovered: list[str] | None = None) -> None:
@@ -53,12 +54,17 @@ class WeightPrivacy:
         """``reply`` with its update clipped to the current norm (counted when it was within it)."""
         msg, norm = clip_update(reply.message, sent, self.clip)
         self.unclipped += int(norm <= self.clip)
+        self.note_clear(msg, "replies")
+        return Reply(reply.client_id, msg)
+
+    def note_clear(self, msg: Message, what: str) -> None:
+        """Record the key prefixes of ``msg`` the guarantee does not cover (warned once per new prefix): round
+        replies' payloads beside ``w/``, and the setup replies' (``what`` names which, for the warning)."""
         if extra := {k.split("/")[0] for k in msg if not k.startswith(WEIGHT_PREFIX) and k not in PLAIN_KEYS}:
             if extra - self.uncovered:
-                log.warning("dp_weights covers the w/ arrays only: replies also carry %s in the clear",
+                log.warning("dp_weights covers the w/ arrays only: %s also carry %s in the clear", what,
                             ", ".join(sorted(extra)))
             self.uncovered |= extra
-        return Reply(reply.client_id, msg)
 
     def add_noise(self, acc: Any, round: int, examples: list[int], sampled: int) -> dict[str, float]:
         """Gaussian noise of std ``z_Δ · C · max_k p_k`` into the round's weighted sum (so that its mean gets exactly

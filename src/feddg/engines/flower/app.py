@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from logging import INFO, WARNING
@@ -29,8 +30,8 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from feddg.config import ExperimentConfig, dump_config, load_config
-from feddg.engines.flower.client import config_from_text, make_client_app
+from feddg.config import ExperimentConfig, dump_config, load_config, one_line
+from feddg.engines.flower.client import config_from_text, make_client_app, required_config
 from feddg.tasks import metric_key
 
 server_app = ServerApp()
@@ -74,7 +75,7 @@ def main(grid: Grid, context: Context) -> None:
     from feddg.federation.setup import build_federation
 
     rc = context.run_config
-    cfg = config_from_text(str(rc.get("config", "")))
+    cfg = config_from_text(required_config(str(rc.get("config", ""))))
     run_dir = Path(str(rc.get("run-dir", "")) or default_run_dir(cfg))
     resume = bool(rc.get("resume", False))
     if not resume and used_run_dir(run_dir):  # Server would start the run over the files (and mark) of another
@@ -121,7 +122,12 @@ def cli() -> None:
     ap.add_argument("--run-dir", default="", help="run directory on the SuperLink machine")
     ap.add_argument("--resume", action="store_true", help="continue --run-dir from its checkpoint")
     args = ap.parse_args()
-    print(run_config_toml(load_config(args.config, args.overrides), args.run_dir, args.resume), end="")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (OSError, ValueError) as err:  # ConfigError is a ValueError: a missing file, an unknown key, a bad value
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(run_config_toml(cfg, args.run_dir, args.resume), end="")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,13 @@ def config_from_text(text: str) -> ExperimentConfig:
     return build_config(yaml.safe_load(text) or {})
 
 
+def required_config(text: str) -> str:
+    """``text``, the experiment YAML of the run config (key ``config``); ``ValueError`` in one line when empty."""
+    if not text.strip():
+        raise ValueError("no experiment config: pass the YAML text as run config 'config' (see docs/flower.md)")
+    return text
+
+
 def fingerprint(fed: Federation) -> str:
     """Hash of the config and every client's index arrays: equal iff two processes built the same federation."""
     h = hashlib.sha256(dump_config(fed.cfg).encode())
@@ -157,9 +164,7 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
 
     def federation(context: Context) -> Federation:
         text = config_text if config_text is not None else str(context.run_config.get("config", ""))
-        if not text.strip():
-            raise ValueError("no experiment config: pass the YAML text as run config 'config' (see docs/flower.md)")
-        return node_federation(text, factory)
+        return node_federation(required_config(text), factory)
 
     def client_id(msg: Message, context: Context, cid: int | None = None) -> int:
         """The client a message is for (its route's, or ``cid``), checked against this node's partition."""

@@ -100,6 +100,9 @@ def main() -> None:
     tls.add_argument("--root-certificates", help="CA certificate (PEM) of the SuperNode's Runtime API TLS")
     tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (warns; loopback only)")
     args = ap.parse_args()
+    if args.parent_pid is not None and (args.parent_pid <= 0 or not alive(args.parent_pid)):
+        raise SystemExit(f"feddg executor: --parent-pid {args.parent_pid}: no such process (the SuperNode's pid, "
+                         "e.g. $! right after starting it)")
     supervise(["--runtime-api-address", args.runtime_api_address, "--poll-interval", str(args.poll_interval),
                *tls_args(args.root_certificates, args.insecure)], args.parent_pid)
 

@@ -19,6 +19,8 @@ value; everything else round-trips exactly.
 
 from __future__ import annotations
 
+import math
+from io import BytesIO
 from typing import cast
 
 import numpy as np
@@ -65,12 +67,31 @@ def get_message(records: RecordDict, prefix: str = "") -> Message:
     # put_message wrote these records: the order is the Message's keys, numbers are ints or floats, text is strings
     for key in cast(list[str], records.config_records[prefix + LAYOUT]["order"]):
         if key in arrays:
-            out[key] = arrays[key].numpy()
+            out[key] = array_value(arrays[key])
         elif key in numbers:
             out[key] = cast(int | float, numbers[key])
         else:
             out[key] = cast(str, text[key])
     return out
+
+
+#: the .npy header readers of the versions ``np.save`` writes for numeric arrays
+NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def array_value(array: Array) -> np.ndarray:
+    """``array`` as an ndarray once its .npy header agrees with the bytes that follow it (``ValueError`` otherwise):
+    ``np.load`` allocates what the header declares, so a forged 128-byte header could ask for petabytes."""
+    data = BytesIO(array.data)
+    read_header = NPY_HEADERS.get(np.lib.format.read_magic(data))
+    if read_header is None:
+        raise ValueError("an array's .npy version is not 1.0 or 2.0")
+    shape, _, dtype = read_header(data)
+    declared, present = math.prod(shape) * dtype.itemsize, len(array.data) - data.tell()
+    if declared != present:
+        raise ValueError(f"an array's .npy header declares shape {shape} of {dtype} ({declared} bytes), "
+                         f"but {present} bytes follow it")
+    return array.numpy()
 
 
 def record_int(value: object) -> int:

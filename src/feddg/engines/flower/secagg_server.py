@@ -113,7 +113,8 @@ def run_secure_rounds(server: Server, grid: Grid, nodes: dict[int, int],
         server.receive_aggregate(fold, mean, {c: r.num_examples for c, (_, r) in zip(clients, strategy.results)},
                                  {c: r.metrics.get("train_loss") for c, (_, r) in zip(clients, strategy.results)})
         row = server.finish_round(round, fold, {"time_train_s": time.perf_counter() - t0})
-        strategy.commits.update({cid: round for cid in fold.accepted})
+        if not row.get("rolled_back", False):  # a rolled-back round keeps the previous client states
+            strategy.commits.update({cid: round for cid in fold.accepted})
         if on_round is not None:
             on_round(row)
 

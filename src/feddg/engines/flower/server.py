@@ -14,8 +14,8 @@ SuperLink):
    ``Server.receive`` (checks, fold) and closes the round with ``Server.finish_round``
    (aggregation, evaluation, metrics.jsonl, checkpoint). A client's Error reply or a reply missing
    after ``flower.round_timeout_s`` is dropped (``Server.fail``), like a reply that fails the checks;
-   each train message tells the client's node the last round whose reply was folded in
-   (``commit-round``), so the node keeps only accepted updates' client state. With
+   each train message tells the client's node the last round whose reply was folded in and kept
+   (``commit-round``; not a rolled-back round), so the node keeps only accepted updates' client state. With
    ``flower.secure_aggregation: secaggplus`` each round is one call of Flower's SecAgg+ workflow instead
    (:mod:`feddg.engines.flower.secagg_server`): the server receives the round's weighted mean only.
 
@@ -133,7 +133,7 @@ def collect(sent: dict[int, Message], replies: Iterable[Message], timeout: float
             continue
         try:
             got[cid] = get_message(r.content)
-        except (KeyError, TypeError, ValueError) as err:  # records that do not decode: this client's failure
+        except (KeyError, TypeError, ValueError, MemoryError) as err:  # records that do not decode: this client's failure
             failed[cid] = one_line(f"node {r.metadata.src_node_id}: unreadable reply ({type(err).__name__}: {err})")[:300]
     for cid in sent:
         if cid not in got and cid not in failed:
@@ -242,6 +242,11 @@ def run_setup(server: Server, grid: Grid, nodes: dict[int, int], timeout: float)
     server.finish_setup(replies)
 
 
+def round_metrics(row: dict[str, Any]) -> MetricRecord:
+    """The numbers of a metrics.jsonl row as Flower's MetricRecord, which refuses bools: ``rolled_back`` becomes 1."""
+    return MetricRecord({k: int(v) if isinstance(v, bool) else v for k, v in row.items() if isinstance(v, (int, float))})
+
+
 class FeddgStrategy(Strategy):
     """Delegates every round to ``server``; Flower's round r is feddg round ``server.round + r``."""
 
@@ -249,7 +254,7 @@ class FeddgStrategy(Strategy):
         self.server, self.nodes, self.on_round = server, nodes, on_round
         self.offset = server.round
         self.timeout = server.fed.cfg.flower.round_timeout_s
-        self.accepted: dict[int, int] = {}  # client -> last round whose reply was folded in
+        self.accepted: dict[int, int] = {}  # client -> last round whose reply was folded in, not rolled back
         self._sent: dict[int, FeddgMessage] = {}
         self._out: dict[int, Message] = {}
         self._t0 = 0.0
@@ -276,10 +281,11 @@ class FeddgStrategy(Strategy):
             self.server.receive(fold, reply)
         timings = {"time_train_s": time.perf_counter() - self._t0}
         row = self.server.finish_round(round, fold, timings)
-        self.accepted.update({cid: round for cid in fold.accepted})
+        if not row.get("rolled_back", False):  # a rolled-back round keeps the previous client states
+            self.accepted.update({cid: round for cid in fold.accepted})
         if self.on_round is not None:
             self.on_round(row)
-        return None, MetricRecord({k: v for k, v in row.items() if isinstance(v, (int, float))})
+        return None, round_metrics(row)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
