@@ -464,7 +464,7 @@ class ExperimentConfig(Settings):
     output_dir: str = "runs"
     data: DataConfig = Field(default_factory=DataConfig)  # built on use: its check imports feddg.data (torch)
     split: SplitConfig = SplitConfig()
-    partition: PartitionConfig = PartitionConfig()
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)  # built on use: its check imports torch
     model: ModelConfig = ModelConfig()
     method: MethodConfig = MethodConfig()
     optim: OptimConfig = OptimConfig()

@@ -2,7 +2,8 @@
 
 metrics.jsonl stays the record; a sink receives each round's row as the round ends and, at the
 end, the results. A resumed run continues: TensorBoard purges the steps after the checkpoint,
-MLflow continues the same run (its id is kept in ``mlflow_run_id`` in the run directory).
+MLflow continues the same run (its id is kept in ``mlflow_run_id`` in the run directory) and, unable to remove
+a point, holds a redone round's metrics twice at its step.
 Both need the ``logging`` extra (``pip install 'feddg[logging]'``).
 """
 

@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 #: the purpose key of a round's noise stream: ``derived_seed(seed, round, NOISE_STREAM)``
 NOISE_STREAM = 1_000_033
-#: reply keys that carry nothing of the client's data beyond what the clipped weights and the partition tell
+#: reply keys not listed as uncovered: ``num_examples`` (the server knows each partition's size) and ``train_loss``,
+#: one unnoised number per client and round that every method sends (docs/privacy.md says so; not_covered lists
+#: the payloads beyond these)
 PLAIN_KEYS = frozenset({"num_examples", "train_loss"})
 
 
