@@ -363,7 +363,7 @@ def datasets(
                     else "every image decodes, every domain has every class")
             out.print(f"[green]no problems[/green] in {name}: {what}")
         s = describe_dataset(name, root=folder, cache_dir=str(cache_dir) if cache_dir else None, image_size=image_size)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # OSError: a --cache-dir that is a file, an unreadable --root
         _fail(str(err))
     t = _counts_table(s.counts, s.domains, s.unit)
     out.print(f"{name}: {s.total} {s.unit}, {len(s.classes)} classes ({', '.join(s.classes)}), shape {s.image_shape}",
@@ -395,6 +395,9 @@ def export(
 
     try:
         if dataset == SYNTHETIC_MRI:
+            if max_per_domain is not None or cache_dir is not None:  # its volumes are synthesised whole, uncached
+                raise ValueError("export synthetic-mri writes every site's volumes: it takes no --max-per-domain "
+                                 "or --cache-dir")
             count = export_volumes(out_dir, image_size=image_size)
             out.print(f"wrote {count} NIfTI volumes with their masks to {out_dir}; "
                       f"use -o data.dataset=prostate -o data.root={out_dir}", soft_wrap=True)

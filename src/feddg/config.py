@@ -245,7 +245,7 @@ class HierarchyConfig(Settings):
     assignment: Literal["contiguous", "domain", "round_robin"] = Field(
         "contiguous",
         description="clients -> stations: contiguous ids | domain (sorted by assigned domain) | round_robin; "
-        "for HFedATM's two-level Dirichlet data use partition.kind=two_level_dirichlet with contiguous",
+        "partition.kind=two_level_dirichlet (per-domain station shares, then client shares) needs contiguous",
     )
     station_fraction: float = Field(1.0, gt=0, le=1, description="stations sampled per server round")
     params: dict[str, Any] = Field(

@@ -152,6 +152,9 @@ def _fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
         raise RunDirError(f"run directory {run_dir} is a file")
     if not used_run_dir(run_dir):
         return
+    if not (run_dir / "config.yaml").is_file():  # neither --resume nor --overwrite takes a folder of no run
+        raise RunDirError(f"run directory {run_dir} holds files of no feddg run (no config.yaml): choose another "
+                          "--run-dir")
     if not overwrite:
         raise RunDirError(f"run directory {run_dir} is not empty; --resume {run_dir} continues that run, "
                           "--overwrite replaces it")

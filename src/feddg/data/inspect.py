@@ -18,6 +18,7 @@ from feddg.data.registry import (
     NATURAL_SOURCES,
     TEXTS,
     VOLUMES,
+    check_name,
     default_transforms,
     folder_image_size,
     load_dataset,
@@ -109,6 +110,7 @@ def check_dataset(name: str, *, root: str | None = None, workers: int | None = N
     Built-in datasets have nothing to check (``[]``); text datasets list every malformed file and line; the natural
     datasets (FEMNIST, CIFAR-10, Tiny-ImageNet, IWildCam) their first malformed file, else every undecodable image.
     """
+    check_name(name)  # an unknown name says so, before any --root advice
     if name in TEXTS:
         return check_text(name, root)
     if name in BUILTINS or name == synthetic_mri.NAME:

@@ -231,7 +231,8 @@ def list_datasets() -> list[str]:
     return [*BUILTINS, *VOLUMES, *PRESETS, *PLUGINS]
 
 
-def _check_name(name: str) -> None:
+def check_name(name: str) -> None:
+    """``ValueError`` naming the datasets there are, for an unknown ``name``."""
     if name not in BUILTINS and name not in VOLUMES and name not in PRESETS and name not in PLUGINS:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(list_datasets())}")
 
@@ -239,7 +240,7 @@ def _check_name(name: str) -> None:
 def dataset_info(name: str) -> dict[str, Any]:
     """``domains``, ``classes`` (empty where discovered from the folders), ``num_classes`` (``None``
     if unknown), ``needs_root`` and the default ``image_size`` of dataset ``name``."""
-    _check_name(name)
+    check_name(name)
     task, inputs = "classification", "images"
     num_classes: int | None
     if name in PLUGINS or name in VOLUMES:
@@ -315,7 +316,7 @@ def subsample(
 def default_transforms(name: str, root: str | Path | None = None) -> TransformSpec:
     """Dataset ``name``'s own transforms: none for the built-ins (their statistics), DomainBed's for
     the folder presets, overridden by ``root/feddg.json``'s ``transforms``."""
-    _check_name(name)
+    check_name(name)
     if name in BUILTINS:
         return TransformSpec(mean=BUILTINS[name].mean, std=BUILTINS[name].std)
     spec = TRANSFORM_PRESETS["domainbed"]
@@ -417,7 +418,7 @@ def load_dataset(
     byte-level BPE of ``vocab_size`` trained on the corpus) and ``max_length`` (tokens per text), others refuse them.
     ``writer_count`` sets how many writers the built-in ``writers`` dataset has (others refuse it).
     """
-    _check_name(name)
+    check_name(name)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     if max_per_domain is not None and max_per_domain < 1:

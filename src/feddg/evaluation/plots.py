@@ -32,10 +32,24 @@ ROLE_STYLES = (("id", "-o", 8, True), ("val", "-s", 6, True), ("ood", "-^", 4, F
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows; a line that is not JSON (a crash mid-write) is a ``ValueError`` naming file and line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a feddg run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [_parsed(line, path, n) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON file at ``path`` (``None`` if absent); one that does not parse is a ``ValueError`` naming it."""
+    return _parsed(path.read_text(), path) if path.is_file() else None
+
+
+def _parsed(text: str, path: Path, line: int | None = None) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        where = f"{path}:{line if line is not None else err.lineno}"
+        raise ValueError(f"{where}: not JSON ({err.msg}; the file is damaged, e.g. by a crash mid-write)") from None
 
 
 def integer_rounds(ax: Axes, rounds: Sequence[float] = ()) -> None:
@@ -162,30 +176,33 @@ def save(fig: plt.Figure, path: Path) -> Path:
     return Path(path)
 
 
+EVERY_DOMAIN_TRAINS = "none (every domain trains)"  # split.protocol federated: no held-out domain
+
+
 def run_title(run_dir: Path) -> str:
     """"FedAvg · digits-dg · held out synth · seed 0" from results.json, else the folder name."""
     path = run_dir / "results.json"
     if not path.is_file():
         return run_dir.name
-    r = json.loads(path.read_text())
-    held = ", ".join(r["target"]) + (f" (val {', '.join(r['val_domain'])})" if r.get("val_domain") else "")
+    r = read_json(path) or {}
+    held = (", ".join(r["target"]) or EVERY_DOMAIN_TRAINS) + (f" (val {', '.join(r['val_domain'])})"
+                                                              if r.get("val_domain") else "")
     return f"{r['method']} · {r['dataset']} · held out {held} · seed {r['seed']}"
 
 
 def run_task(run_dir: Path) -> TaskInfo | None:
     """What the run measures: results.json's ``task`` block; for a run that has not written it (still running, or
     from before the block), its dataset's task from the registry (config.yaml's, else results.json's)."""
-    results = _json(run_dir / "results.json")
+    results = read_json(run_dir / "results.json")
     if results and isinstance(results.get("task"), dict):
         return TaskInfo.of(results["task"])
     config = run_dir / "config.yaml"
-    raw = yaml.safe_load(config.read_text()) if config.is_file() else None
+    try:
+        raw = yaml.safe_load(config.read_text()) if config.is_file() else None
+    except yaml.YAMLError as err:  # a hand-edited config: the file, not a traceback
+        raise ValueError(f"{config}: not YAML ({' '.join(str(err).split())})") from None
     dataset = ((raw or {}).get("data") or {}).get("dataset") or (results or {}).get("dataset")
     return info_for_dataset(dataset) if isinstance(dataset, str) else None
-
-
-def _json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def plot_run(run_dir: str | Path, task: TaskInfo | None = None, counts: Mapping[str, int] | None = None) -> list[Path]:
@@ -199,7 +216,7 @@ def plot_run(run_dir: str | Path, task: TaskInfo | None = None, counts: Mapping[
         raise ValueError(f"{run_dir}: its task is unknown (no results.json task block, and no dataset in config.yaml)")
     title = run_title(run_dir)
     out = [plot_curves(metrics, run_dir / "curves.png", task, title)]
-    results = _json(run_dir / "results.json") or {}
+    results = read_json(run_dir / "results.json") or {}
     last = results.get("final") or next((m for m in reversed(metrics) if task.key("ood") in m), None)
     if last:
         figures = {k: v for k, v in last.items() if task.parse(k) is not None}

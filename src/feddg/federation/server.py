@@ -22,6 +22,7 @@ import numpy as np
 
 from feddg.algorithms.base import Reply, ServerContext
 from feddg.config import ExperimentConfig, dump_config
+from feddg.evaluation.communication import bytes_per_round
 from feddg.federation.checkpoint import load_checkpoint, save_checkpoint
 from feddg.federation.client_store import STORE_DIR, ClientStore, ClientStores, restore
 from feddg.federation.evaluator import Evaluator
@@ -446,7 +447,7 @@ class Server:
             "bytes_up_total": int(sum(m["bytes_up"] for m in self.metrics)),
             "bytes_down_total": int(sum(m["bytes_down"] for m in self.metrics)),
             "time_total_s": float(sum(m.get("time_round_s", 0.0) for m in self.metrics)),
-            "bytes_per_round": _mean_bytes(self.metrics),
+            "bytes_per_round": bytes_per_round(self.metrics),
         }
         results.update(fed.topology.results(fed.method, self.metrics))
         if fed.extra:  # what the extra/<name>_<metric> keys of "final" were measured on
@@ -470,8 +471,3 @@ def failure_record(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rounds": rounds, "clients": dropped, "client_rounds_lost": sum(len(v) for v in dropped.values())}
 
 
-def _mean_bytes(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Mean over rounds of every byte count in the metrics (engine totals and methods' own, e.g.
-    ``fedfa/bytes_stats_up`` per client), for the run's communication summary."""
-    keys = sorted({k for r in rows for k in r if "bytes" in k})
-    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}

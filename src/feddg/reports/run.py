@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from feddg.config import read_yaml
+from feddg.evaluation.communication import bytes_per_round
 from feddg.evaluation.overlays import EXAMPLES, example_path
-from feddg.evaluation.plots import plot_run, read_metrics, run_title
+from feddg.evaluation.plots import EVERY_DOMAIN_TRAINS, plot_run, read_json, read_metrics, run_title
 from feddg.reports import figures
 from feddg.reports.audit import audit_section
 from feddg.reports.counts import run_counts
@@ -38,8 +37,13 @@ def report(path: str | Path) -> list[Path]:
     return run_report(path)
 
 
-def _json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+def _held_out(results: dict[str, Any], split: dict[str, Any]) -> str:
+    """The held-out domains; "none" where every domain trains (``split.protocol: federated``)."""
+    if "target" in results:
+        return ", ".join(results["target"]) or EVERY_DOMAIN_TRAINS
+    if split.get("protocol") == "federated":
+        return EVERY_DOMAIN_TRAINS
+    return str(split.get("target") or "?")
 
 
 def _size(n: float) -> str:
@@ -96,11 +100,12 @@ def run_report(run_dir: Path) -> list[Path]:
     metrics = read_metrics(run_dir)
     if not metrics:
         raise ValueError(f"{run_dir}/metrics.jsonl has no rounds yet")
-    results = _json(run_dir / "results.json") or {}
+    results = read_json(run_dir / "results.json") or {}
     counts, task, notes = run_counts(run_dir)
     if task is None:
         raise ValueError(f"{run_dir}: {'; '.join(notes)}")
-    last = next((m for m in reversed(metrics) if task.key("ood") in m), metrics[-1])
+    headline = task.key("ood") if any(task.key("ood") in m for m in metrics) else task.key("id")  # federated: id
+    last = next((m for m in reversed(metrics) if headline in m), metrics[-1])
     final = results.get("final") or {k: v for k, v in last.items() if task.parse(k) is not None}
     pngs = plot_run(run_dir, task, counts)
     rows = domain_rows(final, counts, task)
@@ -113,13 +118,13 @@ def run_report(run_dir: Path) -> list[Path]:
     config_text = config_path.read_text() if config_path.is_file() else ""
     raw = read_yaml(config_path) if config_text else {}
     given = {k: (raw.get(k) or {}) for k in ("method", "data", "split", "federation")}  # a run still in progress
-    provenance = _json(run_dir / "provenance.json")
-    bytes_keys = sorted({k for m in metrics for k in m if "bytes" in k})
+    provenance = read_json(run_dir / "provenance.json")
     summary = [("method", results.get("method_label", results.get("method", given["method"].get("name", "?")))),
                ("dataset", results.get("dataset", given["data"].get("dataset", "?"))),
-               ("held out", ", ".join(results.get("target", [])) or given["split"].get("target") or "?"),
+               ("held out", _held_out(results, given["split"])),
                ("seed", results.get("seed", raw.get("seed", "?"))), ("rounds", len(metrics)),
-               ("clients", results.get("num_clients", metrics[-1].get("clients"))),
+               ("clients", results["num_clients"]) if "num_clients" in results
+               else ("clients sampled (last round)", metrics[-1].get("clients", "?")),
                ("engine", given["federation"].get("engine", "inprocess"))]
     summary += [(f"{k} ({task.unit})", f"{final[k]:.2f}") for k in map(task.key, ("ood", "val", "id", "global_ood"))
                 if k in final]
@@ -138,7 +143,7 @@ def run_report(run_dir: Path) -> list[Path]:
         domain_rows=rows, metric_label=task.axis_label, examples=example_figures(run_dir, rows, task),
         communication={"title": "bytes per round", "uri": figures.png_uri(figures.communication(metrics)),
                        "caption": "message bytes (arrays + scalars) over all sampled clients"},
-        bytes_rows=[(k, float(np.mean([m[k] for m in metrics if k in m])) / 1024) for k in bytes_keys],
+        bytes_rows=[(k, v / 1024) for k, v in bytes_per_round(metrics).items()],
         timing={"title": "time per round", "uri": figures.png_uri(figures.timing(metrics)),
                 "caption": "wall-clock seconds: client training (all clients), aggregation, evaluation"},
         schedule={"title": "schedule", "uri": figures.png_uri(figures.schedule(metrics)), "caption": ""},
