@@ -178,7 +178,7 @@ def test_a_finished_run_is_never_overwritten_and_resumes_change_only_safe_keys(t
     foreign = tmp_path / "mine"
     (foreign / "notes.txt").parent.mkdir()
     (foreign / "notes.txt").write_text("not a run")
-    _one_line_error(_invoke(*args[:-3], "--run-dir", str(foreign), "--overwrite"), "not a feddg run directory")
+    _one_line_error(_invoke(*args[:-3], "--run-dir", str(foreign), "--overwrite"), "holds files of no feddg run")
     assert (foreign / "notes.txt").exists()
 
     _one_line_error(_invoke("run", "--resume", str(run_dir), "-o", "seed=1"), "seed: cannot change on resume")
