@@ -149,3 +149,12 @@ def test_partitions_and_worker_counts_are_checked_when_the_config_loads(over, wh
     with pytest.raises(ConfigError) as err:
         build_config({}, [over])
     assert str(err.value).startswith(why)
+
+
+def test_a_hierarchy_takes_a_natural_partition_and_refuses_a_method_that_averages_no_weights():
+    # a natural partition's clients are its groups (num_clients left unset, the default 4 < 10 stations was refused)
+    cfg = build_config({"data": {"dataset": "writers"}, "split": {"target_fraction": 0.1},
+                        "partition": {"kind": "natural"}, "hierarchy": {"stations": 10}})
+    assert cfg.hierarchy is not None and cfg.hierarchy.stations == 10
+    with pytest.raises(ConfigError, match="^hierarchy: pfedhn does not average weights, so its stations have no model"):
+        build_config({"method": {"name": "pfedhn"}, "hierarchy": {"stations": 2}})  # it failed after a server round

@@ -583,12 +583,17 @@ class ExperimentConfig(Settings):
         if h is None:
             return self
         from feddg.aggregation.merges import HFedATMParams  # lazy: it imports torch
+        from feddg.algorithms.registry import method_class
 
+        if not method_class(self.method.name).averages_weights:  # it ran a server round, then failed at the merge
+            raise ValueError(f"hierarchy: {self.method.name} does not average weights, so its stations have no model "
+                             "to merge; run it flat")
         try:  # every hierarchy key is known (a sweep may switch merges); each merge takes the ones it uses
             HFedATMParams(**h.params)
         except ValidationError as err:
             raise ValueError(format_errors(err, prefix="hierarchy.params")) from None
-        if self.partition.num_clients < h.stations:
+        natural = self.partition.kind == "natural"  # its clients are the dataset's groups: counted when it loads
+        if not natural and self.partition.num_clients < h.stations:
             raise ValueError(f"hierarchy.stations: {h.stations} stations need partition.num_clients >= {h.stations}")
         groups = self.partition.params.get("groups")
         if self.partition.kind == "two_level_dirichlet" and groups != h.stations:
