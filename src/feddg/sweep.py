@@ -172,7 +172,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     spec, raw = load_sweep(path, overrides)
     base = build_config(raw)
     out = Path(out_dir) if out_dir is not None else Path(base.output_dir) / base.name
-    if spec.search is None and (drawn := [v for v in spec.variants if split_draw(v)[1] or v != split_draw(v)[0]]):
+    if spec.search is None and (drawn := [v for v in spec.variants if split_draw(v) != (v, 0)]):
         raise ConfigError(f"sweep variant {drawn[0]!r}: a name ending in ' #<k>' is a sweep.search draw's, and the "
                           "selection tables would pool it with its namesakes; rename it")
     variants = search_variants(spec, raw)
@@ -296,7 +296,8 @@ def _clear_tables(out: Path) -> None:
     """Remove a previous sweep's tables, runs.jsonl and sweep.json from ``out``: written at the end from this sweep's
     runs, any left from another sweep (other rules, metrics or configs) would stand beside them as current in the
     report, or alone if this one is interrupted. The runs' folders stay (cells whose config is unchanged load)."""
-    for path in [*out.glob("table*.md"), *out.glob("table_*.csv"), out / "runs.jsonl", out / "sweep.json"]:
+    for path in [out / "table.md", *out.glob("table_*.md"), *out.glob("table_*.csv"), out / "runs.jsonl",
+                 out / "sweep.json"]:
         path.unlink(missing_ok=True)
 
 

@@ -87,8 +87,8 @@ def cap_examples(reply: Reply, known: int) -> tuple[Reply, int | None]:
 
 def krum_problem(fc: FederationConfig, sampled: int) -> str | None:
     """Why ``krum``/``multi_krum`` would be no defence with ``sampled`` replies a round, in one line: f attackers
-    without an honest majority (Krum's guarantee needs n > 2f + 2; below it the neighbour count is clamped, as
-    Flower's is), or ``krum_keep`` keeping every reply (the plain mean); ``None`` otherwise."""
+    without an honest majority (Krum's guarantee needs n > 2f + 2; between the two it runs, as Flower's does), or
+    ``krum_keep`` keeping every reply (the plain mean); ``None`` otherwise."""
     if fc.aggregation not in ("krum", "multi_krum"):
         return None
     if 2 * fc.krum_malicious >= sampled:

@@ -43,7 +43,8 @@ def _held_out(results: dict[str, Any], split: dict[str, Any]) -> str:
         return ", ".join(results["target"]) or EVERY_DOMAIN_TRAINS
     if split.get("protocol") == "federated":
         return EVERY_DOMAIN_TRAINS
-    return str(split.get("target") or "?")
+    target = split.get("target")
+    return ", ".join(target) if isinstance(target, list) else str(target or "?")
 
 
 def _size(n: float) -> str:
