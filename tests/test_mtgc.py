@@ -30,6 +30,22 @@ class QuadraticMTGC(MTGC):
     loss_fn = staticmethod(quadratic)
 
 
+def _station_round(fed, topo, method, model, state, cstates: dict, round: int, lr: float,
+                   epochs: list[int]) -> tuple[dict, list[Reply]]:
+    """One station round of the four toy clients (client k trains ``epochs[k]`` epochs): the new state, the replies."""
+    replies = []
+    for cid in range(4):
+        msg = {**topo.client_config(method, state, cid, round), "lr": lr, "round": round}
+        ctx = replace(client_context(fed, cid, round), local_epochs=epochs[cid])
+        reply, cstates[cid] = topo.client_update(method, model, msg, cstates.get(cid, {}), ctx)
+        replies.append(Reply(cid, reply))
+    acc = topo.start(method, {r.client_id: r.num_examples for r in replies})
+    for r in replies:
+        acc = topo.accumulate(method, acc, r)
+    state, _ = topo.finish(method, state, acc, round)
+    return state, replies
+
+
 def test_on_quadratics_z_and_y_are_the_gradient_gaps_and_z_resets_every_server_round():
     fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
     a = np.array([float(fed.dataset.x[c.train_idx].mean()) for c in fed.clients])
@@ -43,16 +59,7 @@ def test_on_quadratics_z_and_y_are_the_gradient_gaps_and_z_resets_every_server_r
 
     def station_round(round: int, epochs: int) -> list[Reply]:
         nonlocal state
-        replies = []
-        for cid in range(4):
-            msg = {**topo.client_config(method, state, cid, round), "lr": lr, "round": round}
-            ctx = replace(client_context(fed, cid, round), local_epochs=epochs)
-            reply, cstates[cid] = topo.client_update(method, model, msg, cstates.get(cid, {}), ctx)
-            replies.append(Reply(cid, reply))
-        acc = topo.start(method, {r.client_id: r.num_examples for r in replies})
-        for r in replies:
-            acc = topo.accumulate(method, acc, r)
-        state, _ = topo.finish(method, state, acc, round)
+        state, replies = _station_round(fed, topo, method, model, state, cstates, round, lr, [epochs] * 4)
         return replies
 
     def station_mean(v: np.ndarray) -> np.ndarray:  # n-weighted mean over each client's station
@@ -114,3 +121,21 @@ def test_resume_is_bit_identical(tmp_path):
     run_inprocess(resumed)
     assert all(np.array_equal(full.state["weights"][k], resumed.state["weights"][k]) for k in full.state["weights"])
     assert np.isfinite(full.metrics[-1]["mtgc/h_gamma"])
+
+
+@pytest.mark.parametrize("z_step", ["client", "station"])
+def test_with_unequal_step_counts_only_the_station_step_keeps_a_stations_corrections_summing_to_zero(z_step):
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
+    n = np.array([len(c.train_idx) for c in fed.clients], dtype=np.float64)
+    lr, station_of, epochs = 0.1, [0, 0, 1, 1], [1, 4, 2, 2]  # station 0's clients take 1 and 4 steps
+    topo = StationTopology(np.asarray(station_of), 2, 1.0, "avg", HFedATMParams(), None)
+    method, model = QuadraticMTGC(MTGC.Params(z_step=z_step)), Point()
+    state = topo.init(method, model, ServerContext(4, 4, 0))
+    cstates: dict[int, dict] = {}
+    for rnd in (1, 2):  # z_i is updated at the start of station round 2, from round 1's models and steps
+        state, _ = _station_round(fed, topo, method, model, state, cstates, rnd, lr, epochs)
+    z = np.array([float(cstates[k][Z + "w"][0]) for k in range(4)])
+    station0 = float(n[0] * z[0] + n[1] * z[1]) / float(np.abs(n[:2] * z[:2]).sum())  # relative to the terms
+    station1 = float(n[2] * z[2] + n[3] * z[3]) / float(np.abs(n[2:] * z[2:]).sum())
+    assert abs(station1) < 1e-4  # equal steps: both readings are the gradient gap (float32 weights differenced)
+    assert (abs(station0) < 1e-4) == (z_step == "station")  # own Hγ with 1 and 4 steps: they do not

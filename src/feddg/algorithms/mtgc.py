@@ -16,17 +16,20 @@ As in the authors' code (``train_MTGC``, wenzhifang/MTGC), ``z`` is reset every 
 correction enters the loss as ``⟨z + y, x⟩``. Choices (docs/methods/mtgc.md): the client learns
 ``x̄_j^{t,e+1}`` as the station model it receives next, so ``z_i`` is updated at the start of its next
 station round (a client that missed the previous station round keeps its ``z_i``); ``Hγ`` is each client's own
-step count × learning rate, and the station's ``HEγ`` the sum over its station rounds of the mean ``Hγ`` of
-its clients (= ``HEγ`` for equal clients and a constant rate). Station averages are FedAvg's ``n_i``-weighted
+step count × learning rate (``z_step: client``; ``station``: the station's ``n_i``-weighted mean ``Hγ`` of
+its last round, so that a station's ``n_i``-weighted ``z_i`` sum to zero with unequal clients), and the station's
+``HEγ`` the sum over its station rounds of the mean ``Hγ`` of its clients (= ``HEγ`` for equal clients and a
+constant rate). Station averages are FedAvg's ``n_i``-weighted
 ones (the paper's are uniform over equal-size clients). Plain SGD local steps only, as in the derivation.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import nn
 
 from feddg.algorithms.base import (
@@ -35,6 +38,7 @@ from feddg.algorithms.base import (
     ClientState,
     Method,
     Metrics,
+    Params,
     Reply,
     ServerContext,
     ServerState,
@@ -49,6 +53,14 @@ Z = "mtgc/z/"  # client state: z_i
 X = "mtgc/x/"  # client state: the client's model after its last local training
 EPOCH = "mtgc/epoch"  # server rounds completed: a new value resets z
 STEP = "mtgc/h_gamma"  # H·γ of a client's local training (reply and client state)
+STATION_STEP = "mtgc/h_gamma_station"  # station -> client: the n-weighted mean H·γ of its last station round
+
+
+class MTGCParams(Params):
+    z_step: Literal["client", "station"] = Field(
+        "client", description="Hγ dividing z_i's update: the client's own step count × rate, or its station's "
+        "n-weighted mean over the last station round (equal for equal clients; with unequal ones only station keeps "
+        "a station's n-weighted z_i summing to zero)")
 
 
 def corrections_after(z: list[np.ndarray], x_last: list[np.ndarray], station: list[np.ndarray],
@@ -66,16 +78,19 @@ class MTGC(Method):
     """Local SGD corrected by ``z_i + y_j``; stations average (FedAvg); ``y_j`` updated at every server merge."""
 
     name = "mtgc"
+    Params = MTGCParams
+    params: MTGCParams
     station_merges: ClassVar[tuple[str, ...]] = ("avg",)
     loss_fn: LossFn | None = None  # the local objective F_i: the task's loss (tests swap in a quadratic)
 
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
         """One station's state (the topology copies it per station): its model, ``y_j``, ``Σ_e Hγ`` so far."""
         y = {n: np.zeros_like(p.detach().cpu().numpy()) for n, p in model.named_parameters()}
-        return {"weights": weights_of(model), "y": y, "h_gamma_sum": 0.0, "epoch": 0}
+        return {"weights": weights_of(model), "y": y, "h_gamma_sum": 0.0, "h_gamma_station": 0.0, "epoch": 0}
 
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
-        return {**state["weights"], **{Y + n: v for n, v in state["y"].items()}, EPOCH: state["epoch"]}
+        station_step = {STATION_STEP: state["h_gamma_station"]} if self.params.z_step == "station" else {}
+        return {**state["weights"], **{Y + n: v for n, v in state["y"].items()}, EPOCH: state["epoch"], **station_step}
 
     def client_update(
         self, model: nn.Module, msg: Message, client_state: ClientState, ctx: ClientContext
@@ -90,8 +105,8 @@ class MTGC(Method):
             z = [np.asarray(client_state[Z + n]) for n in names]
             if client_state.get("round") == ctx.round - 1:
                 x_last = [np.asarray(client_state[X + n]) for n in names]
-                z = corrections_after(z, x_last, [np.asarray(msg[WEIGHT_PREFIX + n]) for n in names],
-                                      float(client_state[STEP]))
+                h_gamma = float(msg[STATION_STEP] if self.params.z_step == "station" else client_state[STEP])
+                z = corrections_after(z, x_last, [np.asarray(msg[WEIGHT_PREFIX + n]) for n in names], h_gamma)
         correction = [torch.from_numpy(zz + yy).to(ctx.device) for zz, yy in zip(z, y, strict=True)]
         lr = float(msg["lr"])
         loss, steps = corrected_training(model, ctx, lr, correction, self.loss_fn)
@@ -105,14 +120,17 @@ class MTGC(Method):
         return {STEP: number_slot()}  # H·γ
 
     def keep(self, reply: Reply) -> Message | None:
-        return {STEP: reply.message[STEP]}
+        return {STEP: reply.message[STEP], "num_examples": reply.num_examples}
 
     def finish(self, state: ServerState, acc: Accumulator) -> tuple[ServerState, Metrics]:
-        """The station's FedAvg; adds this station round's mean ``Hγ`` to ``Σ_e Hγ``."""
+        """The station's FedAvg; adds this station round's mean ``Hγ`` to ``Σ_e Hγ`` and keeps its ``n_i``-weighted
+        mean for the clients' next ``z_i`` (``z_step: station``)."""
         assert acc.weights is not None
-        h_gamma = float(np.mean([float(r.message[STEP]) for r in acc.kept]))
-        return {**state, "weights": acc.weights.mean(), "h_gamma_sum": state["h_gamma_sum"] + h_gamma}, {
-            "mtgc/h_gamma": h_gamma}
+        steps = [float(r.message[STEP]) for r in acc.kept]
+        h_gamma = float(np.mean(steps))
+        weighted = float(np.average(steps, weights=[float(r.message["num_examples"]) for r in acc.kept]))
+        return {**state, "weights": acc.weights.mean(), "h_gamma_sum": state["h_gamma_sum"] + h_gamma,
+                "h_gamma_station": weighted}, {"mtgc/h_gamma": h_gamma}
 
     def station_merged(self, station: ServerState, merged: Message) -> ServerState:
         """After the server's average: ``y_j`` moves by the station's drift from it; a new server round."""
