@@ -128,7 +128,7 @@ class MTGC(Method):
         assert acc.weights is not None
         steps = [float(r.message[STEP]) for r in acc.kept]
         h_gamma = float(np.mean(steps))
-        weighted = float(np.average(steps, weights=[float(r.message["num_examples"]) for r in acc.kept]))
+        weighted = float(np.average(steps, weights=[r.num_examples for r in acc.kept]))
         return {**state, "weights": acc.weights.mean(), "h_gamma_sum": state["h_gamma_sum"] + h_gamma,
                 "h_gamma_station": weighted}, {"mtgc/h_gamma": h_gamma}
 
