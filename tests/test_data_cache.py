@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from feddg.data import image_cache, iterate_batches, load_dataset
+from feddg.data import cache, image_cache, iterate_batches, load_dataset
 from feddg.data.folders import FolderDomainDataset
 
 
@@ -113,6 +116,35 @@ def test_interrupted_build_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(KeyboardInterrupt):
         image_cache.build(tmp_path / "cache" / "c.npy", files, 12, workers=0)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_killed_builds_temporary_is_removed_by_the_next_build(tmp_path: Path) -> None:
+    """SIGKILL skips every ``finally``: the next build of the same cache removes what the dead process left, and
+    keeps a live builder's temporary and another host's."""
+    root = _tree(tmp_path / "data")
+    files = sorted(root.rglob("*.png"))
+    path = tmp_path / "cache" / "c.npy"
+    hold = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a live process on this host
+    try:
+        killed = subprocess.Popen([sys.executable, "-c", (
+            "import os, signal, sys; from pathlib import Path; from feddg.data.cache import temporary_beside\n"
+            "fd, tmp = temporary_beside(Path(sys.argv[1])); os.write(fd, bytes(1000)); print(tmp, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)"), str(path)], stdout=subprocess.PIPE, text=True)
+        left = Path(killed.communicate()[0].strip())
+        assert killed.returncode == -signal.SIGKILL and left.is_file()
+        host = left.name.split(".")[1]
+        live = path.parent / f"c.{host}.{hold.pid}.abc.tmp"
+        other_host = path.parent / f"c.elsewhere.{killed.pid}.abc.tmp"
+        for kept in (live, other_host):
+            kept.write_bytes(b"x")
+        image_cache.build(path, files, 8, workers=0)
+        assert not left.exists(), "the killed build's temporary is still there"
+        assert sorted(p.name for p in path.parent.iterdir()) == sorted(["c.npy", live.name, other_host.name])
+        cache.save_arrays(path.with_suffix(".npz"), {"a": np.zeros(2)})  # the same clean-up for the .npz caches
+        assert live.exists() and other_host.exists()
+    finally:
+        hold.kill()
+        hold.wait()
 
 
 def test_loader_workers_give_the_same_batches(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import socket
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -27,10 +29,31 @@ def cache_file(cache_dir: Path, *parts: object) -> Path:
     return cache_dir / ("_".join(quote(str(p), safe="") for p in parts) + ".npz")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def temporary_beside(path: Path) -> tuple[int, str]:
+    """``mkstemp`` in ``path``'s folder, named ``<stem>.<host>.<pid>.<random>.tmp``; first removes the temporaries
+    that a killed build of ``path`` on this host left (their process is gone), which ``try``/``finally`` cannot."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname().replace(".", "_")
+    for old in path.parent.glob(f"{glob.escape(path.stem)}.{glob.escape(host)}.*.tmp"):
+        pid = old.name[len(path.stem) + len(host) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.unlink(missing_ok=True)
+    return tempfile.mkstemp(prefix=f"{path.stem}.{host}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+
+
 def save_arrays(path: Path, arrays: Arrays) -> None:
     """Write ``arrays`` to ``path`` atomically: a temporary file in the same folder, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+    fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez_compressed(f, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **arrays to allow_pickle

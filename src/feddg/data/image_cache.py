@@ -6,7 +6,7 @@ last: the decoder's layout, and torch's fast one for resizing uint8): ``paths`` 
 (relative to the root, in order), ``stamps`` their sizes and modification times. Touching, replacing,
 adding or removing an image therefore selects another file name, and the stale version of the same
 selection is deleted once the new one is written. Writes go to a temporary file that is renamed into place, so a crash never
-leaves a half cache.
+leaves a half cache; a killed build's temporary file is removed by the next build of the same cache.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
@@ -26,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from feddg.data.cache import temporary_beside
 
 VERSION = "v1"
 CHUNK = 64  # files per task sent to a decoding process
@@ -167,11 +168,10 @@ def _check_space(folder: Path, nbytes: int) -> None:
 
 def build(path: Path, files: Sequence[Path], size: int, workers: int | None = None) -> None:
     """Decode ``files`` at ``size`` px into ``path`` (atomically); :class:`UnreadableImages` on any failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _check_space(path.parent, len(files) * 3 * size * size)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+    fd, tmp = temporary_beside(path)  # first, so that a killed build's space is free again
     os.close(fd)
     try:
+        _check_space(path.parent, len(files) * 3 * size * size)
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), size, size, 3))
         failures: list[tuple[Path, str]] = []
         for start, (images, errors) in _map_chunks(_decode_chunk, files, (size,), workers,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from feddg.data.base import first_problem
-from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays
+from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays, temporary_beside
 from feddg.data.image_cache import cache_path
 from feddg.data.slices import KEYS, SliceDataset, Volume, slices_from_volumes
 
@@ -169,7 +168,7 @@ def _save_cache(path: Path, arrays: Arrays) -> None:
     meta = path.with_suffix(".npz")
     save_arrays(meta, {k: arrays[k] for k in META_KEYS})
     images = arrays["images"]
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+    fd, tmp = temporary_beside(path)
     os.close(fd)
     try:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(images), 4, *images.shape[2:]))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor
 
 from feddg.data.base import DomainDataset
-from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays
+from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays, temporary_beside
 from feddg.data.image_cache import progress_bar
 from feddg.data.tokenizer import load_tokenizer, tokenizer_stamp, train_bpe
 
@@ -187,7 +186,7 @@ def _save_cache(path: Path, ids: np.ndarray, meta: Arrays) -> None:
     """The ids (atomically, as ``.npy``) and the meta ``.npz`` beside them."""
     path.parent.mkdir(parents=True, exist_ok=True)
     save_arrays(path.with_suffix(".npz"), meta)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+    fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, ids)
