@@ -35,7 +35,7 @@ def test_errors_name_the_key(raw, overrides, key):
     (["data.dataset=synthetic-sentiment", "model.name=mlp"], r"\(features → class_labels\) does not fit .*"
                                                              r"\(tokens → class_labels\); .*tiny-roberta, transformer$"),
     (["model.name=tiny-roberta"], r"^model\.name: model tiny-roberta \(tokens → class_labels\) does not fit"),
-    (["model.params.widht=8"], r"^model\.params\.widht: model cnn has no such option; it takes block_widths, norm$"),
+    (["model.params.widht=8"], r"^model\.params\.widht: model cnn has no such option; it takes block_widths$"),
     (["model.name=resnet18", "model.params.width=8"], r"^model\.params\.width: .*takes normalization, small_input$"),
     (["model.params.image_size=32"], r"^model\.params\.image_size: given by the data or the run"),
     (["data.dataset=synthetic-sentiment", "model.name=tiny-roberta", "model.params.hiden_size=8"],

@@ -15,7 +15,7 @@ from feddg.data.cache import cache_file
 from feddg.data.tensor_dataset import TensorDomainDataset
 from feddg.data.transforms import BatchRandomCrop
 
-COUNTS = {"mnist": 5000, "uci": 1797, "synth": 5000, "mnistm": 5000}
+COUNTS = {"mnist": 2500, "uci": 1797, "synth": 5000, "mnistm": 2500}
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +42,31 @@ def test_digits_shapes_counts_and_balance(built) -> None:
     assert ds.labels.dtype == np.int64 and ds.domain_ids.dtype == np.int64
     counts = ds.counts()
     assert {d: sum(c.values()) for d, c in counts.items()} == COUNTS
-    for d in ("mnist", "synth", "mnistm"):
-        assert set(counts[d].values()) == {500}
+    assert set(counts["synth"].values()) == {500}
+    for d in ("mnist", "mnistm"):
+        assert set(counts[d].values()) == {250}
     assert min(counts["uci"].values()) >= 170 and max(counts["uci"].values()) <= 185
+
+
+def test_mnist_and_mnistm_hold_disjoint_digits(built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holding one out must not train on its digits in the other's style (v1 blended the same 5,000 into mnistm):
+    each domain's images are recovered to their MNIST 5k index through the digit's ink mask."""
+    _, ds, _ = built
+    digits_all, labels_all = digits.mnist5k()
+    index_of = {(d > 0).tobytes(): i for i, d in enumerate(digits_all)}
+    assert len(index_of) == len(digits_all), "ink masks identify the digits"
+    mnist, y_mnist = _domain(ds, "mnist")
+    in_mnist = [index_of[(x[0] > 0).tobytes()] for x in mnist]
+    np.testing.assert_array_equal(labels_all[in_mnist], y_mnist)
+    # on a black photo (every patch flat, so the texture threshold is lifted) the blend is 255 × the ink mask
+    monkeypatch.setattr(digits, "_photos", lambda: [np.zeros((40, 40, 3), np.uint8)])
+    monkeypatch.setattr(digits, "MNISTM_MIN_STD", 0.0)
+    mnistm, y_mnistm = digits.build_mnistm(0)
+    assert set(np.unique(mnistm)) == {0, 255}
+    in_mnistm = [index_of[(x[0] > 0).tobytes()] for x in mnistm]
+    np.testing.assert_array_equal(labels_all[in_mnistm], y_mnistm)
+    assert not set(in_mnist) & set(in_mnistm), "a digit in both domains"
+    assert len(set(in_mnist)) + len(set(in_mnistm)) == len(digits_all)
 
 
 def test_digits_value_ranges(built) -> None:
@@ -162,7 +184,7 @@ def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("FEDDG_CACHE", str(tmp_path / "env-cache"))
     load_dataset("digits-dg", domains=["uci"], seed=2)
     assert (tmp_path / "env-cache").is_dir()
-    assert [p.name for p in (tmp_path / "env-cache").iterdir()] == ["digits-dg_uci_28px_seed2_v1.npz"]
+    assert [p.name for p in (tmp_path / "env-cache").iterdir()] == [f"digits-dg_uci_28px_seed2_{digits.VERSION}.npz"]
 
 
 def test_image_size_32(built) -> None:

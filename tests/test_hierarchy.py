@@ -314,6 +314,21 @@ def test_station_aggregation_then_merge_with_gamma_weights():
     assert metrics["hfl/bytes_station_down"] == 2 * message_nbytes(w(0.0))
 
 
+def test_a_station_without_grams_has_its_linear_layers_averaged_with_a_warning(caplog):
+    # a reply may omit its Grams (optional slots): a station left without any crashed the server's merge (TypeError)
+    topo = stations([0, 0, 1, 1], merge="hfedatm-no-fot")
+    rng = np.random.default_rng(0)
+    w = [{"w/fc.weight": rng.normal(size=(2, 3)).astype(np.float32), "w/fc.bias": rng.normal(size=2).astype(np.float32)}
+         for _ in range(2)]
+    state = {"weights": w[0], "stations": [{"weights": w[0]}, {"weights": w[1]}], "round": 0}
+    gram = (lambda x: x.T @ x)(rng.normal(size=(5, 3))).astype(np.float32)
+    replies = [Reply(0, {**w[0], "gram/fc": gram, "num_examples": 4}), Reply(2, {**w[1], "num_examples": 4})]
+    with caplog.at_level("WARNING", logger="feddg.aggregation.merges"):
+        new, metrics = fold(topo, FedAvg(), state, replies)
+    assert metrics["regmean/layers_without_grams"] == 1 and "fc" in caplog.text
+    np.testing.assert_allclose(new["weights"]["w/fc.weight"], (w[0]["w/fc.weight"] + w[1]["w/fc.weight"]) / 2, rtol=1e-6)
+
+
 def test_diagnostics_and_accounting_are_in_the_metrics_and_results(tmp_path):
     server, res = _run(tmp_path, "hierarchy.merge=hfedatm")
     merge_row, station_row = server.metrics[1], server.metrics[0]

@@ -217,16 +217,22 @@ def test_robust_rules_keep_an_attacker_out_without_the_norm_bound(tmp_path, rule
 
 
 @pytest.mark.parametrize(("over", "why"), [
-    (["federation.aggregation=multi_krum", "federation.krum_keep=4"], "federation.krum_keep=4 keeps all 4 replies a "
-     "round samples: the plain mean, no defence; keep fewer (0: replies - krum_malicious)"),
+    (["federation.aggregation=multi_krum", "federation.krum_keep=4"], "federation.krum_keep=4 with krum_malicious=1 "
+     "keeps all 4 replies a round samples: the plain mean, no defence; keep fewer (0: replies - krum_malicious)"),
+    (["federation.aggregation=multi_krum", "federation.krum_malicious=0"], "federation.krum_keep=0 with "
+     "krum_malicious=0 keeps all 4 replies a round samples: the plain mean, no defence; keep fewer (0: replies - "
+     "krum_malicious)"),
+    (["federation.aggregation=trimmed_mean"], "federation.trim_fraction=0.2 cuts nothing among the 4 replies a round "
+     "samples (int(0.2 x 4) = 0): the plain mean, no defence; set it to at least 1/4"),
     (["federation.aggregation=krum", "federation.krum_malicious=2"], "federation.krum_malicious=2 attackers among the "
      "4 replies a round samples leave no honest majority for federation.aggregation=krum"),
     (["federation.aggregation=multi_krum", "federation.krum_malicious=1", "federation.client_fraction=0.5"],
      "federation.krum_malicious=1 attackers among the 2 replies a round samples leave no honest majority for "
      "federation.aggregation=multi_krum"),
 ])
-def test_krum_settings_that_defend_nothing_stop_the_run_before_round_one_trains(tmp_path, over, why):
-    # multi_krum keeping every reply was the plain mean bit for bit, under the name of a robust rule
+def test_robust_settings_that_defend_nothing_stop_the_run_before_round_one_trains(tmp_path, over, why):
+    # multi_krum keeping every reply, or trimmed_mean at 0.2 with 4 replies, was the plain mean bit for bit, under the
+    # name of a robust rule
     with pytest.raises(RunStopped) as err:
         run(tmp_path, "krum", {}, *over)
     assert str(err.value) == why
@@ -241,6 +247,10 @@ def test_krum_settings_that_defend_nothing_stop_the_run_before_round_one_trains(
      "weights, so a reply's update norm is not defined"),
     (["partition.holdout=0", "federation.rollback_loss_factor=2"], "federation.rollback_loss_factor needs the "
      "clients' holdouts (partition.holdout > 0)"),
+    # it froze the global model: a poisoned station round went unmeasured and every later merge was rolled back
+    (["hierarchy={stations: 2}", "federation.rollback_loss_factor=1.5"], "federation.rollback_loss_factor is for flat "
+     "federations: under a hierarchy the global model changes only at a merge, so a station round's loss is not "
+     "measured"),
 ])
 def test_defences_are_refused_where_they_are_not_defined_when_the_config_loads(over, why):
     # at load, so a sweep refuses the cell before any run and feddg run before making its run directory

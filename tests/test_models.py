@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from feddg.models import MODELS, FedModel, create_model, list_models, model_targets
+from feddg.models.cnn import SmallCNN
 from feddg.models.vgg import VGG
 
 # torchvision.models.resnet18(num_classes=1000).state_dict(), in order: "key dim dim ..." (no dims: a scalar).
@@ -230,6 +231,16 @@ def test_shapes_and_feature_split(name: str, size: int, channels: int, options: 
     assert feats.shape == (2, model.feature_dim)
     assert out.shape == (2, 7)
     assert torch.equal(out, model.classifier(feats))
+
+
+def test_the_cnns_norm_is_what_its_name_and_capabilities_say() -> None:
+    # a mistyped norm built GroupNorm silently, and cnn with norm=group still claimed BatchNorm's capability
+    assert isinstance(create_model("cnn", 10).blocks[0][1], torch.nn.BatchNorm2d)
+    assert isinstance(create_model("cnn_gn", 10).blocks[0][1], torch.nn.GroupNorm)
+    with pytest.raises(ValueError, match=r"^model\.params\.norm: model cnn has no such option; it takes block_widths$"):
+        create_model("cnn", 10, norm="group")
+    with pytest.raises(ValueError, match=r"^cnn norm must be 'batch' or 'group', got 'batchnorm'$"):
+        SmallCNN(10, norm="batchnorm")  # type: ignore[arg-type]
 
 
 def test_resnet18_at_224_px() -> None:

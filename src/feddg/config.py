@@ -640,7 +640,8 @@ class ExperimentConfig(Settings):
     @model_validator(mode="after")
     def _defences_fit(self) -> ExperimentConfig:
         """The server's defences where they are defined: robust rules and outlier rejection combine ``w/`` arrays
-        (flat federations of methods that average weights), the loss rollback needs the clients' holdouts."""
+        (flat federations of methods that average weights), the loss rollback needs the clients' holdouts and a
+        flat federation."""
         fc = self.federation
         if fc.aggregation == "mean" and fc.reject_outliers is None and fc.rollback_loss_factor is None:
             return self
@@ -657,6 +658,11 @@ class ExperimentConfig(Settings):
                              "update norm is not defined")
         if fc.rollback_loss_factor is not None and self.partition.holdout == 0:
             raise ValueError("federation.rollback_loss_factor needs the clients' holdouts (partition.holdout > 0)")
+        if fc.rollback_loss_factor is not None and self.hierarchy is not None:
+            # it measures the global model, which a station round does not change, and a rolled-back merge would
+            # keep the stations' models that caused it, so every later merge would be rolled back too
+            raise ValueError("federation.rollback_loss_factor is for flat federations: under a hierarchy the global "
+                             "model changes only at a merge, so a station round's loss is not measured")
         return self
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ one line in :data:`MERGES`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from feddg.aggregation.threads import map_on_threads
 from feddg.messages import WEIGHT_PREFIX, Message, subset
 from feddg.models.permutation import PermutationSpec, RowGather, permute_grams, row_indices
 from feddg.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 Grams = dict[str, np.ndarray]  # nn.Linear module name -> G (its inputs' X^T X)
 GRAM_FLAG = "collect_gram"  # server -> client: also send Grams this round
@@ -100,7 +103,8 @@ def merge_stations(
     """Merge station models into the global model; returns it and diagnostics.
 
     ``spec`` given: FOT-align stations 2.. to station 1 (and permute their Grams). ``grams`` given:
-    RegMean (eq. 12) for every linear weight with a Gram at every station. Everything else: the
+    RegMean (eq. 12) for every linear weight with a Gram at every station (a layer some station lacks is averaged,
+    with a warning and ``regmean/layers_without_grams``). Everything else: the
     γ-weighted mean (eq. 7). ``device``: where FOT's cost GEMMs run (the assignments and means stay on the CPU).
     """
     host = [{k: np.asarray(v) for k, v in subset(w, WEIGHT_PREFIX).items()} for w in weights]
@@ -126,6 +130,11 @@ def merge_stations(
             metrics[f"fot/{g.name}/cost_before"] = al.cost_before[g.name]
             metrics[f"fot/{g.name}/cost_after"] = al.cost_after[g.name]
     layers = set.intersection(*(set(g) for g in grams)) if grams else set()
+    if grams and (partial := set().union(*(set(g) for g in grams)) - layers):
+        # a station whose clients sent no Gram of a layer (a reply may omit them): that layer is averaged (eq. 7)
+        logger.warning("RegMean: %d layer(s) lack a Gram at some station (%s); they take the weighted mean",
+                       len(partial), ", ".join(sorted(partial)))
+        metrics["regmean/layers_without_grams"] = float(len(partial))
     regmean_s, fallbacks = 0.0, 0
     arrays_of = {key: [h[key] for h in host] for key in host[0]}  # the messages' arrays: nothing copied back
     solved = [k for k in host[0] if k.endswith(".weight") and k.removesuffix(".weight") in layers]  # RegMean's

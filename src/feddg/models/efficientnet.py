@@ -13,7 +13,8 @@ Keys are the checkpoint's (``_conv_stem``, ``_bn0``, ``_blocks.i._expand_conv`` 
 ``create_model(..., weights=path)`` loads it too. ``classifier`` is a read-only alias of ``_fc``.
 The ImageNet recipe's dropout (0.2, before ``_fc``) and drop-connect are left out, as in the other
 zoo models. The weights expect RGB in [0, 255] mapped by ``(x − 127) / 128`` (TensorFlow Lite's
-``MEAN_RGB``/``STDDEV_RGB``): :func:`imagenet_normalise`.
+``MEAN_RGB``/``STDDEV_RGB``): :func:`imagenet_normalise`; a pretrained run sets the same as its data's
+normalisation (``data.transforms: {mean: [0.498] * 3, std: [0.502] * 3}``, docs/methods/hfedatm.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from feddg.models.alexnet import AlexNet
 from feddg.models.base import FedModel
-from feddg.models.cnn import SmallCNN, cnn_gn
+from feddg.models.cnn import cnn, cnn_gn
 from feddg.models.cnn4 import CNN4
 from feddg.models.efficientnet import efficientnet_lite0
 from feddg.models.hfedf_cnn import HFedFCNN
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # (num_classes, vocab_size, max_length, pad_token_id, **options), a feature model (num_classes, in_features, ...).
 MODELS: dict[str, Callable[..., FedModel]] = {
     "alexnet": AlexNet,
-    "cnn": SmallCNN,
+    "cnn": cnn,
     "cnn4": CNN4,  # 32-64-64-64, ~94k parameters (the W1 benchmark)
     "cnn_gn": cnn_gn,  # cnn with GroupNorm: no running statistics (for dp_weights)
     "efficientnet_lite0": efficientnet_lite0,  # model.params.pretrained: true for the ImageNet weights

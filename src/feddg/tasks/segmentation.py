@@ -6,8 +6,8 @@ the batch pooled, softmax probabilities, one-hot targets)::
     L = CE(p, y) + 1 − (2 Σ p·y + ε) / (Σ p + Σ y + ε)          (per foreground class, then their mean)
 
 HarmoFL's code (``utils/loss.py: JointLoss``, which FedFA's reuses) trains with ``(CE + soft Dice over every class,
-background included) / 2`` instead: another objective (2.2–2.8× this one on random logits), against which a method's
-added terms (FedProx's μ, FedFA's λ_h) weigh differently.
+background included) / 2`` instead: another objective (0.4–0.5× this one on random logits: this one is 2.0–2.4× it),
+against which a method's added terms (FedProx's μ, FedFA's λ_h) weigh about twice as much.
 
 The metric is the Dice of the hard prediction (argmax) per foreground class, pooled over a domain's slices:
 ``Dice = 2 TP / (P + T)`` with ``TP`` the pixels predicted and truly of the class, ``P`` the pixels predicted of it,
