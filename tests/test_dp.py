@@ -106,6 +106,19 @@ def test_analytic_sigma_is_the_tightest_sigma_of_balle_and_wang_theorem_8():
         gaussian_sigma(0.0, 1e-5, 1.0)
 
 
+def test_classic_mechanism_is_refused_where_its_sigma_gives_no_dp():
+    # at ε = 10 (the paper's grid) classic's σ = 0.4845 has a true δ of 2.3e-5 by the exact analytic δ(σ), not 1e-5
+    from feddg.aggregation.merges import HFedATMParams
+
+    assert analytic_delta(classic_sigma(10.0, 1e-5, 1.0), 10.0, 1.0) > 2e-5
+    for eps in (0.5, 1.0, 8.0):  # proven below 1; above, still at least the least σ up to ≈ 8
+        assert HFedATMParams(gram_pass="after", dp_epsilon=eps, dp_mechanism="classic").dp_sigma() == pytest.approx(
+            classic_sigma(eps, 1e-5, 1.0))
+    with pytest.raises(ValueError, match=r"dp_mechanism: classic's noise at ε=10, δ=1e-05 is 0\.4845·Δ, below the "
+                                         r"0\.4999·Δ that \(ε, δ\)-DP needs: use analytic"):
+        HFedATMParams(gram_pass="after", dp_epsilon=10.0, dp_mechanism="classic")
+
+
 def test_gram_noise_is_symmetric_with_variance_sigma_squared_per_entry():
     noise = symmetric_noise(400, 3.0, torch.Generator().manual_seed(0)).numpy()
     assert np.array_equal(noise, noise.T)

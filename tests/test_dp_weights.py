@@ -193,8 +193,8 @@ def test_dp_on_weights_is_refused_in_one_line_where_it_is_not_dp_fedavg(override
 
 
 def test_flower_engine_gives_the_same_noised_adaptive_run(tmp_path, task_identity):  # noqa: F811
-    cfg = toy_config("federation.rounds=2", "dp_weights.noise_multiplier=0.5", "dp_weights.clip=0.3",
-                     "dp_weights.adaptive.count_std=1.0", "federation.client_fraction=0.5")
+    cfg = toy_config("federation.rounds=2", "dp_weights.noise_multiplier=0.5", "dp_weights.clip=0.3",  # seeded noise:
+                     "dp_weights.adaptive.count_std=1.0", "federation.client_fraction=0.5", "dp_noise=seeded")  # the same
     ref = Server(toy_federation_of(cfg), tmp_path / "ref")
     run_inprocess(ref)
     server = Server(toy_federation_of(cfg), tmp_path / "flower")
@@ -204,8 +204,27 @@ def test_flower_engine_gives_the_same_noised_adaptive_run(tmp_path, task_identit
     assert server.metrics[1]["dp_weights/clip"] != 0.3  # the clip moved after round 1, the same on both engines
 
 
+@pytest.mark.parametrize("dp_noise", ["seeded", "secret"])
+def test_only_seeded_noise_can_be_redrawn_from_the_config(tmp_path, dp_noise):
+    # the noise was drawn from derived_seed(config.yaml's seed, round, ...): whoever held the config and the published
+    # noise std subtracted it exactly (an audit recovered the clean mean to 3e-8); secret noise is keyed per run
+    over = ("federation.rounds=1", "dp_weights.noise_multiplier=1.0", "dp_weights.clip=0.3", f"dp_noise={dp_noise}")
+    runs = [Server(toy_federation(*over), tmp_path / f"run{i}") for i in range(2)]
+    for server in runs:
+        run_inprocess(server)
+    clean = Server(toy_federation("federation.rounds=1", "dp_weights.noise_multiplier=0", "dp_weights.clip=0.3"),
+                   tmp_path / "clean")  # the same clipped mean without noise
+    run_inprocess(clean)
+    key = "w/classifier.weight"
+    noise = [server.state["weights"][key].astype(np.float64) - clean.state["weights"][key] for server in runs]
+    assert min(float(np.std(n)) for n in noise) > 0.01  # both noised
+    assert np.array_equal(noise[0], noise[1]) == (dp_noise == "seeded")
+    assert (runs[0].fed.noise_key == runs[0].fed.cfg.seed) == (dp_noise == "seeded")
+
+
 def test_a_resumed_run_keeps_the_adaptive_clip(tmp_path):
-    overrides = ("dp_weights.noise_multiplier=0.5", "dp_weights.clip=0.3", "dp_weights.adaptive.count_std=1.0")
+    overrides = ("dp_weights.noise_multiplier=0.5", "dp_weights.clip=0.3", "dp_weights.adaptive.count_std=1.0",
+                 "dp_noise=seeded")  # a secret noise key is drawn afresh on resume (the guarantee allows it)
     whole = Server(toy_federation(*overrides), tmp_path / "whole")
     run_inprocess(whole)
     part = Server(toy_federation(*overrides), tmp_path / "part")

@@ -236,7 +236,7 @@ def test_the_shared_spectra_are_clipped_and_noised_once_and_floored_at_zero_but_
     flat = clean["amp/bank"].astype(np.float64).ravel()
     sigma = 0.05 * 2 * 10  # σ = z·Δ, Δ = 2C
     assert np.linalg.norm(flat) > 10  # the clip binds
-    noise = sigma * torch.randn(flat.size, generator=clean_ctx.generator, dtype=torch.float64).numpy()
+    noise = sigma * torch.randn(flat.size, generator=clean_ctx.noise, dtype=torch.float64).numpy()
     noised = (flat * 10 / np.linalg.norm(flat) + noise).reshape(clean["amp/bank"].shape)
     want = np.maximum(noised, 0.0)
     want[..., 2, 2] = noised[..., 2, 2]  # the window's centre is the images' signed sum: not an amplitude to floor

@@ -145,8 +145,8 @@ def test_fedfa_statistics_and_histogram_are_clipped_and_noised_one_group_each():
     ctx, clean, noisy = _both(fed, _round_call(fed))
     sigma = 0.3 * 4.0
     assert all(np.array_equal(clean[k], noisy[k]) for k in weights_of(fed.model))  # the same training
-    stats = _clip_plus_noise(entries(clean, "stat/"), 2.0, sigma, ctx.generator)  # drawn first, then hist/
-    hist = _clip_plus_noise(entries(clean, "hist/"), 2.0, sigma, ctx.generator)
+    stats = _clip_plus_noise(entries(clean, "stat/"), 2.0, sigma, ctx.noise)  # drawn first, then hist/
+    hist = _clip_plus_noise(entries(clean, "hist/"), 2.0, sigma, ctx.noise)
     assert set(stats) == {"stat/1/mu_bar", "stat/1/sigma_bar", "stat/2/mu_bar", "stat/2/sigma_bar"}
     for key, want in {**stats, **hist}.items():
         np.testing.assert_allclose(noisy[key], want, atol=1e-5)
@@ -158,10 +158,25 @@ def test_style_upload_is_clipped_and_noised_once_with_std_floored_at_zero(method
     fed = toy_federation(f"method.name={method}", "method.params.dp.epsilon=3.0", "method.params.dp.clip=0.5")
     request = fed.method.setup_request(fed.method.server_init(fed.model, ServerContext(4, 3, 0)))
     ctx, clean, noisy = _both(fed, lambda m, c: m.client_setup(fed.model, dict(request), {}, c))
-    want = _clip_plus_noise(clean, 0.5, fed.method.params.dp.sigma(), ctx.generator)
+    want = _clip_plus_noise(clean, 0.5, fed.method.params.dp.sigma(), ctx.noise)
     np.testing.assert_allclose(noisy["style/mean"], want["style/mean"], atol=1e-6)
     np.testing.assert_allclose(noisy["style/std"], np.maximum(want["style/std"], 0.0), atol=1e-6)
     assert set(noisy) == {"style/mean", "style/std"}
+
+
+@pytest.mark.parametrize("dp_noise", ["seeded", "secret"])
+def test_a_clients_noise_repeats_from_the_config_only_when_seeded(dp_noise):
+    # the clients drew their noise from their training stream (the run's seed): the server, which holds the config,
+    # could redraw it; under secret each federation (run, Flower node) keys its own
+    over = ("method.name=ccst", "method.params.dp.epsilon=3.0", "method.params.dp.clip=0.5", f"dp_noise={dp_noise}")
+    styles = []
+    for _ in range(2):
+        fed = toy_federation(*over)
+        request = fed.method.setup_request(fed.method.server_init(fed.model, ServerContext(4, 3, 0)))
+        styles.append(fed.method.client_setup(fed.model, dict(request), {}, client_context(fed, 0, 0))[0]["style/mean"])
+    assert np.array_equal(*styles) == (dp_noise == "seeded")
+    ctx = client_context(fed, 0, 0)
+    assert (ctx.noise is ctx.generator) == (dp_noise == "seeded")
 
 
 def test_fpl_prototypes_are_clipped_and_noised_and_every_class_is_reported():
@@ -173,7 +188,7 @@ def test_fpl_prototypes_are_clipped_and_noised_and_every_class_is_reported():
         return update(method, ctx)
 
     ctx, clean, noisy = _both(fed, without_class_3)
-    want = _clip_plus_noise({"proto/mean": clean["proto/mean"]}, 3.0, 6.0, ctx.generator)
+    want = _clip_plus_noise({"proto/mean": clean["proto/mean"]}, 3.0, 6.0, ctx.noise)
     np.testing.assert_allclose(noisy["proto/mean"], want["proto/mean"], atol=1e-5)
     assert clean["proto/present"].tolist() == [1, 1, 1, 0] and noisy["proto/present"].tolist() == [1, 1, 1, 1]
     assert not clean["proto/mean"][3].any() and noisy["proto/mean"][3].std() > 1.0  # the absent class: pure noise
@@ -193,7 +208,7 @@ def test_hfedatm_grams_are_the_clipped_grams_plus_the_symmetric_noise_drawn_next
     recorder.extra_pass(fed.model, ctx)
     sigma = topo.dp_sigma
     for name, g in recorder.grams().items():  # layer order = reply order; noise drawn per layer from the stream
-        want = g.double() + symmetric_noise(g.shape[0], sigma, ctx.generator)
+        want = g.double() + symmetric_noise(g.shape[0], sigma, ctx.noise)
         np.testing.assert_allclose(noisy[f"gram/{name}"], want.numpy(), rtol=1e-5, atol=1e-3)
 
 

@@ -140,6 +140,19 @@ def test_bench_all_memory_rows_count_models_held_and_judge_the_target():
         assert r.ratio is not None and 1.0 <= r.ratio <= 8.0 and r.met
 
 
+def test_bench_all_times_feddg_methods_interleaved_with_its_yardstick(monkeypatch):
+    # it ran every bare-python start, then every feddg one (A A A B B B): a load change between the blocks went
+    # into the ratio
+    from feddg.bench import summary
+
+    order: list[str] = []
+    monkeypatch.setattr(summary, "_seconds", lambda cmd, n: order.extend(["feddg" if "feddg" in cmd else "bare"] * n)
+                        or [0.1] * n)
+    row = summary.methods_row(3)
+    assert order == ["feddg", "bare", "feddg", "bare", "feddg", "bare", "feddg"]  # a warm-up, then A B A B A B
+    assert row.ratio == 1.0 and row.met
+
+
 def test_the_merge_bound_counts_exactly_the_flops_of_its_products():
     """M1's exact-cost bound divides the merge's GEMM FLOPs (torch's FlopCounterMode) by the GEMM rate; a
     function doing two known products counts 2·m·k·n each, and a mean adds none."""

@@ -456,6 +456,12 @@ class ExperimentConfig(Settings):
     name: str = "experiment"
     seed: int = Field(0, ge=0)
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:k]'")
+    dp_noise: Literal["secret", "seeded"] = Field(
+        "secret", description="the stream of every DP noise (dp_weights, a method's dp:, HFedATM's Gram "
+        "noise): secret: keyed from the OS's entropy, afresh for every run and written nowhere, so that no "
+        "one can redraw and subtract it (a rerun or a resumed run draws other noise); seeded: from the run's seed, bit for "
+        "bit reproducible, and by anyone who holds config.yaml, against whom it then protects nothing (tests, "
+        "replication; docs/privacy.md)")
     reproducibility: Literal["native", "portable"] = Field(
         "native", description="native: this CPU's fastest float kernels (a run repeats bit for bit on the same "
         "machine); portable: kernels pinned so that every x86-64 CPU with AVX2 gives the same bits, one thread per "

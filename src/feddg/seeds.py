@@ -3,6 +3,8 @@ reproducible on its own: resumes, engines and worker processes see the same draw
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 
 
@@ -14,3 +16,9 @@ def derived_seed(*keys: int, bits: int = 63) -> int:
     if bits == 31:
         return int(seq.generate_state(1)[0] >> 1)
     raise ValueError(f"bits must be 63 or 31, got {bits}")
+
+
+def noise_seed(seed: int, dp_noise: str) -> int:
+    """The root of a run's DP noise streams: its ``seed`` (``dp_noise: seeded``: anyone holding config.yaml can
+    redraw and subtract the noise) or a fresh 63-bit key from the OS's entropy, written nowhere (``secret``)."""
+    return seed if dp_noise == "seeded" else secrets.randbits(63)

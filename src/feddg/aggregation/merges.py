@@ -78,6 +78,18 @@ class HFedATMParams(StationParams):
                              "them through the intermediate weights of training, which the DP guarantee does not fix")
         return self
 
+    @model_validator(mode="after")
+    def _classic_gives_the_guarantee(self) -> HFedATMParams:
+        """The classic σ = √(2 ln(1.25/δ))·Δ/ε is proven for ε < 1 (Dwork & Roth, Thm A.1); above, it gives (ε, δ)-DP
+        only while it is at least the analytic Gaussian's exact least σ (up to ε ≈ 8 at δ = 1e-5)."""
+        if self.dp_epsilon is None or self.dp_mechanism == "analytic":
+            return self
+        classic, least = (gaussian_sigma(self.dp_epsilon, self.dp_delta, 1.0, m) for m in ("classic", "analytic"))
+        if classic < least:
+            raise ValueError(f"dp_mechanism: classic's noise at ε={self.dp_epsilon:g}, δ={self.dp_delta:g} is "
+                             f"{classic:.4g}·Δ, below the {least:.4g}·Δ that (ε, δ)-DP needs: use analytic")
+        return self
+
     def dp_sigma(self) -> float | None:
         """σ of the Gaussian noise on every Gram entry, or ``None`` without DP."""
         if self.dp_epsilon is None:

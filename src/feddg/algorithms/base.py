@@ -86,10 +86,18 @@ class ClientContext:
     #: the dataset's task: ``ctx.task.loss(output, target)`` is the training loss of every method
     task: Task
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: the stream of the DP noise of a release (``dp_noise: secret``: keyed by the federation's secret
+    #: ``noise_key``); ``None``: :attr:`generator` (``seeded``)
+    dp_generator: torch.Generator | None = None
 
     @property
     def num_examples(self) -> int:
         return len(self.train_idx)
+
+    @property
+    def noise(self) -> torch.Generator:
+        """Where a method draws the DP noise of what it releases (never the training stream when it is secret)."""
+        return self.generator if self.dp_generator is None else self.dp_generator
 
     def batches(self, *, shuffle: bool = True, train: bool = True) -> Iterator[tuple[Inputs, Tensor]]:
         """One pass over the client's training data, on the client's device."""

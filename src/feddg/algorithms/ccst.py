@@ -103,7 +103,7 @@ class CCST(Method):
         style: dict[str, np.ndarray] = {STYLE_MEAN: mu.numpy().astype(np.float32),
                                          STYLE_STD: sigma.numpy().astype(np.float32)}
         if (dp := self.params.dp) is not None:  # one release: all rows of μ and σ clipped as one vector; σ ≥ 0 after
-            style = privatize(style, dp.clip, dp.sigma(), ctx.generator)
+            style = privatize(style, dp.clip, dp.sigma(), ctx.noise)
             style[STYLE_STD] = np.maximum(style[STYLE_STD], 0.0)
         reply: Message = {**style}
         return reply, {**client_state, **enc}

@@ -245,7 +245,7 @@ class ELCFS(Method):
             rows.append(amplitude_window(x, b))
         bank = {AMP_BANK: torch.cat(rows).numpy().astype(np.float32)}
         if (dp := self.params.dp) is not None:  # one release: the whole bank clipped as one vector, noised; A ≥ 0 after
-            bank = privatize(bank, dp.clip, dp.sigma(), ctx.generator)  # (but the signed Σx at the centre)
+            bank = privatize(bank, dp.clip, dp.sigma(), ctx.noise)  # (but the signed Σx at the centre)
             centre = bank[AMP_BANK][..., b, b].copy()
             bank[AMP_BANK] = np.maximum(bank[AMP_BANK], 0.0)
             bank[AMP_BANK][..., b, b] = centre

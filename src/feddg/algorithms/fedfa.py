@@ -268,10 +268,10 @@ class FedFA(Method):
             reply.update({STAT + k[len(FFA) :]: add_noise(np.asarray(v), hp.stat_noise, rng) for k, v in new_state.items()})
         if self.aligns:
             reply[HIST_KEY] = self.local_histogram(model, ctx)
-        if hp.dp is not None:  # after every statistic is computed: the noise is the generator's next draws
+        if hp.dp is not None:  # after every statistic is computed: the noise stream's next draws
             for prefix in (STAT, HIST):  # the statistics and the histogram are arrays
                 group = {k: np.asarray(v) for k, v in entries(reply, prefix).items()}
-                reply.update(privatize(group, hp.dp.clip, hp.dp.sigma(), ctx.generator) if group else {})
+                reply.update(privatize(group, hp.dp.clip, hp.dp.sigma(), ctx.noise) if group else {})
         if align_losses:
             reply["align_loss"] = float(np.mean(align_losses))
         att.tap.features = None

@@ -162,7 +162,7 @@ class FPL(Method):
         mean = torch.where(present[:, None], sums / counts.clamp_min(1)[:, None], torch.zeros_like(sums))
         local: dict[str, np.ndarray] = {PROTO_MEAN: mean.numpy().astype(np.float32)}
         if (dp := self.params.dp) is not None:  # the [K, D] matrix clipped as one vector, noised; the label set
-            local = privatize(local, dp.clip, dp.sigma(), ctx.generator)  # is private too: all classes "present"
+            local = privatize(local, dp.clip, dp.sigma(), ctx.noise)  # is private too: all classes "present"
             present = torch.ones_like(present)
         reply = weights_reply(model, ctx.num_examples, total / max(steps, 1), **{
             **local, PROTO_PRESENT: present.numpy().astype(np.int8)})

@@ -164,7 +164,7 @@ def update_with_grams(
         recorder.extra_pass(model, ctx)
     grams = {k: g.cpu() for k, g in recorder.grams().items()}  # the noise and the reply live on the CPU
     if sigma is not None:
-        grams = {k: privatize_gram(g, sigma, ctx.generator) for k, g in grams.items()}
+        grams = {k: privatize_gram(g, sigma, ctx.noise) for k, g in grams.items()}
     return {**reply, **{GRAM_PREFIX + k: g.float().numpy() for k, g in grams.items()}}, client_state
 
 

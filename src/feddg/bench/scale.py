@@ -111,7 +111,8 @@ def scale_report(configs: list[Path], rounds: int, overrides: list[str], repeats
     """``feddg bench scale``, each line or table as soon as it is measured: per config, ``repeats`` interleaved
     pairs (feddg's run, the plain loop of its last round), then the table; the load average before and after.
 
-    The ratio is feddg's last round (its clients, aggregation, checkpoint and evaluation) over the plain loop's
+    The ratio is feddg's last round (``time_round_s``: its clients, aggregation and evaluation; the metrics row and
+    the checkpoint written after it are not in it) over the plain loop's
     train + eval of the same clients and held-out images: per-client overhead shows here, build time does not."""
     from feddg.bench.w1 import load_average
 

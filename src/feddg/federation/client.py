@@ -36,6 +36,7 @@ def client_context(fed: Federation, client_id: int, round: int) -> ClientContext
         generator=client_generator(cfg.seed, round, client_id),
         task=fed.task,
         device=fed.device,
+        dp_generator=None if cfg.dp_noise == "seeded" else client_generator(fed.noise_key, round, client_id),
     )
 
 

@@ -149,7 +149,8 @@ class Server:
         self.declared = shapes_of(weights_of(fed.model))  # what a reply's w/ arrays may be
         self.evaluator = Evaluator(fed)
         dp = fed.cfg.dp_weights  # DP-FedAvg on the weight replies (docs/privacy.md, "DP on the weights")
-        self.dp = None if dp is None else WeightPrivacy(dp, len(fed.clients), fc.client_fraction, fed.cfg.seed,
+        self.dp = None if dp is None else WeightPrivacy(dp, len(fed.clients), fc.client_fraction,
+                                                        fed.noise_key,
                                                         ckpt.get("dp_weights_clip") if ckpt is not None else None,
                                                         ckpt.get("dp_weights_uncovered") if ckpt is not None else None)
         if self.dp is not None and any(k.endswith("running_var") for k in self.declared):

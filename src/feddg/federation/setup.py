@@ -28,7 +28,7 @@ from feddg.data.splits import (
 )
 from feddg.federation.topology import Topology, station_topology
 from feddg.models import create_model
-from feddg.seeds import derived_seed
+from feddg.seeds import derived_seed, noise_seed
 from feddg.tasks import Task, make_task
 
 
@@ -62,9 +62,13 @@ class Federation:
     extra: list[ExtraTarget] = field(default_factory=list)
     #: the dataset's task (loss, tallies, metric), made from ``dataset``
     task: Task = field(init=False)
+    #: the root of this federation's DP noise streams (``dp_noise``; :func:`~feddg.seeds.noise_seed`): under
+    #: ``secret`` drawn afresh for every federation built, so each run, and each Flower node, keys its own
+    noise_key: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.task = task_of(self.dataset).with_metrics(self.cfg.eval.metrics).with_loss(self.cfg.optim.loss)
+        self.noise_key = noise_seed(self.cfg.seed, self.cfg.dp_noise)
 
     @property
     def optim(self) -> OptimSettings:

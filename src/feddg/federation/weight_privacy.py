@@ -35,7 +35,7 @@ class WeightPrivacy:
     payloads the guarantee does not cover (anything but ``w/``, ``num_examples``, ``train_loss``; the setup
     exchange's too, unless the method noises them under its own ``dp:``)."""
 
-    def __init__(self, cfg: WeightDPConfig, num_clients: int, fraction: float, seed: int,
+    def __init__(self, cfg: WeightDPConfig, num_clients: int, fraction: float, seed: int,  # seeds.noise_seed
                  clip: float | None = None, uncovered: list[str] | None = None) -> None:
         self.cfg = cfg
         self.num_clients = num_clients
