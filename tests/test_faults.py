@@ -237,3 +237,25 @@ def test_flower_simulation_drops_a_raise_a_nan_and_a_late_reply(tmp_path, one_th
     assert reasons[2] == {"2": "NaN in w/conv.weight"} and len(reasons[1]) == 2
     ref = reference(faulty, tmp_path, dropped(faults), "federation.rounds=2")
     assert_close_weights(server.state["weights"], ref.state["weights"])
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsr", "fedbn", "fedsam"])
+def test_a_client_that_batchnorm_leaves_nothing_to_train_is_dropped_not_reported_trained(tmp_path, method):
+    # one example: its only batch holds one sample, which training skips under BatchNorm; the client replied with
+    # the untouched global model and train_loss 0.0, averaged in as trained (batch_size 1 did so for every client)
+    import dataclasses
+
+    from toy import toy_federation
+
+    with pytest.raises(ValueError, match=r"^federation\.batch_size=1: model cnn has BatchNorm, which cannot train on "
+                                         r"one-sample batches \(they are skipped, so no client would train\): use 2 or"):
+        toy_federation(f"method.name={method}", "federation.batch_size=1")
+    fed = toy_federation(f"method.name={method}", "federation.rounds=1")
+    fed.clients[0] = dataclasses.replace(fed.clients[0], train_idx=fed.clients[0].train_idx[:1])
+    server = Server(fed, tmp_path / "run")
+    run_inprocess(server)
+    row = server.metrics[-1]
+    assert row["clients"] == 3 and row["train_loss"] > 0.1
+    assert row["clients_failed_reasons"] == {"0": "ValueError: client 0 has nothing to train on: its 1 example(s) "
+                                             "make only one-sample batches (batch size 16), which a BatchNorm model "
+                                             "skips"}

@@ -166,7 +166,7 @@ def test_option2_counts_only_the_steps_fp16_took():
     np.testing.assert_allclose(own[OWN + "w"], (x - a) * (1 - (1 - lr) ** 2) / (2 * lr), rtol=1e-5)
 
 
-def test_option1_skips_a_single_sample_batch_under_batchnorm_and_keeps_ci_without_any_batch():
+def test_option1_skips_a_single_sample_batch_under_batchnorm_and_refuses_a_client_without_any_batch():
     fed = toy_federation("optim.weight_decay=0")
     model, ctx = ToyMLPHeadNet(), client_context(fed, 0, 1)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
@@ -183,6 +183,6 @@ def test_option1_skips_a_single_sample_batch_under_batchnorm_and_keeps_ci_withou
     method = Scaffold(ScaffoldParams(control="option1"))
     msg = {**method.client_config(method.server_init(model, ServerContext(4, 2, 0)), 0, 1), "lr": 0.1, "round": 1}
     ci = {OWN + n: np.full(p.shape, 0.5, np.float32) for n, p in model.named_parameters()}
-    reply, own = method.client_update(model, msg, ci, alone)
-    assert all(np.array_equal(own[k], v) for k, v in ci.items())
-    assert all(not reply[DELTA + n].any() for n, _ in model.named_parameters())
+    with pytest.raises(ValueError, match=r"^client 0 has nothing to train on: its 1 example\(s\) make only one-sample "
+                                         r"batches \(batch size \d+\), which a BatchNorm model skips$"):
+        method.client_update(model, msg, ci, alone)  # it reported a trained model (train_loss 0): the server drops it

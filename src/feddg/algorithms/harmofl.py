@@ -294,8 +294,8 @@ class HarmoFL(Method):
     ) -> tuple[Message, ClientState]:
         load_weights(model, msg)
         if self.normalises and not bool(getattr(model, AMP_KEY).any()):
-            raise KeyError(f"client {ctx.client_id} got no global amplitude (w/{AMP_KEY} is zero): did the setup "
-                           "exchange run?")
+            raise ValueError(f"client {ctx.client_id} got no global amplitude (w/{AMP_KEY} is zero): the setup "
+                             "exchange did not run, or every client's inputs are all zero (nothing to normalise by)")
         model.train()
         opt = make_optimizer(model.parameters(), ctx.optim, float(msg["lr"]))
         scaler = grad_scaler(ctx)

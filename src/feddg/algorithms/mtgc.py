@@ -114,7 +114,7 @@ class MTGC(Method):
         state: ClientState = {EPOCH: msg[EPOCH], "round": ctx.round, STEP: steps * lr}
         state.update({Z + n: v for n, v in zip(names, z, strict=True)})
         state.update({X + n: np.asarray(reply[WEIGHT_PREFIX + n]) for n in names})
-        return reply, (state if steps else {})  # no step taken (one-sample BatchNorm client): nothing to correct
+        return reply, (state if steps else {})  # no step taken (fp16 skipped every one): nothing to correct
 
     def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
         return {STEP: number_slot()}  # H·γ

@@ -139,7 +139,7 @@ class Scaffold(Method):
         reply = weights_reply(model, ctx.num_examples, loss)
         if self.params.control == "option1":
             new = ci if grad_x is None else [g.astype(v.dtype) for g, v in zip(grad_x, ci, strict=True)]
-        elif steps == 0:  # no local step (a single-sample BatchNorm client, fp16 overflows): nothing to estimate
+        elif steps == 0:  # no local step (fp16 skipped every one): nothing to estimate
             new = ci
         else:
             new = [option2(cic, cc, xx, np.asarray(reply[WEIGHT_PREFIX + n]), steps, lr)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from feddg.algorithms import Method, OptimSettings, create_method
+from feddg.algorithms.components.local import has_batchnorm
 from feddg.config import ExperimentConfig, ExtraEvalConfig
 from feddg.data import dataset_info, load_dataset
 from feddg.data.base import DomainDataset
@@ -67,6 +68,9 @@ class Federation:
     noise_key: int = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.cfg.federation.batch_size == 1 and has_batchnorm(self.model):
+            raise ValueError(f"federation.batch_size=1: model {self.cfg.model.name} has BatchNorm, which cannot train "
+                             "on one-sample batches (they are skipped, so no client would train): use 2 or more")
         self.task = task_of(self.dataset).with_metrics(self.cfg.eval.metrics).with_loss(self.cfg.optim.loss)
         self.noise_key = noise_seed(self.cfg.seed, self.cfg.dp_noise)
 

@@ -83,12 +83,26 @@ def gradient_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[Inp
     return trainable(model, ctx.batches(shuffle=False, train=False))
 
 
+def _some(batches: Iterator[tuple[int, Inputs, Tensor]], ctx: ClientContext) -> Iterator[tuple[int, Inputs, Tensor]]:
+    """``batches``, or a ``ValueError`` once they end if there was none."""
+    any_batch = False
+    for batch in batches:
+        any_batch = True
+        yield batch
+    if not any_batch:
+        raise ValueError(f"client {ctx.client_id} has nothing to train on: its {ctx.num_examples} example(s) make only "
+                         f"one-sample batches (batch size {ctx.batch_size}), which a BatchNorm model skips")
+
+
 def local_batches(model: nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Inputs, Tensor]]:
     """``(epoch, x, target)`` over ``ctx.local_epochs`` epochs of the client's batches, with ``optim.augment``
     applied (its stage hooks live while the batches are drawn; the target is soft after label mixing) and
-    single-sample batches skipped when the model has BatchNorm (it cannot train on one sample)."""
+    single-sample batches skipped when the model has BatchNorm (it cannot train on one sample). A client left with
+    no batch at all is refused (a ``ValueError``: the run records it as a failed client), not reported as trained
+    with a loss of 0."""
     specs = parse_augment(ctx.optim.augment)
-    batches = ((epoch, x, y) for epoch in range(ctx.local_epochs) for x, y in trainable(model, ctx.batches()))
+    batches = _some(((epoch, x, y) for epoch in range(ctx.local_epochs) for x, y in trainable(model, ctx.batches())),
+                    ctx)
     if not specs:  # no draw, no hooks: nothing to set up (an empty Augmenter cost a client ~40 µs)
         yield from batches
         return
