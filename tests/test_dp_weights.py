@@ -193,8 +193,9 @@ def test_dp_on_weights_is_refused_in_one_line_where_it_is_not_dp_fedavg(override
 
 
 def test_flower_engine_gives_the_same_noised_adaptive_run(tmp_path, task_identity):  # noqa: F811
-    cfg = toy_config("federation.rounds=2", "dp_weights.noise_multiplier=0.5", "dp_weights.clip=0.3",  # seeded noise:
-                     "dp_weights.adaptive.count_std=1.0", "federation.client_fraction=0.5", "dp_noise=seeded")  # the same
+    cfg = toy_config("federation.rounds=2", "dp_weights.noise_multiplier=0.5", "dp_weights.clip=0.3",
+                     "dp_weights.adaptive.count_std=1.0", "federation.client_fraction=0.5",
+                     "dp_noise=seeded")  # the same noise on both engines (a secret key is drawn per federation)
     ref = Server(toy_federation_of(cfg), tmp_path / "ref")
     run_inprocess(ref)
     server = Server(toy_federation_of(cfg), tmp_path / "flower")

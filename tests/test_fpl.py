@@ -61,16 +61,17 @@ def test_the_prototype_terms_are_summed_over_the_samples_with_prototypes_and_div
     assert FPL()._proto_terms(z, y, protos).item() == pytest.approx(each.sum().item() / 8, rel=1e-6)
 
 
-def test_a_client_with_no_trainable_batch_reports_no_class_instead_of_failing():
-    """One sample under BatchNorm trains no batch (local_batches skips it): FPL asserted and failed the client."""
+def test_a_client_with_no_trainable_batch_is_refused_with_the_reason():
+    """One sample under BatchNorm trains no batch (local_batches skips it): the client fails with why, as under every
+    method (it was reported as trained, with no class present)."""
     import dataclasses
 
     fed = toy_federation("method.name=fpl")
     msg = {**fed.method.client_config(fed.method.server_init(fed.model, None), 0, 1), "lr": 0.1, "round": 1}
     ctx = client_context(fed, 0, 1)
     ctx = dataclasses.replace(ctx, train_idx=ctx.train_idx[:1])
-    reply, _ = fed.method.client_update(fed.model, msg, {}, ctx)
-    assert not reply["proto/present"].any() and reply["proto/mean"].shape == (4, 16) and not reply["proto/mean"].any()
+    with pytest.raises(ValueError, match="^client 0 has nothing to train on: its 1 example"):
+        fed.method.client_update(fed.model, msg, {}, ctx)
 
 
 def test_uploaded_prototypes_are_class_means_of_the_features():

@@ -126,7 +126,7 @@ def _twin_without_dp(method):
 
 def _both(fed, call):
     """``call(method, ctx)`` with the DP-free twin, then with DP, from the same client stream; the twin's
-    context (its generator is where the DP run draws its noise) and both replies."""
+    context (its noise stream is where the DP run draws its noise) and both replies."""
     clean_ctx = client_context(fed, 0, 1)
     clean, _ = call(_twin_without_dp(fed.method), clean_ctx)
     noisy, _ = call(fed.method, client_context(fed, 0, 1))

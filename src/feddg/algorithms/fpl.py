@@ -155,9 +155,7 @@ class FPL(Method):
                     counts = torch.zeros(logits.shape[1])
                 sums.index_add_(0, y.cpu(), z.detach().float().cpu())
                 counts.index_add_(0, y.cpu(), torch.ones(len(y)))
-        if sums is None or counts is None:  # no batch trained (one sample under BatchNorm): no class present
-            classes, dim = _proto_shape(model)
-            sums, counts = torch.zeros(classes, dim), torch.zeros(classes)
+        assert sums is not None and counts is not None  # local_batches refuses a client left with no batch
         present = counts > 0
         mean = torch.where(present[:, None], sums / counts.clamp_min(1)[:, None], torch.zeros_like(sums))
         local: dict[str, np.ndarray] = {PROTO_MEAN: mean.numpy().astype(np.float32)}

@@ -7,7 +7,8 @@ resamples each crop bilinearly (crops only enlarge, so no antialiasing is needed
 and grayscale are linear in the pixels, so each image's whole sequence of them (brightness,
 contrast and saturation in a random order, then grayscale) is composed into one map
 ``a·x + b·luma(x) + c`` applied in a single pass and clamped to ``[0, 1]`` once (torchvision clamps
-after each factor; the two differ only where a pixel is pushed past 0 or 1 midway).
+after each factor; the two differ for an image in which some pixel is pushed past 0 or 1 midway, then in all of
+its pixels through the contrast mean: common with natural photos, docs/data.md).
 """
 
 from __future__ import annotations
