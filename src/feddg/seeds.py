@@ -1,5 +1,6 @@
 """Seeds derived from integer keys (seed, round, client, purpose...), so every random stream is
-reproducible on its own: resumes, engines and worker processes see the same draws."""
+reproducible on its own: resumes, engines and worker processes see the same draws. The one exception is the DP
+noise under ``dp_noise: secret`` (:func:`noise_seed`), which must not be reproducible from the config."""
 
 from __future__ import annotations
 
