@@ -225,7 +225,8 @@ def build_mnistm(seed: int) -> Images:
     the half of the digits that the mnist domain does not hold."""
     rng = domain_rng(seed, NAME, "mnistm")
     idx = mnist_halves(seed)[1]
-    digits, labels = mnist5k()[0][idx], mnist5k()[1][idx]
+    images, all_labels = mnist5k()
+    digits, labels = images[idx], all_labels[idx]
     n, s = len(digits), NATIVE_SIZE
     mask = (digits > 0).astype(np.int16)[..., None] * 255
     photos = _photos()
