@@ -80,3 +80,29 @@ def test_psd_projection_clips_negative_eigenvalues():
     q = np.array([[0.6, -0.8], [0.8, 0.6]])
     g = q @ np.diag([2.0, -1.0]) @ q.T
     np.testing.assert_allclose(psd_project(g), q @ np.diag([2.0, 0.0]) @ q.T, atol=1e-12)
+
+
+def test_fewer_samples_than_inputs_falls_back_even_when_float32_rounding_hides_the_singularity():
+    # 2 stations x 3 samples < 8 inputs: rank 6. Rounded to float32, as clients send Grams, the two missing
+    # eigenvalues become ±1e-7 of the largest, and where both land positive a plain condition-number test passes
+    # and the solve fills the unseen directions with rounding noise
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        ws = [rng.standard_normal((2, 8)) for _ in range(2)]
+        grams = [(x.T @ x).astype(np.float32) for x in (rng.standard_normal((3, 8)) for _ in range(2))]
+        res = regmean(ws, grams, [1, 1])
+        assert res.fallback
+        np.testing.assert_allclose(res.weight, (ws[0] + ws[1]) / 2)
+
+
+def test_the_singularity_test_ignores_how_the_inputs_are_scaled():
+    # input 0 is 1e-7 the others' scale: the plain condition number is ~1e14, yet every entry is known to float32's
+    # relative precision and the solve is exact
+    xs, ws = _stations(5)
+    for x in xs:
+        x[:, 0] *= 1e-7
+    grams = [(x.T @ x).astype(np.float32).astype(np.float64) for x in xs]
+    res = regmean(ws, grams, [1, 1, 1])
+    assert not res.fallback and res.cond > 1e12
+    expected = np.linalg.solve(sum(grams), sum(g @ w.T for g, w in zip(grams, ws))).T
+    np.testing.assert_allclose(res.weight, expected, rtol=1e-6)

@@ -20,8 +20,10 @@ from feddg.aggregation.mean import weighted_mean
 
 logger = logging.getLogger(__name__)
 
-#: systems worse conditioned than this are treated as singular (float64 keeps ~4 of 16 digits)
-MAX_COND = 1e12
+#: the Grams travel as float32 (``hfedatm.client_update``): each entry is known to a relative ε₃₂, so the system
+#: scaled to a unit diagonal is known to ± m·ε₃₂ in the 2-norm, and an eigenvalue of it below that is rounding, not
+#: data (``numpy.linalg.matrix_rank``'s tolerance, on the scaling-invariant form)
+GRAM_EPS = float(np.finfo(np.float32).eps)
 
 
 def station_gram(grams: Sequence[np.ndarray]) -> np.ndarray:
@@ -61,8 +63,8 @@ def regmean(
     Input features that no station ever activated (an all-zero Gram row and column, e.g. dead
     ReLUs) make the system singular but decouple from it: their weights are set to the weighted mean,
     which leaves the solution for every other feature unchanged. If the remaining system is still
-    singular (or its condition number exceeds :data:`MAX_COND`), the whole layer falls back to the
-    weighted mean with a logged warning.
+    singular — its smallest eigenvalue scaled to a unit diagonal at most ``m ·`` :data:`GRAM_EPS` — the whole
+    layer falls back to the weighted mean with a logged warning.
     """
     mean = weighted_mean([np.asarray(w) for w in weights], mean_weights)
     a = torch.zeros(mean.shape[1], mean.shape[1], dtype=torch.float64)
@@ -80,9 +82,13 @@ def regmean(
         b[dead, :] = torch.from_numpy(mean.T.astype(np.float64))[dead, :]
     eig = torch.linalg.eigvalsh(a)
     cond = float(eig[-1] / eig[0]) if eig[0] > 0 else float("inf")
+    root = torch.diagonal(a).rsqrt()  # every diagonal entry > 0 here (dead ones set to 1)
+    least = float(torch.linalg.eigvalsh(a * root[:, None] * root[None, :])[0])
+    tolerance = a.shape[0] * GRAM_EPS
     chol, info = torch.linalg.cholesky_ex(a)
-    if info != 0 or not cond <= MAX_COND:
-        logger.warning("RegMean: %s is singular (cond %.3g); falling back to the weighted mean", name, cond)
+    if info != 0 or not least > tolerance:
+        logger.warning("RegMean: %s is singular (cond %.3g; least eigenvalue at unit diagonal %.2g <= %.2g, the "
+                       "float32 Grams' rounding); falling back to the weighted mean", name, cond, least, tolerance)
         return RegMeanResult(mean, cond, True, int(dead.sum()))
     solution = torch.cholesky_solve(b, chol)  # [in, out]
     return RegMeanResult(solution.T.numpy().astype(mean.dtype), cond, False, int(dead.sum()))
