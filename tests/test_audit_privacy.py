@@ -109,14 +109,16 @@ def test_images_are_scored_in_0_1_with_the_datasets_own_normalisation_undone():
 def planted_rows() -> list[dict]:
     """The planted case at z = 0, 0.01, 0.1, 1: every victim's sample style names one of the attacker's images."""
     v = pixel_styles(PLANTED)
-    rows, _ = vector_inversion(PLANTED, v, Victims(v, OWNERS, PLANTED, OWNERS), noise_multipliers=(0.0, 0.01, 0.1, 1.0),
-                               fid=False)
+    rows, _ = vector_inversion(PLANTED, v, Victims(v, OWNERS, PLANTED, OWNERS, source=np.arange(16)),
+                               noise_multipliers=(0.0, 0.01, 0.1, 1.0), fid=False)
     return rows
 
 
 def test_generator_recovers_images_from_sample_styles_when_each_style_names_one_image(planted_rows):
-    assert planted_rows[0]["psnr"] > 25 and planted_rows[0]["ssim"] > 0.9
+    assert planted_rows[0]["psnr"] > 25 and planted_rows[0]["ssim"] > 0.9  # each against its own image
     assert planted_rows[0]["reid"] == 1.0 and planted_rows[0]["reid_chance"] == 0.25
+    # chance: a random draw of the attacker's images (here the victims' own, 3 of 16 in place: 23 dB) scored the same way
+    assert planted_rows[0]["psnr"] > planted_rows[0]["psnr_chance"] + 10 and planted_rows[0]["ssim_chance"] < 0.5
 
 
 def test_generator_does_not_beat_chance_on_styles_of_pure_noise():
@@ -203,22 +205,34 @@ TINY = {"data": {"dataset": "digits-dg", "max_per_domain": 30}, "partition": {"k
 def test_cli_writes_privacy_json_and_grids_on_a_tiny_run(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
     assert audit_attacks(build_config(TINY)) == ("sample-style", "update-dlg")  # CCST's styles; every reply's update
-    run_experiment(build_config(TINY), tmp_path / "r", progress=False)
+    sampled = {**TINY, "federation": {**TINY["federation"], "client_fraction": 0.67}}  # 2 of 3 clients a round
+    run_experiment(build_config(sampled), tmp_path / "r", progress=False)
     res = CliRunner().invoke(app, ["audit", "privacy", str(tmp_path / "r"), "--noise", "0", "--noise", "1",
-                                   "--per-client", "6", "--steps", "30", "--attack", "sample-style", "--attack", "gram"])
+                                   "--per-client", "6", "--steps", "30", "--attack", "sample-style", "--attack",
+                                   "fpl-prototypes", "--attack", "gram", "--attack", "update-dlg"])
     assert res.exit_code == 0, res.output
     record = json.loads((tmp_path / "r" / "audit" / "privacy.json").read_text())
     assert record["method"] == "ccst" and record["weights"] == "checkpoint" and record["fid_name"] == FID_NAME
+    assert record["settings"]["seed"] is None and record["seed"] == 0  # the run's seed
     rows = record["rows"]
     assert [(r["attack"], r["attacker"], r["noise_multiplier"]) for r in rows] == [
         ("sample-style", "third-party", 0.0), ("sample-style", "third-party", 1.0),
         ("sample-style", "inter-client", 0.0), ("sample-style", "inter-client", 1.0),
-        ("gram", "station", 0.0), ("gram", "station", 1.0)]
+        ("fpl-prototypes", "third-party", 0.0), ("fpl-prototypes", "third-party", 1.0),
+        ("fpl-prototypes", "inter-client", 0.0), ("fpl-prototypes", "inter-client", 1.0),
+        ("gram", "station", 0.0), ("gram", "station", 1.0), ("update-dlg", "server", 0.0), ("update-dlg", "server", 1.0)]
     assert rows[0]["n"] == 18 and rows[2]["n"] == 12  # 6 styles of each of 3 clients; client 0 attacks 1 and 2
     assert rows[1]["epsilon"] == pytest.approx(gaussian_epsilon(1.0, 1, 1e-5))
+    assert {r["scored_against"] for r in rows[:4]} == {"own image"} and all(0 < r["psnr_chance"] < 100 for r in rows[:4])
+    assert {r["scored_against"] for r in rows[4:8]} == {"nearest of victim's"}  # a class mean stands for many images
+    assert rows[4]["n"] <= 18 and rows[5]["n"] == 30  # without DP the classes held; under dp all 10 rows of 3 clients
+    assert rows[9]["epsilon"] == pytest.approx(gaussian_epsilon(1.0, 3, 1e-5))  # 1 round × LeNet's 3 linear layers
+    assert rows[10]["scored_against"] == "own image" and rows[11]["dp"] == "local"
+    assert rows[11]["epsilon"] == pytest.approx(gaussian_epsilon(0.5, 1, 1e-5))  # local DP at z/2: no sampling
     assert (tmp_path / "r" / "audit" / "sample-style-third-party.png").is_file()
     page = report(tmp_path / "r")[0].read_text()  # feddg report shows the audit: the table and the grids
     assert "Privacy audit" in page and FID_NAME in page and "sample-style-third-party.png" in page
+    assert f"{rows[0]['psnr']:.1f} ({rows[0]['psnr_chance']:.1f})" in page  # each score beside its chance level
     bad = CliRunner().invoke(app, ["audit", "privacy", str(tmp_path / "r"), "--attack", "nope"])
     assert bad.exit_code == 2 and "unknown attack" in bad.output
     with pytest.raises(ValueError, match="noise multipliers must be >= 0"):
@@ -238,6 +252,7 @@ def test_a_sweep_with_an_audit_section_audits_each_cell_and_tables_the_seeds(tmp
     assert res.exit_code == 0, res.output
     cells = [tmp_path / "s" / "CCST" / "uci" / f"seed{k}" for k in (0, 1)]
     records = [json.loads((c / "audit" / "privacy.json").read_text()) for c in cells]
+    assert [r["seed"] for r in records] == [0, 1]  # each cell audits with its run's seed (audit.seed unset)
     with (tmp_path / "s" / "audit.csv").open() as f:
         table = list(csv.DictReader(f))
     assert [(r["attacker"], float(r["z"]), int(r["seeds"])) for r in table] == [
@@ -270,7 +285,7 @@ def test_the_runs_audit_section_is_the_commands_default_and_its_options_override
     ran = CliRunner().invoke(app, ["run", str(config), "--run-dir", str(tmp_path / "r"), "--quiet"])
     assert ran.exit_code == 0 and "privacy audit: wrote" in ran.output, ran.output  # feddg run audits after training
     first = json.loads((tmp_path / "r" / "audit" / "privacy.json").read_text())
-    assert first["settings"] == AuditConfig(**{**AUDIT, "seed": 3}).model_dump(mode="json")
+    assert first["settings"] == AuditConfig(**{**AUDIT, "seed": 3}).model_dump(mode="json") and first["seed"] == 3
     res = CliRunner().invoke(app, ["audit", "privacy", str(tmp_path / "r"), "--noise", "0.5"])
     assert res.exit_code == 0, res.output
     record = json.loads((tmp_path / "r" / "audit" / "privacy.json").read_text())

@@ -735,7 +735,7 @@ def audit_privacy(
     steps: Annotated[int | None, typer.Option(
         help="generator training steps (default: the run's audit.generator_steps, else 300)", min=1)] = None,
     seed: Annotated[int | None, typer.Option(
-        help="the audit's seed: images, generator, noise (default: the run's audit.seed, else 0)", min=0)] = None,
+        help="the audit's seed: images, generator, noise (default: the run's audit.seed, else its seed)", min=0)] = None,
     fid: Annotated[bool | None, typer.Option("--fid/--no-fid", help="compute FID (EfficientNet-Lite0 features) "
                                              "(default: the run's audit.fid, else yes)")] = None,
     style_path: Annotated[str | None, typer.Option(help="the style attacks' path (pixel | feature | adain-vgg); "

@@ -360,7 +360,8 @@ class AuditConfig(Settings):
     dlg_victims: int = Field(4, ge=1, description="clients whose one-step update DLG inverts")
     dlg_iterations: int = Field(20, ge=1, description="L-BFGS iterations of DLG")
     fid: bool = Field(True, description="FID (EfficientNet-Lite0 features)")
-    seed: int = Field(0, ge=0, description="the audit's seed (images, generator, noise)")
+    seed: int | None = Field(None, ge=0, description="the audit's seed (images, generator, noise, DLG's dummy); "
+                             "null: the run's seed, so a sweep's seeds differ in the audit's draws too")
     style_path: Literal["pixel", "feature", "adain-vgg"] | None = Field(
         None, description="the style attacks' path; null: the run's (pixel unless its method says)")
 

@@ -5,8 +5,9 @@ of the last layer's bias).
 The victim takes one local SGD step of learning rate ``η`` at batch 1 from the weights ``w`` the server
 sent and replies ``w − η ∇L(x, y)``; the server knows ``w`` and ``η``, so it sees the gradient
 ``g = (w − w')/η``. The attack optimises a dummy input ``x̂`` (L-BFGS) so that ``∇L(x̂, ŷ)`` matches ``g``.
-Under DP-FedAvg the update ``Δ = w' − w`` is clipped to ``C`` and ``N(0, (z·C)²)`` is added per entry (one
-client: ``max_k p_k = 1``, ``docs/privacy.md``), one noise stream scaled by ``z``.
+With DP the client noises its own reply (local DP): the update ``Δ = w' − w`` is clipped to ``C`` and
+``N(0, (z·C)²)`` is added per entry, one noise stream scaled by ``z``. ``dp_weights`` is central (the server clips
+the clean reply and noises only the aggregate), so its server sees the noiseless update (``docs/privacy.md``).
 
 The model is a tiny sigmoid CNN (the DLG paper's choice: twice differentiable, no BatchNorm), not the
 run's network: the attack is the standard FL baseline that puts the statistics' leakage in context.
@@ -50,7 +51,7 @@ def update_norm(update: list[Tensor]) -> float:
 
 
 def dp_update(update: list[Tensor], z: float, clip: float, seed: int) -> list[Tensor]:
-    """DP-FedAvg of one client's update: ``Δ·min(1, C/‖Δ‖) + N(0, (zC)²)`` (identity at ``z = 0``)."""
+    """One client's update under local DP: ``Δ·min(1, C/‖Δ‖) + N(0, (zC)²)`` (identity at ``z = 0``)."""
     if z == 0:
         return update
     scale = min(1.0, clip / max(update_norm(update), 1e-12))

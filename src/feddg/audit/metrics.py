@@ -1,4 +1,4 @@
-"""How faithful a reconstruction is: PSNR and SSIM against the nearest true image (scikit-image), the
+"""How faithful a reconstruction is: PSNR and SSIM against a true image (scikit-image), the
 Fréchet distance in EfficientNet-Lite0 feature space, and the nearest-neighbour re-identification rate.
 
 Images are ``[N, C, H, W]`` float arrays in ``[0, 1]`` (:func:`to_unit` maps a dataset's range there).
@@ -59,11 +59,10 @@ def ssim(true: np.ndarray, recon: np.ndarray) -> float:
     return float(structural_similarity(true, recon, channel_axis=0, data_range=1.0))
 
 
-def nearest_scores(recon: np.ndarray, pool: np.ndarray) -> tuple[float, float]:
-    """Mean PSNR and SSIM of every reconstruction against its nearest image of ``pool``."""
-    idx = nearest(recon, pool)
-    return (float(np.mean([psnr(pool[j], r) for j, r in zip(idx, recon, strict=True)])),
-            float(np.mean([ssim(pool[j], r) for j, r in zip(idx, recon, strict=True)])))
+def pair_scores(true: np.ndarray, recon: np.ndarray) -> tuple[float, float]:
+    """Mean PSNR and SSIM of the pairs ``(true[i], recon[i])``."""
+    pairs = list(zip(true, recon, strict=True))
+    return float(np.mean([psnr(t, r) for t, r in pairs])), float(np.mean([ssim(t, r) for t, r in pairs]))
 
 
 def reidentification(recon: np.ndarray, victims: np.ndarray, pool: np.ndarray, owners: np.ndarray) -> float:

@@ -5,7 +5,8 @@
 * ``client-style`` — PARDON's client style: the mean over the client's FINCH clusters' styles (eq. 1–2);
 * ``fedfa-moments`` — FedFA's feature statistics: the client's channel ``[μ ‖ σ]`` at the end of conv stage 1
   of the trained model (recomputed over the client's images, not the run's momentum averages);
-* ``fpl-prototypes`` — FPL's class prototypes: the mean ``features(x)`` of the trained model per class held.
+* ``fpl-prototypes`` — FPL's class prototypes: the mean ``features(x)`` of the trained model per class held (under
+  ``dp`` all ``K`` rows, an absent class's zero plus noise, as ``fpl.py`` sends them).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def moments_share(encoder: Callable[[Tensor], Tensor]) -> Share:
     return per_sample, release
 
 
-def prototype_share(model: FedModel) -> Share:
-    """FPL: per-image ``features(x)``; released: the client's class means (one row per class it holds)."""
+def prototype_share(model: FedModel, num_classes: int) -> Share:
+    """FPL: per-image ``features(x)``; released: the client's ``[num_classes, D]`` class means, zero rows for the
+    classes it does not hold (without DP only the held rows are sent; under ``dp`` every row, noised)."""
 
     def per_sample(x: Tensor) -> np.ndarray:
         with torch.no_grad():
@@ -85,7 +87,7 @@ def prototype_share(model: FedModel) -> Share:
 
     def release(x: Tensor, y: np.ndarray) -> np.ndarray:
         f = per_sample(x)
-        return np.stack([f[y == c].mean(0) for c in np.unique(y)])
+        return np.stack([f[y == c].mean(0) if (y == c).any() else np.zeros(f.shape[1]) for c in range(num_classes)])
 
     return per_sample, release
 

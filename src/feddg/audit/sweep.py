@@ -20,7 +20,8 @@ from feddg.config import AuditConfig
 from feddg.experiment import AUDIT_DIR
 
 #: (column, key in a privacy.json row): the inversions' scores, then the Gram audit's
-METRICS = (("PSNR dB", "psnr"), ("SSIM", "ssim"), (FID_NAME, FID_NAME), ("re-id", "reid"), ("re-id chance", "reid_chance"),
+METRICS = (("PSNR dB", "psnr"), ("PSNR chance", "psnr_chance"), ("SSIM", "ssim"), ("SSIM chance", "ssim_chance"),
+           (FID_NAME, FID_NAME), ("re-id", "reid"), ("re-id chance", "reid_chance"),
            ("Procrustes err", "procrustes_rel_err"), ("row |cos|", "row_cosine"),
            ("top eigenvector |cos|", "row_cosine_top"))  # what the Gram's common direction alone gets
 KEYS = ("variant", "target", "attack", "attacker", "z")
@@ -85,7 +86,7 @@ def markdown(summary: Sequence[dict[str, Any]]) -> str:
     for r in summary:
         eps = "—" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
         cells = [str(r[k]) for k in KEYS[:4]] + [f"{r['z']:g}", eps, str(r["seeds"])]
-        cells += [_cell(r[key], ".1f" if key in ("psnr", FID_NAME) else ".2f") for _, key in present]
+        cells += [_cell(r[key], ".1f" if key in ("psnr", "psnr_chance", FID_NAME) else ".2f") for _, key in present]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

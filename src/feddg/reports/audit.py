@@ -17,11 +17,17 @@ from feddg.experiment import AUDIT_DIR
 from feddg.reports.figures import png_uri
 from feddg.reports.page import file_uri
 
-COLUMNS = ("attack", "attacker", "z", "ε", "PSNR", "SSIM", FID_NAME, "re-id (chance)")
+COLUMNS = ("attack", "attacker", "z", "ε", "PSNR (chance)", "SSIM (chance)", FID_NAME, "re-id (chance)")
 
 
 def _num(value: Any, fmt: str = ".3g") -> str:
     return "—" if value is None else format(value, fmt)
+
+
+def _with_chance(row: dict[str, Any], key: str, fmt: str) -> str:
+    """A score and, where the audit measured it (since 2026-11-28), its chance level in brackets."""
+    chance = row.get(f"{key}_chance")
+    return _num(row[key], fmt) + ("" if chance is None else f" ({_num(chance, fmt)})")
 
 
 def audit_section(run_dir: Path) -> dict[str, Any] | None:
@@ -37,11 +43,12 @@ def audit_section(run_dir: Path) -> dict[str, Any] | None:
                        f"row |cos| {_num(r['row_cosine'], '.2f')} (top eigenvector {_num(r['row_cosine_top'], '.2f')}, "
                        f"random {_num(r['row_cosine_random'], '.2f')})")
         else:
-            quality = (_num(r["psnr"], ".1f"), _num(r["ssim"], ".2f"), _num(r[FID_NAME], ".1f"),
+            quality = (_with_chance(r, "psnr", ".1f"), _with_chance(r, "ssim", ".2f"), _num(r[FID_NAME], ".1f"),
                        f"{r['reid']:.2f} ({r['reid_chance']:.2f})")
         rows.append((r["attack"], r["attacker"], _num(r["noise_multiplier"], "g"), _num(r["epsilon"], ".3g"), *quality))
     grids = sorted({r["grid"] for r in record["rows"] if "grid" in r})
-    caption = "top row: the true image nearest to each reconstruction at the smallest z; below: the reconstructions at each z"
+    caption = ("top row: the true image each reconstruction at the smallest z is scored against (its own, else the "
+               "nearest of its victim's); below: the reconstructions at each z")
     return {"columns": COLUMNS, "rows": rows, "weights": record["weights"],
             "grids": [{"title": g, "uri": file_uri(run_dir / AUDIT_DIR / g), "caption": caption} for g in grids]}
 

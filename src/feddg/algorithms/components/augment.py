@@ -182,7 +182,7 @@ class Augmenter:
     def _hook(self, k: int) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], Tensor | None]:
         def hook(module: nn.Module, inputs: tuple[Tensor, ...], out: Tensor) -> Tensor | None:
             if not module.training or out.shape[0] != self.batch_size:
-                return None  # eval passes and forwards of other batches (e.g. stylised copies) stay untouched
+                return None  # eval passes and forwards of another batch size stay untouched (same-size ones share the draws)
             for fn in self.plan.get(k, []):
                 out = fn(out)
             return out

@@ -1,0 +1,127 @@
+"""The privacy audit's numbers mean what they say (docs/privacy.md, "Auditing what leaves a client"): a reconstruction
+with a known source image is scored against it, FID against the victims' own images, PSNR/SSIM beside a measured
+chance level; the Gram's ε counts training's releases; DLG's ε is local DP's; σ is clamped as CCST and PARDON send it;
+FPL under DP releases all K rows. Constant 1×7×7 images make every score a closed form."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from toy import ToyNet, toy_federation
+
+from feddg.aggregation.accounting import gaussian_epsilon
+from feddg.audit import inversion
+from feddg.audit.inversion import Victims, noised, scores, vector_inversion
+from feddg.audit.metrics import FID_NAME, PSNR_CAP
+from feddg.audit.privacy import Replay, gram_attack, gram_releases, update_attack
+from feddg.audit.shares import prototype_share
+from feddg.config import AuditConfig
+from feddg.engines.inprocess import run_inprocess
+from feddg.federation.server import Server
+from feddg.models.permutation import register_spec, sequential_spec
+
+register_spec(ToyNet, sequential_spec)  # HFedATM aligns: conv -> bn -> flatten -> fc, a plain chain
+C1 = 0.01**2  # SSIM's (K1·L)², L = 1: of constant images only the luminance term (2ab + C1)/(a² + b² + C1) is left
+
+
+def const(*values: float) -> np.ndarray:
+    return np.stack([np.full((1, 7, 7), v) for v in values])
+
+
+def psnr_of(a: float, b: float) -> float:
+    return PSNR_CAP if a == b else 10 * math.log10(1 / (a - b) ** 2)
+
+
+def ssim_of(a: float, b: float) -> float:
+    return (2 * a * b + C1) / (a * a + b * b + C1)
+
+
+def flat(x: np.ndarray) -> np.ndarray:
+    """Pixels as the Fréchet distance's features: 49 equal entries per image, so it has a closed form."""
+    return x.reshape(len(x), -1)
+
+
+POOL = const(0.2, 0.4, 0.6, 0.8)
+OWNER = np.array([0, 0, 1, 1])
+
+
+def test_copies_of_one_victim_image_score_against_each_rows_own_image_not_the_nearest(monkeypatch):
+    monkeypatch.setattr(inversion, "effnet_features", flat)
+    victims = Victims(np.zeros((4, 1)), OWNER, POOL, OWNER, source=np.arange(4))  # one row per victim image
+    out = scores(const(0.2, 0.2, 0.2, 0.2), victims, const(0.5, 0.5, 0.5, 0.5))
+    true = (0.2, 0.4, 0.6, 0.8)
+    assert out["scored_against"] == "own image"
+    assert out["psnr"] == pytest.approx(np.mean([psnr_of(t, 0.2) for t in true]))  # 30.6 dB, not the nearest's 100
+    assert out["ssim"] == pytest.approx(np.mean([ssim_of(t, 0.2) for t in true]), rel=1e-6)
+    assert out["psnr_chance"] == pytest.approx(np.mean([psnr_of(t, 0.5) for t in true]))
+    assert out["ssim_chance"] == pytest.approx(np.mean([ssim_of(t, 0.5) for t in true]), rel=1e-6)
+    # against the four victim images (mean 0.5, variance 0.2/3 per pixel): 49·((0.5 − 0.2)² + 0.2/3), not 0
+    assert out[FID_NAME] == pytest.approx(49 * (0.3**2 + 0.2 / 3))
+
+
+def test_a_row_standing_for_many_images_scores_against_the_nearest_of_its_victims_images(monkeypatch):
+    monkeypatch.setattr(inversion, "effnet_features", flat)
+    victims = Victims(np.zeros((2, 1)), np.array([0, 0]), POOL, OWNER)  # two rows of client 0 (e.g. prototypes)
+    out = scores(const(0.45, 0.45), victims, const(0.2, 0.8))
+    assert out["scored_against"] == "nearest of victim's"
+    assert out["psnr"] == pytest.approx(psnr_of(0.4, 0.45))  # nearest of client 0's {0.2, 0.4}
+    assert out["psnr_chance"] == pytest.approx((PSNR_CAP + psnr_of(0.4, 0.8)) / 2)  # the decoys' nearest: 0.2, 0.4
+    assert out["ssim_chance"] == pytest.approx((1.0 + ssim_of(0.4, 0.8)) / 2, rel=1e-6)
+    # FID's true set: client 0's images only (mean 0.3, variance 0.02), not client 1's
+    assert out[FID_NAME] == pytest.approx(49 * (0.15**2 + 0.02))
+
+
+def test_the_style_sigma_half_is_clamped_at_zero_as_ccst_and_pardon_send_it():
+    v = 0.1 * np.abs(np.random.default_rng(0).standard_normal((8, 6)))  # rows [μ ‖ σ], 3 + 3
+    owners = np.repeat([0, 1], 4)
+    raw = noised(v, owners, 1.0, 0.5, seed=3)
+    sent = noised(v, owners, 1.0, 0.5, seed=3, sigma_from=3)
+    assert (raw[:, 3:] < 0).any()  # what the generator was given before: σ entries the server never receives
+    np.testing.assert_array_equal(sent[:, :3], raw[:, :3])
+    np.testing.assert_array_equal(sent[:, 3:], np.maximum(raw[:, 3:], 0.0))
+
+
+def test_fpl_under_dp_releases_and_inverts_all_k_rows_and_without_dp_the_held_ones():
+    torch.manual_seed(0)
+    net = ToyNet().eval()
+    x, y = torch.randn(6, 1, 6, 6), np.array([0, 0, 2, 2, 2, 0])
+    per_sample, release = prototype_share(net, 4)
+    f, rows = per_sample(x), release(x, y)
+    assert rows.shape == (4, 16)  # fpl.py's [K, D] under dp: an absent class's row is zero (plus the noise)
+    np.testing.assert_allclose(rows[[0, 2]], [f[[0, 1, 5]].mean(0), f[[2, 3, 4]].mean(0)])
+    assert not rows[[1, 3]].any()
+    rng = np.random.default_rng(0)
+    pool = rng.uniform(size=(8, 1, 8, 8))
+    victims = Victims(np.concatenate([rows, rows]), np.repeat([0, 1], 4), pool, np.repeat([0, 1], 4),
+                      present=np.tile([True, False, True, False], 2))
+    out, recons = vector_inversion(rng.uniform(size=(6, 1, 8, 8)), f, victims, noise_multipliers=(0.0, 1.0), steps=2,
+                                   fid=False)
+    assert [r["n"] for r in out] == [4, 8] and [len(recons[z]) for z in (0.0, 1.0)] == [4, 8]
+
+
+def test_the_gram_epsilon_counts_a_release_per_gram_layer_and_server_round_as_training_does(tmp_path):
+    over = ("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=2", "hierarchy.merge=hfedatm",
+            "hierarchy.params.dp_epsilon=1.0", "hierarchy.params.gram_pass=after")
+    trained = run_inprocess(Server(toy_federation(*over), tmp_path))["hierarchy"]["privacy"]["releases"]
+    fed = toy_federation(*over)
+    xs = [fed.dataset.x[torch.as_tensor(c.train_idx[:8])] for c in fed.clients]
+    rp = Replay(fed.cfg, fed, fed.model.eval(), "initial", xs, [], xs[0], -3.0, 3.0)
+    assert gram_releases(rp) == trained == 2 * 2  # 2 server rounds × ToyNet's 2 linear layers (fc, classifier)
+    rows = gram_attack(rp, AuditConfig(noise_multipliers=[0.0, 1.0]), seed=0)
+    assert rows[0]["epsilon"] is None and rows[1]["epsilon"] == pytest.approx(gaussian_epsilon(1.0, 4, 1e-5))
+
+
+def test_dlg_is_labelled_local_dp_with_epsilon_at_half_z_over_every_engine_round_without_sampling(tmp_path):
+    """The client's clipped update plus N(0, (zC)²): sensitivity 2C (replace-one), multiplier z/2; 3 rounds × 2 station
+    rounds, 2 of 4 clients sampled (no amplification claimed). RDP of k Gaussians of multiplier m is one of m/√k."""
+    fed = toy_federation("federation.client_fraction=0.5", "hierarchy.stations=2", "hierarchy.station_rounds=2")
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand((2, 1, 8, 8), generator=g) for _ in fed.clients]
+    rp = Replay(fed.cfg, fed, fed.model, "initial", xs, [np.array([1, 2])] * len(xs), xs[0], 0.0, 1.0)
+    s = AuditConfig(noise_multipliers=[0.0, 1.0], dlg_victims=2, dlg_iterations=1, fid=False)
+    rows = update_attack(rp, s, 0, tmp_path)
+    assert [r["dp"] for r in rows] == ["local", "local"] and rows[0]["epsilon"] is None
+    assert rows[1]["epsilon"] == pytest.approx(gaussian_epsilon(0.5, 6, 1e-5))
+    assert rows[1]["epsilon"] == pytest.approx(gaussian_epsilon(0.5 / math.sqrt(6), 1, 1e-5), rel=1e-6)
+    assert rows[0]["scored_against"] == "own image" and 0.0 <= rows[0]["ssim_chance"] <= 1.0
