@@ -102,13 +102,19 @@ def worker_device(name: str, index: int) -> str:
 
 
 def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: DomainDataset) -> ExtraTarget:
-    """Dataset ``spec`` read as the training data is: images at its size and normalisation (``data.transforms``),
-    text with its tokenizer and ``max_length``; checked to have the training data's classes (same names, same
-    order) and input shape."""
+    """Dataset ``spec`` read as the training data is: images at its size and normalised with its statistics (not
+    the other dataset's default ones), text with its tokenizer and ``max_length``; checked to have the training
+    data's classes (same names, same order) and input shape."""
     where = f"eval.extra {spec.name}"
     try:
-        inputs = (text_options(cfg) if reference.inputs == "tokens"  # the training data's tokenizer and length
-                  else {"image_size": reference.image_shape[1], "transforms": cfg.data.transforms})
+        if reference.inputs == "tokens":
+            inputs = text_options(cfg)  # the training data's tokenizer and length
+        elif reference.task == "classification" and reference.mean is not None and reference.std is not None:
+            # evaluation never augments; a folder without feddg.json would otherwise get DomainBed's statistics
+            stats = {"preset": "none", "mean": list(reference.mean), "std": list(reference.std)}
+            inputs = {"image_size": reference.image_shape[1], "transforms": stats}
+        else:  # slices are normalised the same way in every dataset (slices.py)
+            inputs = {"image_size": reference.image_shape[1], "transforms": cfg.data.transforms}
         ds = load_dataset(spec.dataset, root=spec.root, cache_dir=cfg.data.cache_dir, seed=cfg.data.seed,
                           domains=spec.domains, max_per_domain=spec.max_per_domain, **inputs)
     except (ValueError, FileNotFoundError) as err:
