@@ -35,16 +35,26 @@ def layer(module: str) -> int:
     return LAYERS[top]
 
 
-def feddg_imports(path: Path) -> set[str]:
-    """Every ``feddg.*`` module imported anywhere in the file (function bodies included)."""
+def feddg_imports(path: Path, package: str | None = None) -> set[str]:
+    """Every ``feddg.*`` module imported anywhere in the file (function bodies included), relative imports resolved
+    against ``package`` (default: the file's own package under ``SRC``) and ``from feddg.x import y`` counted as
+    ``feddg.x.y`` where ``y`` is a module or a subpackage."""
+    if package is None:
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("feddg.")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("feddg"):
-            folder = SRC.parent / node.module.replace(".", "/")
-            submodules = {f"{node.module}.{a.name}" for a in node.names if (folder / f"{a.name}.py").is_file()}
-            out |= submodules if len(submodules) == len(node.names) else {node.module, *submodules}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            base = ".".join([*parts, *([node.module] if node.module else [])])
+            if base != "feddg" and not base.startswith("feddg."):
+                continue
+            folder = SRC.parent / base.replace(".", "/")
+            submodules = {f"{base}.{a.name}" for a in node.names
+                          if (folder / f"{a.name}.py").is_file() or (folder / a.name / "__init__.py").is_file()}
+            out |= submodules if len(submodules) == len(node.names) else {base, *submodules}
     return out
 
 
@@ -75,10 +85,14 @@ def test_no_import_circle():
             visit(m, [m])
 
 
-def test_the_layer_test_catches_an_upward_import(tmp_path):
+@pytest.mark.parametrize("line", ["from feddg.experiment import run_experiment", "from ..experiment import run_experiment",
+                                  "from feddg import reports", "from .. import reports", "import feddg.experiment"])
+def test_the_layer_test_catches_an_upward_import(tmp_path, line):
+    """Absolute, relative and ``from feddg import <subpackage>`` imports, inside a function, of a higher layer."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from feddg.experiment import run_experiment\n")
-    assert "feddg.experiment" in feddg_imports(bad) and layer("feddg.experiment") > layer("feddg.federation.server")
+    bad.write_text(f"def f():\n    {line}\n")
+    found = [i for i in feddg_imports(bad, package="feddg.aggregation") if i != "feddg"]
+    assert found and all(layer(i) > layer("feddg.aggregation.mean") for i in found)
 
 
 def test_the_server_knows_no_topology_details():

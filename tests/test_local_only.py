@@ -53,12 +53,16 @@ def test_only_the_common_initial_model_is_ever_sent_down(tmp_path):
 
 
 def test_global_diagnostic_is_the_weighted_mean_and_results_are_personalised(tmp_path):
-    server, res, _ = _run(tmp_path)
-    st = server.state
-    n = [st["num_examples"][c] for c in (0, 1)]
+    """Clients of unequal size (a label-Dirichlet split), so a plain mean of the two models differs from it."""
+    server, res, _ = _run(tmp_path, "partition.kind=dirichlet_labels", "partition.params.alpha=0.5")
+    st, fed = server.state, server.fed
+    n = [len(fed.clients[c].train_idx) for c in (0, 1)]
+    assert n[0] != n[1] and st["num_examples"] == {0: n[0], 1: n[1]}
     key = "w/fc.weight"
-    expect = (n[0] * st["clients"][0][key] + n[1] * st["clients"][1][key]) / sum(n)
-    assert np.allclose(server.fed.method.eval_weights(st, None)[key], expect, atol=1e-6)
+    a, b = st["clients"][0][key].astype(np.float64), st["clients"][1][key].astype(np.float64)
+    got = fed.method.eval_weights(st, None)[key]
+    assert np.allclose(got, (n[0] * a + n[1] * b) / sum(n), atol=1e-6)
+    assert not np.allclose(got, (a + b) / 2, atol=1e-4)
     assert {"id_acc", "ood_acc", "global_ood_acc"} <= set(res["final"])
 
 

@@ -69,10 +69,13 @@ _EXACT_MODULES = {"math", "cmath", "np", "numpy"}  # their sqrt is the IEEE one
 
 def non_portable_calls(source: str) -> list[int]:
     """Lines of ``source`` that take a square root (or acos/asin/atan/cdist) with torch, ``x ** 0.5`` or
-    ``x.pow(0.5)``, or build ``torch.optim.Adam``/``AdamW`` directly."""
+    ``x.pow(0.5)``, build ``torch.optim.Adam``/``AdamW`` directly, or import one of those names from torch."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            if any(a.name in _VML or a.name in ("Adam", "AdamW") for a in node.names):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute):
             exact = isinstance(node.value, ast.Name) and node.value.id in _EXACT_MODULES
             adam_cls = node.attr in ("Adam", "AdamW") and isinstance(node.value, ast.Attribute) and node.value.attr == "optim"
             if (node.attr in _VML and not exact) or adam_cls:
@@ -97,8 +100,9 @@ def test_src_takes_square_roots_and_adam_only_from_numerics():
 
 def test_the_source_scan_finds_what_it_forbids():
     for line in ["y = x.sqrt()", "y = torch.sqrt(x)", "y = x ** 0.5", "o = torch.optim.Adam(ps)", "o = torch.optim.AdamW(ps)",
-                 "d = torch.cdist(a, b)", "y = x.pow(.5)", "x.sqrt_()", "y = x.atan()"]:
+                 "d = torch.cdist(a, b)", "y = x.pow(.5)", "x.sqrt_()", "y = x.atan()",
+                 "from torch import sqrt", "from torch.optim import Adam", "from torch.linalg import cdist as d"]:
         assert non_portable_calls(line) == [1], line
     for line in ["y = math.sqrt(2)", "y = np.sqrt(a)", "y = sqrt(x)", "s = (a ** -2 - b) ** -0.5", "o = adam(ps)",
-                 '"""mentions torch.sqrt in prose"""', "y = x.pow(2)"]:
+                 '"""mentions torch.sqrt in prose"""', "y = x.pow(2)", "from numpy import sqrt", "from torch import nn"]:
         assert non_portable_calls(line) == [], line

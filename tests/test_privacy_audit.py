@@ -7,14 +7,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from support.dp_reference import analytic_gaussian_epsilon
 from torch import nn
 from toy import ToyNet, toy_federation
 from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
 
 from feddg.aggregation.accounting import gaussian_epsilon, statistic_privacy
-from feddg.aggregation.dp import gram_sensitivity, symmetric_noise
+from feddg.aggregation.dp import gram_sensitivity
 from feddg.algorithms.base import Reply, ServerContext
-from feddg.algorithms.hfedatm import GRAM_FLAG, GramRecorder, HFedATMParams
+from feddg.algorithms.hfedatm import GRAM_FLAG, HFedATMParams
 from feddg.algorithms.registry import list_methods
 from feddg.cli import privacy_line
 from feddg.engines.inprocess import run_inprocess
@@ -158,7 +159,9 @@ def test_style_upload_is_clipped_and_noised_once_with_std_floored_at_zero(method
     fed = toy_federation(f"method.name={method}", "method.params.dp.epsilon=3.0", "method.params.dp.clip=0.5")
     request = fed.method.setup_request(fed.method.server_init(fed.model, ServerContext(4, 3, 0)))
     ctx, clean, noisy = _both(fed, lambda m, c: m.client_setup(fed.model, dict(request), {}, c))
-    want = _clip_plus_noise(clean, 0.5, fed.method.params.dp.sigma(), ctx.noise)
+    sigma = fed.method.params.dp.sigma()
+    assert analytic_gaussian_epsilon(sigma / (2 * 0.5), 1e-5) == pytest.approx(3.0, rel=1e-6)  # Δ = 2C, ε = 3
+    want = _clip_plus_noise(clean, 0.5, sigma, ctx.noise)
     np.testing.assert_allclose(noisy["style/mean"], want["style/mean"], atol=1e-6)
     np.testing.assert_allclose(noisy["style/std"], np.maximum(want["style/std"], 0.0), atol=1e-6)
     assert set(noisy) == {"style/mean", "style/std"}
@@ -195,21 +198,41 @@ def test_fpl_prototypes_are_clipped_and_noised_and_every_class_is_reported():
 
 
 def test_hfedatm_grams_are_the_clipped_grams_plus_the_symmetric_noise_drawn_next():
+    """By hand: each linear layer's inputs of one eval pass after training (``gram_pass: after``), every sample's
+    row scaled to norm ≤ C, ``XᵀX``, plus an upper triangle of ``N(0, σ²)`` mirrored, drawn layer by layer from the
+    client's noise stream, with σ the analytic Gaussian mechanism's for (ε, δ) = (1, 1e-5) at Δ = C²."""
+    clip = 2.0
     fed = toy_federation("hierarchy.stations=2", "hierarchy.station_rounds=2", "federation.rounds=2",
-                         "hierarchy.merge=hfedatm", "hierarchy.params.dp_epsilon=1.0", "hierarchy.params.dp_clip=2.0",
+                         "hierarchy.merge=hfedatm", "hierarchy.params.dp_epsilon=1.0", f"hierarchy.params.dp_clip={clip}",
                          "hierarchy.params.gram_pass=after")
     topo = fed.topology
     msg = {**topo.client_config(fed.method, topo.init(fed.method, fed.model, None), 0, 2), "lr": 0.1, "round": 2}
     assert msg[GRAM_FLAG] == 1
     noisy, _ = topo.client_update(fed.method, fed.model, dict(msg), {}, client_context(fed, 0, 2))
     ctx = client_context(fed, 0, 2)
-    recorder = GramRecorder(fed.model, clip=2.0)  # gram_pass: after: one pass with the trained (sent) weights
-    fed.method.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {}, ctx)
-    recorder.extra_pass(fed.model, ctx)
+    fed.method.client_update(fed.model, {k: v for k, v in msg.items() if k != GRAM_FLAG}, {}, ctx)  # the same training
+    inputs: dict[str, list[torch.Tensor]] = {"fc": [], "classifier": []}
+    hooks = [getattr(fed.model, n).register_forward_pre_hook(lambda m, a, n=n: inputs[n].append(a[0].double()))
+             for n in inputs]
+    fed.model.eval()
+    with torch.no_grad():
+        for x, _ in ctx.batches(shuffle=False, train=False):
+            fed.model(x)
+    for h in hooks:
+        h.remove()
     sigma = topo.dp_sigma
-    for name, g in recorder.grams().items():  # layer order = reply order; noise drawn per layer from the stream
-        want = g.double() + symmetric_noise(g.shape[0], sigma, ctx.noise)
+    assert analytic_gaussian_epsilon(sigma / clip**2, 1e-5) == pytest.approx(1.0, rel=1e-6)
+    clipped_any = False
+    for name in ("fc", "classifier"):  # the reply's layer order: the noise is drawn in it
+        x = torch.cat(inputs[name])
+        norms = x.norm(dim=1, keepdim=True)
+        clipped_any |= bool((norms > clip).any())
+        rows = x * torch.minimum(torch.ones_like(norms), clip / norms)
+        z = torch.randn(x.shape[1], x.shape[1], generator=ctx.noise, dtype=torch.float64) * sigma
+        want = rows.T @ rows + torch.triu(z) + torch.triu(z, diagonal=1).T
         np.testing.assert_allclose(noisy[f"gram/{name}"], want.numpy(), rtol=1e-5, atol=1e-3)
+    assert {k for k in noisy if k.startswith("gram/")} == {"gram/fc", "gram/classifier"}
+    assert clipped_any  # the clip acted here, so a recorder that skipped it would fail
 
 
 # --- results.json ------------------------------------------------------------------------------------------
@@ -230,7 +253,9 @@ def test_results_carry_the_runs_epsilon(tmp_path, over, rounds, releases):
     res = server.write_results()["privacy"]
     dp = fed.method.params.dp
     assert res == statistic_privacy(dp, releases) and res["releases"] == releases
-    z = dp.sigma() / (2 * dp.clip)
+    z = dp.sigma() / (2 * dp.clip)  # σ/Δ with Δ = 2C (replace-one), against an independent ε(σ) where ε is given
+    assert z == dp.noise_multiplier if dp.epsilon is None else (
+        analytic_gaussian_epsilon(z, dp.delta) == pytest.approx(dp.epsilon, rel=1e-6))
     assert res["epsilon"] == pytest.approx(gaussian_epsilon(z, releases, dp.delta, dp.accountant))
     assert json.loads((tmp_path / "results.json").read_text())["privacy"]["epsilon"] == res["epsilon"]
 

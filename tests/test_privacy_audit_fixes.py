@@ -8,6 +8,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from support.dp_reference import analytic_gaussian_epsilon
 from toy import toy_federation
 from typer.testing import CliRunner
 
@@ -26,23 +27,6 @@ SEG = {"data": {"dataset": "synthetic-mri", "max_per_domain": 24}, "split": {"ta
        "partition": {"kind": "by_domain", "num_clients": 5, "holdout": 0.25},
        "model": {"name": "unet", "params": {"width": 8}}, "optim": {"name": "adam", "lr": 0.003}, "device": "cpu"}
 MISFIT = "the privacy audit is for image classification: the "
-
-
-def _phi(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2))
-
-
-def analytic_gaussian_epsilon(ratio: float, delta: float) -> float:
-    """The exact ε at ``delta`` of the Gaussian mechanism with ``σ/Δ = ratio`` (Balle and Wang 2018, Thm. 8), by
-    bisection on δ(ε) = Φ(Δ/2σ − εσ/Δ) − e^ε Φ(−Δ/2σ − εσ/Δ) (decreasing in ε)."""
-    def delta_of(eps: float) -> float:
-        return _phi(0.5 / ratio - eps * ratio) - math.exp(eps) * _phi(-0.5 / ratio - eps * ratio)
-
-    lo, hi = 0.0, 500.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
-    return hi
 
 
 # --- bug 1: PLD accounted DP-FedAvg at z/4 ----------------------------------------------------------------------
