@@ -336,3 +336,42 @@ def test_last_stage_false_drops_only_the_last_ffa_layer():
     assert [k for k, _ in att.items()] == [1, 2, 3] and att.tap_stage == 4
     chosen = create_method("fedfa", {"last_stage": False, "layers": [1, 4]}).prepare_model(create_model("cnn", 10))
     assert [k for k, _ in chosen.fedfa.items()] == [1]
+
+
+# --- the first round's statistics ------------------------------------------------------------------
+
+
+def test_the_server_measures_each_stages_channels_with_one_eval_forward():
+    model = create_method("fedfa").prepare_model(create_model("resnet18", 10, image_size=32))
+    model.train()
+    example = torch.randn(1, 3, 32, 32)
+    assert model.fedfa.stage_channels(model, example) == {1: 64, 2: 64, 3: 128, 4: 256, 5: 512}
+    assert model.training  # the mode it had
+    assert all(layer.mu_bar is None for _, layer in model.fedfa.items())  # the eval forward left no statistics
+
+
+@pytest.mark.parametrize(("key", "shape"), [("stat/1/mu_bar", (1,)), ("stat/2/sigma_bar", (4, 1)),
+                                            ("hist/pi", (4, 3))])
+def test_a_first_round_reply_of_other_shapes_is_dropped_and_the_round_goes_on(tmp_path, monkeypatch, key, shape):
+    """Before any modulation was sent nothing fixed the statistics' shapes: one client's ``stat/1/mu_bar`` of
+    shape (1,) crashed eq. 6's stack (a traceback that stopped the run), a (4, 1) array or another histogram would
+    be broadcast into the others'."""
+    from feddg.algorithms.fedfa import FedFA
+
+    trained = FedFA.client_update
+
+    def misshaped(self, model, msg, client_state, ctx):
+        reply, state = trained(self, model, msg, client_state, ctx)
+        if ctx.round == 1 and ctx.client_id == 1:
+            reply = {**reply, key: np.zeros(shape, np.float32)}
+        return reply, state
+
+    monkeypatch.setattr(FedFA, "client_update", misshaped)
+    server = Server(_fed("federation.rounds=2"), tmp_path / "run")
+    run_inprocess(server)
+    first = server.metrics[0]
+    assert first["clients_failed"] == 1 and first["clients_failed_reasons"]["1"].startswith(f"{key} has shape {shape}")
+    assert "clients_failed" not in server.metrics[1]
+    assert {k: v.shape for k, v in server.state["broadcast"].items()} == {
+        "ffa/1/gamma_mu": (4,), "ffa/1/gamma_sigma": (4,), "ffa/2/gamma_mu": (4,), "ffa/2/gamma_sigma": (4,),
+        "hist/pi": (4, 8)}

@@ -126,6 +126,9 @@ class ServerContext:
     #: a new ``client id -> Message`` table, by name, for per-client server state (models, statistics): the
     #: server gives a store that spills to disk past ``federation.client_state_budget_mb``; update it in place
     per_client: Callable[[str], MutableMapping[int, Message]] = in_memory
+    #: one input of the dataset (a batch of one, on the model's device), for a method that must know its model's
+    #: activation shapes before the first reply (FedFA's statistics); ``None`` where the server has none
+    example: Inputs | None = None
 
 
 @dataclass(frozen=True)

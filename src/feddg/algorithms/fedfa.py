@@ -147,6 +147,11 @@ class FedFA(Method):
 
     # --- server --------------------------------------------------------------------------
     def server_init(self, model: nn.Module, ctx: ServerContext) -> ServerState:
+        """The weights and empty tables; with the dataset's example input, the stages' channels that the first
+        round's statistics must have (:meth:`reply_layout`)."""
+        if ctx.example is not None:
+            att = self.attachment(model)
+            att.expected_channels = att.stage_channels(model, ctx.example)
         return {"weights": weights_of(model), "stats": ctx.per_client("stats"), "hists": {}, "broadcast": {}}
 
     def client_config(self, state: ServerState, client_id: int, round: int) -> Message:
@@ -154,15 +159,27 @@ class FedFA(Method):
 
     def reply_layout(self, model: nn.Module, sent: Message, weights: Shapes) -> Layout:
         """The FFA statistics ``stat/<k>/{mu,sigma}_bar`` and, when aligning, the histogram π_m and the alignment
-        loss, each float32 and shaped as the modulation or average histogram sent from the second round on (the
-        FFA layers' channels are set by a forward pass, so the first round's shapes are not checked)."""
+        loss, each float32 and shaped as the modulation or average histogram sent; before any was sent (the first
+        round), as the stages' channels measured in :meth:`server_init` (``[C_k]``, ``[C_tap, L]``): a reply of
+        other shapes would crash eq. 6's stack or be broadcast into it. Unchecked only where the server had no
+        example input to measure them (a hand-built ``ServerContext``)."""
+        att = self.attachment(model)
+        channels = att.expected_channels
         layout: Layout = {}
         if self.uploads_stats:
             sent_stats = {f"{STAT}{key[len(FFA):].rsplit('/', 1)[0]}/{'mu' if key.endswith('_mu') else 'sigma'}_bar":
                           like_slot(v) for key, v in sent.items() if key.startswith(FFA)}  # ffa/<k>/gamma_mu etc.
+            if not sent_stats and channels is not None:
+                sent_stats = {f"{STAT}{k}/{which}_bar": array_slot((channels[k],), np.float32)
+                              for k, _ in att.items() for which in ("mu", "sigma")}
             layout.update(sent_stats or {STAT: array_slot(None, np.float32)})
         if self.aligns:
-            hist = like_slot(sent[HIST_KEY]) if HIST_KEY in sent else array_slot(None, np.float32)
+            if HIST_KEY in sent:
+                hist = like_slot(sent[HIST_KEY])
+            elif channels is not None:
+                hist = array_slot((channels[att.tap_stage], self.params.bins), np.float32)
+            else:
+                hist = array_slot(None, np.float32)
             layout.update({HIST_KEY: hist, "align_loss": number_slot(required=False)})
         return layout
 

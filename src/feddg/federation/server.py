@@ -22,6 +22,7 @@ import numpy as np
 
 from feddg.algorithms.base import Reply, ServerContext
 from feddg.config import ExperimentConfig, dump_config
+from feddg.devices import to_device
 from feddg.evaluation.communication import bytes_per_round
 from feddg.federation.checkpoint import load_checkpoint, save_checkpoint
 from feddg.federation.client_store import STORE_DIR, ClientStore, ClientStores, restore
@@ -124,7 +125,8 @@ class Server:
         if ckpt is None:
             cfg = fed.cfg
             self.stores = ClientStores(self.run_dir / STORE_DIR, budget_bytes)
-            ctx = ServerContext(len(fed.clients), self.rounds, cfg.seed, self.stores.open)
+            example = to_device(fed.dataset.get_batch(np.arange(1), train=False)[0], fed.device)
+            ctx = ServerContext(len(fed.clients), self.rounds, cfg.seed, self.stores.open, example)
             self.state = fed.topology.init(fed.method, fed.model, ctx)
             self.client_states = self.stores.open("client_states")
             self.metrics: list[dict[str, Any]] = []

@@ -19,11 +19,13 @@ are client state, moved in and out by the method.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
+from feddg.devices import Inputs
 from feddg.numerics import sqrt
 
 #: full: eq. 8 with the t-modulated γ; direct: Table 11's "Direct Fusion" (γ replaced by the raw
@@ -188,12 +190,37 @@ class FFAAttachment(nn.Module):
         self.layers = nn.ModuleDict({str(k): layer for k, layer in sorted(layers.items())})
         self.tap_stage = tap_stage
         self.tap = FeatureTap()
+        #: every stage's output channels where the server measured them (:meth:`stage_channels`), else ``None``
+        self.expected_channels: dict[int, int] | None = None
 
     def items(self) -> list[tuple[int, FFALayer]]:
         return [(int(k), layer) for k, layer in self.layers.items()]  # type: ignore[misc]
 
     def channels(self) -> dict[int, int]:
         return {k: int(layer.mu_bar.shape[0]) for k, layer in self.items() if layer.mu_bar is not None}
+
+    def stage_channels(self, model: nn.Module, example: Inputs) -> dict[int, int]:
+        """Every conv stage's output channels (1-based), from one no-grad eval forward of ``example`` (FFA layers
+        and the tap pass it through unchanged in eval mode); the model's train/eval mode is restored."""
+        modules = dict(model.named_modules())
+        found: dict[int, int] = {}
+
+        def record(k: int) -> Callable[[nn.Module, object, Tensor], None]:
+            def hook(module: nn.Module, inputs: object, output: Tensor) -> None:
+                found.setdefault(k, int(output.shape[1]))
+            return hook
+
+        handles = [modules[name].register_forward_hook(record(k)) for k, name in enumerate(self.stage_names, 1)]
+        was_training = model.training
+        try:
+            model.eval()
+            with torch.no_grad():
+                model(example)
+        finally:
+            model.train(was_training)
+            for h in handles:
+                h.remove()
+        return found
 
 
 def attach_ffa(model: nn.Module, stage_names: list[str], layers: dict[int, FFALayer], tap_stage: int) -> FFAAttachment:
