@@ -96,8 +96,10 @@ def test_every_method_feeds_its_modules_on_the_models_device_and_dtype(name, tmp
     hfedatm = ["hierarchy.stations=2", "hierarchy.station_rounds=1", "hierarchy.merge=hfedatm-no-fot"]
     over = hfedatm if name == "hfedatm" else [f"method.name={name}", *TOY_PARAMS.get(name, [])]
     with _federation(name, "federation.rounds=1", *over) as fed, inputs_checked(fed.device) as ran:
-        results = run_inprocess(Server(fed, tmp_path / name))
+        server = Server(fed, tmp_path / name)
+        results = run_inprocess(server)
     assert ran and math.isfinite(results["final"][f"ood_{fed.task.metric}"])
+    assert all("clients_failed" not in m for m in server.metrics)  # a hook's failure inside a client drops it
 
 
 @pytest.mark.parametrize("name", list_methods())

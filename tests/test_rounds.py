@@ -16,6 +16,7 @@ def test_sampling_is_seeded_sized_and_distinct():
     assert a == sample_clients(100, 0.2, seed=3, round=5)
     assert len(a) == 20 and len(set(a)) == 20 and a == sorted(a)
     assert a != sample_clients(100, 0.2, seed=3, round=6)
+    assert a != sample_clients(100, 0.2, seed=4, round=5)  # the seed enters the draw
     assert sample_clients(10, 1.0, 0, 1) == list(range(10))
     assert len(sample_clients(3, 0.01, 0, 1)) == 1
 
@@ -23,7 +24,9 @@ def test_sampling_is_seeded_sized_and_distinct():
 def test_derived_seeds_differ_per_key_and_generators_repeat():
     assert derived_seed(0, 1, 2) != derived_seed(0, 2, 1)
     g1, g2 = client_generator(0, 1, 2), client_generator(0, 1, 2)
-    assert g1.initial_seed() == g2.initial_seed()
+    assert g1.initial_seed() == g2.initial_seed() == derived_seed(0, 1, 2)
+    others = [client_generator(*keys).initial_seed() for keys in ((0, 2, 2), (0, 1, 3), (1, 1, 2))]
+    assert len({g1.initial_seed(), *others}) == 4  # seed, round and client each change the stream
 
 
 def test_learning_rate_schedules():
