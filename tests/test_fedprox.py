@@ -23,3 +23,32 @@ def test_proximal_term_is_the_squared_distance_to_the_anchor_with_gradient_mu_ti
 
 def test_a_model_without_trainable_parameters_has_no_proximal_term():
     assert proximal_term(nn.ReLU(), []) == 0
+
+
+def test_client_update_minimises_the_task_loss_plus_half_mu_times_the_squared_distance():
+    """The method's local objective, against ``train_local`` on eq. 2 written here, from the same client stream: a
+    proximal term of μ (not μ/2), or none, moves the weights elsewhere."""
+    import numpy as np
+    from toy import toy_federation
+
+    from feddg.algorithms.components.local import train_local
+    from feddg.federation.client import client_context
+    from feddg.messages import load_weights, weights_of
+
+    mu = 1.0
+    fed = toy_federation("method.name=fedprox", f"method.params.mu={mu}")
+    start = weights_of(fed.model)
+    reply, _ = fed.method.client_update(fed.model, {**start, "lr": 0.1}, {}, client_context(fed, 0, 1))
+    load_weights(fed.model, start)
+    anchor = [p.detach().clone() for p in fed.model.parameters()]
+    ctx = client_context(fed, 0, 1)
+
+    def eq2(m, x, y):
+        return ctx.task.loss(m(x), y) + mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(m.parameters(), anchor))
+
+    train_local(fed.model, ctx, lr=0.1, loss_fn=eq2)
+    by_hand = weights_of(fed.model)
+    moved = max(float(np.abs(by_hand[k] - start[k]).max()) for k in start)
+    assert moved > 1e-2  # training moved the weights, so the comparison sees the proximal pull
+    for k in start:
+        np.testing.assert_allclose(reply[k], by_hand[k], rtol=1e-5, atol=1e-6)
