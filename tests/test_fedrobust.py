@@ -58,7 +58,9 @@ def test_a_client_keeps_its_perturbation_in_its_state_inside_the_balls():
     assert lam.shape == (36, 36) and delta.shape == (36,)  # ToyDomains: d = 1·6·6
     assert 0 < np.linalg.norm(lam - np.eye(36)) <= 0.05 + 1e-6 and 0 < np.linalg.norm(delta) <= 0.02 + 1e-6
     _, again = fed.method.client_update(fed.model, dict(msg), state, client_context(fed, 0, 2))
-    assert not np.array_equal(again[LAMBDA], lam)  # it goes on from its state
+    _, fresh = fed.method.client_update(fed.model, dict(msg), {}, client_context(fed, 0, 2))
+    assert not np.array_equal(again[LAMBDA], fresh[LAMBDA])  # round 2 goes on from its state, not from Λ = I
+    assert not np.array_equal(again[DELTA], fresh[DELTA])
 
 
 def test_pixels_beyond_max_dim_is_refused_in_one_line():
