@@ -102,11 +102,7 @@ def test_a_run_stopped_with_flwr_stop_is_marked_stopped_and_the_launcher_fails(t
     config = tmp_path / "stopped.yaml"
     config.write_text(dump_config(cfg))
     dep = LocalDeployment(tmp_path / "deployment", 2, env={"OMP_NUM_THREADS": "1"})
-    try:
-        dep.start(timeout=60)
-    except (OSError, TimeoutError) as err:
-        dep.stop()
-        pytest.skip(f"no loopback deployment here: {err}")
+    dep.start(timeout=60)  # a deployment that does not start fails the test (after stopping what started)
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
         [str(BIN / "feddg"), "flower", "run", str(config), "--run-dir", str(run_dir), "--connection", CONNECTION,

@@ -15,6 +15,8 @@ def test_data_writers_sets_how_many_writers_and_so_natural_clients(tmp_path):
     assert ds.domains == ds.group_names == [f"w000{i}" for i in range(7)]
     per_writer = writer_styles(3, 7)["digits"]  # 5 to 15 digits each, drawn per seed
     np.testing.assert_array_equal(np.bincount(ds.groups), per_writer)
+    assert 5 <= per_writer.min() < per_writer.max() <= 15  # the documented range, not one count for all
+    assert len(ds) == per_writer.sum()
     clients = make_clients(ds, make_split(ds, cfg), cfg)
     assert [len(c.train_idx) for c in clients] == list(per_writer)
 

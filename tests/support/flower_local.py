@@ -121,6 +121,14 @@ class LocalDeployment:
 
     def start(self, timeout: float = 120.0) -> LocalDeployment:
         """Start the SuperLink (and register the node keys), then the SuperNodes; return once all of them listen."""
+        try:
+            self._start(timeout)
+        except BaseException:  # no process outlives a failed start
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
         tls = self.tls
         serve_tls = ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["server"]),
                      "--ssl-keyfile", str(tls["server-key"])] if tls else []
@@ -145,7 +153,6 @@ class LocalDeployment:
                 self._spawn(f"executor-{p}", "python", "-m", "feddg.engines.flower.executor",
                             "--runtime-api-address", f"{LOOPBACK}:{port}", "--parent-pid", str(pid),
                             *(["--root-certificates", str(tls["ca"])] if tls else ["--insecure"]))
-        return self
 
     def snapshot(self) -> set[tuple[int, str]]:
         """The deployment's live processes now (SuperExecs, ServerApp, ClientApps included); remembered for stop()."""
@@ -189,11 +196,7 @@ class LocalDeployment:
         return left
 
     def __enter__(self) -> LocalDeployment:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
