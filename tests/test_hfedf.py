@@ -101,6 +101,17 @@ def test_aggregate_applies_ema_as_algorithm_4_after_the_warm_up(t):
         assert torch.allclose(nu_on, 0.8 * nu_off + 0.2 * nu_before, atol=1e-6)  # Alg. 1 line 18: ν too
 
 
+def test_ema_embeddings_false_smooths_theta_only():
+    over = ("method.params.ema_alpha=0.8", "method.params.ema_warmup=1", "method.params.ema_embeddings=false")
+    fed, state, replies = _state_and_replies(*over)
+    state["t"] = 2
+    on, _ = fed.method.aggregate(copy.deepcopy(state), replies)
+    off, _ = create_method("hfedf", {"ema": False}).aggregate(copy.deepcopy(state), replies)
+    assert torch.allclose(_theta(on), 0.8 * _theta(off) + 0.2 * _theta(state), atol=1e-6)  # Alg. 4 on θ
+    assert torch.equal(on["hnet"].embeddings.weight, off["hnet"].embeddings.weight)  # ν as the optimiser left it
+    assert not torch.equal(off["hnet"].embeddings.weight, state["hnet"].embeddings.weight)  # ν did move
+
+
 def test_polyak_ema_trains_raw_theta_and_evaluates_the_smoothed_one():
     fed, state, replies = _state_and_replies("method.params.ema_mode=polyak", "method.params.ema_warmup=1")
     raw = create_method("hfedf", {"ema": False})
@@ -205,6 +216,7 @@ def test_pfedhn_is_the_same_hypernetwork_without_gradalign_and_ema():
 
 def test_buffers_stay_per_client_and_the_global_model_uses_their_weighted_mean():
     fed, state, replies = _state_and_replies()
+    replies = [Reply(r.client_id, {**r.message, "num_examples": n}) for r, n in zip(replies, (3, 11), strict=True)]
     new, _ = fed.method.aggregate(state, replies)
     key = "bn.running_mean"
     for r in replies:

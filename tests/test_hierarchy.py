@@ -12,6 +12,8 @@ from feddg.aggregation.dp import gaussian_sigma
 from feddg.aggregation.merges import merge_stations
 from feddg.algorithms.base import ClientContext, OptimSettings, Reply
 from feddg.algorithms.fedavg import FedAvg
+from feddg.algorithms.feddg_ga import WEIGHT as GA_WEIGHT
+from feddg.algorithms.feddg_ga import FedDGGA
 from feddg.algorithms.hfedatm import GRAM_FLAG, GramRecorder, HFedATMParams, update_with_grams
 from feddg.config import ConfigError, build_config
 from feddg.data.partition import make_partition
@@ -205,6 +207,22 @@ def test_client_grams_are_the_inputs_gram_of_one_pass_over_its_data(gram_pass):
     np.testing.assert_allclose(reply["gram/fc2"], (h.T @ h).detach().numpy(), rtol=1e-4, atol=1e-4)
 
 
+def test_last_epoch_grams_are_of_the_last_training_epoch_and_eval_passes_around_it_are_not_counted():
+    """lr > 0, so fc2's inputs change between epochs; FedDG-GA evaluates (eval mode) before and after training."""
+    torch.manual_seed(0)
+    model, ctx = _NoBN(), _ctx(epochs=2)
+    seen: list[tuple[bool, torch.Tensor]] = []  # (training?, fc2's input), forward by forward
+    model.fc2.register_forward_pre_hook(lambda m, a: seen.append((m.training, a[0].detach().double())))
+    msg = {**weights_of(model), "lr": 0.5, "round": 1, GA_WEIGHT: 0.5, GRAM_FLAG: 1}
+    reply, _ = update_with_grams(FedDGGA(), model, msg, {}, ctx, HFedATMParams(gram_pass="last_epoch"))
+    trained = [h for training, h in seen if training]
+    assert len(trained) % 2 == 0 and len(trained) < len(seen)  # two equal epochs, and eval passes
+    last = torch.cat(trained[len(trained) // 2 :])
+    first = torch.cat(trained[: len(trained) // 2])
+    np.testing.assert_allclose(reply["gram/fc2"], (last.T @ last).numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(reply["gram/fc2"], (first.T @ first).numpy(), rtol=1e-3)  # the epochs differ
+
+
 def test_a_second_forward_of_the_same_batch_is_not_counted_twice():
     model = _NoBN()
     rec = GramRecorder(model)
@@ -298,6 +316,30 @@ def test_hfedatm_merge_of_a_permuted_station_recovers_the_station_model():
     assert metrics["regmean/fc/fallback"] == 0.0 and metrics["regmean/fc/cond"] >= 1.0
     unaligned, _ = merge_stations(msgs, grams, [2, 1], None)  # hfedatm-no-fot
     assert not np.allclose(unaligned["w/conv.weight"], s1["conv.weight"].numpy())
+
+
+def test_hfedatm_merge_solves_eq12_with_each_stations_gram_moved_by_its_alignment():
+    """Two stations whose ``fc`` differ: its RegMean solution depends on the Grams, so the permuted station's Gram
+    must be aligned together with its weights."""
+    torch.manual_seed(0)
+    model = ToyNet().eval()
+    spec = permutation_spec(model)
+    s1 = model.state_dict()
+    other = {**s1, "fc.weight": torch.randn(16, 4 * 36)}  # the second station's model, before its permutation
+    perms = random_permutations(spec, np.random.default_rng(0))
+    assert (perms["conv"] != np.arange(4)).any()
+    s2 = apply_permutations(other, spec, perms)
+    x1, x2 = torch.randn(300, 4 * 36, dtype=torch.float64), torch.randn(300, 4 * 36, dtype=torch.float64) + 0.5
+    g1, g2 = x1.T @ x1, x2.T @ x2  # distinct, full Grams, each in its own station's channel order
+    gc = np.eye(16) * 3.0
+    grams = [{"fc": g1.numpy(), "classifier": gc},
+             {"fc": permute_grams({"fc": g2}, spec, perms)["fc"].numpy(), "classifier": gc}]
+    msgs = [{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in (s1, s2)]
+    merged, _ = merge_stations(msgs, grams, [2, 1], spec)
+    w1, w2 = s1["fc.weight"].double().numpy(), other["fc.weight"].double().numpy()
+    expected = np.linalg.solve((g1 + g2).numpy(), g1.numpy() @ w1.T + g2.numpy() @ w2.T).T  # eq. 12
+    np.testing.assert_allclose(merged[WEIGHT_PREFIX + "fc.weight"], expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(merged[WEIGHT_PREFIX + "classifier.weight"], s1["classifier.weight"].numpy(), atol=1e-5)
 
 
 def test_station_aggregation_then_merge_with_gamma_weights():
