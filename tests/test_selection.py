@@ -71,6 +71,12 @@ def test_training_domain_validation_picks_by_id_and_breaks_ties_by_first_draw_th
     assert pick_notes(chosen) == {("FedAvg", "mnist"): "#0 r4, #0 r2 of 4/2"}
 
 
+def test_a_selected_cell_is_degraded_when_any_of_its_draws_dropped_clients(lodo_rows):
+    lodo_rows[1]["dropped"] = 3  # seed 0, draw 1: not the pick of train_domain (draw 0), but a run of the cell
+    chosen = {r["seed"]: r["dropped"] for r in select(lodo_rows, "train_domain", ACC)}
+    assert chosen == {0: 3, 1: 0}
+
+
 def test_the_oracle_picks_by_the_unseen_domain_at_each_draws_last_round_and_is_never_a_default(lodo_rows, tmp_path):
     # DomainBed's oracle: the draws' last checkpoints only (no early stopping on the test domain)
     assert _picked(select(lodo_rows, "oracle", ACC)) == {0: (1, 4, 2, 90.0), 1: (0, 4, 1, 45.0)}
