@@ -5,7 +5,7 @@ import pytest
 import torch
 from toy import toy_federation
 
-from feddg.algorithms import create_method
+from feddg.algorithms import ccst, create_method
 from feddg.algorithms.ccst import draw_styles
 from feddg.algorithms.components.style import channel_stats
 from feddg.engines.inprocess import run_inprocess, run_setup
@@ -69,6 +69,34 @@ def test_loss_is_ce_of_the_batch_plus_ce_of_its_k_stylised_copies(tmp_path, k):
     ccst = fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
     avg = create_method("fedavg").client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
     assert ccst == pytest.approx(2 * avg, rel=1e-5)
+
+
+def test_each_stylised_copy_takes_the_mean_and_std_of_its_drawn_bank_row(monkeypatch):
+    """Pixel AdaIN at α = 1 gives every image of copy j its channel mean and (population) std from bank row r_j: a
+    hand-made bank of three distinct rows, the rows each batch drew recorded, the stylised batch read at the model."""
+    fed = toy_federation("method.name=ccst", "method.params.style_path=pixel", "method.params.k=2")
+    bank_mean, bank_std = np.array([[0.5], [3.0], [-2.0]], np.float32), np.array([[1.0], [0.2], [2.5]], np.float32)
+    msg = {**fed.method.server_init(fed.model, None)["weights"], "bank/mean": bank_mean, "bank/std": bank_std,
+           "bank/owner": np.array([1, 2, 3]), "lr": 0.0, "round": 1}
+    drawn: list[torch.Tensor] = []
+    draw = ccst.draw_styles
+
+    def recording_draw(owners: np.ndarray, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        drawn.append(draw(owners, k, generator))
+        return drawn[-1]
+
+    monkeypatch.setattr(ccst, "draw_styles", recording_draw)
+    inputs: list[torch.Tensor] = []  # per batch: its K stylised copies, then the batch
+    fed.model.conv.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().clone()))
+    fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    assert len(drawn) == 4 and len(inputs) == 8  # 54 examples: 4 batches
+    assert any(0 not in rows.tolist() for rows in drawn)  # some batch styles with rows other than the first
+    for rows, x_tilde, x in zip(drawn, inputs[::2], inputs[1::2], strict=True):
+        copies = x_tilde.reshape(len(rows), len(x), 1, 36)
+        for r, copy in zip(rows.tolist(), copies, strict=True):
+            np.testing.assert_allclose(copy.mean(-1).numpy(), bank_mean[r][None].repeat(len(x), 0), atol=1e-5)
+            np.testing.assert_allclose(copy.std(-1, unbiased=False).numpy(), bank_std[r][None].repeat(len(x), 0),
+                                       atol=1e-4)
 
 
 def test_ccst_trains_on_the_feature_path(tmp_path):

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from scipy import ndimage
 from toy import run_recording_replies
 from toy_pixels import NAME, pixel_federation, registered
@@ -195,6 +196,43 @@ def test_one_step_is_the_first_order_episodic_update(monkeypatch):
         reply, _ = fed.method.client_update(model, msg, {}, ctx)
         for n, w in want.items():
             np.testing.assert_allclose(reply[f"w/{n}"], w.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{n} {second}")
+
+
+def test_one_step_takes_the_outer_loss_and_the_boundary_term_on_the_interpolated_images():
+    """One bank row, λ fixed, b = 0: x^{k→n} = x + λ(a − Σx)/36 per image (no draw matters). Plain SGD on one full
+    batch: θ ← θ − η ∇[L(x; θ) + L(x^{k→n}; θ') + γ L_bd(f(x; θ), f(x^{k→n}; θ'))], θ' = θ − β clip(∇L(x; θ), ±c)
+    first order, the pixel net's conv features rebuilt by hand."""
+    lam, a, gamma = 0.8, 20.0, 0.5
+    fed = pixels("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=256", "method.params.window=0",
+                 f"method.params.lam_min={lam}", f"method.params.lam_max={lam}", f"method.params.boundary_weight={gamma}",
+                 "method.params.meta_lr=0.5", "method.params.inner_clip=0.05")
+    model, ctx = fed.model, client_context(fed, 0, 1)
+    x, y = fed.dataset.get_batch(ctx.train_idx, train=True)
+    x_trans = x + lam * (a - x.sum(dim=(-2, -1), keepdim=True)) / 36
+    theta = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+
+    def features(w: dict[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
+        return torch.relu(F.conv2d(images, w["conv.weight"], w["conv.bias"], padding=1))
+
+    def head(w: dict[str, torch.Tensor], f: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(f, w["classifier.weight"], w["classifier.bias"])
+
+    f_raw = features(theta, x)
+    loss_inner = fed.task.loss(head(theta, f_raw), y)
+    g = torch.autograd.grad(loss_inner, list(theta.values()), retain_graph=True)
+    fast = {n: t - 0.5 * gi.clamp(-0.05, 0.05) for (n, t), gi in zip(theta.items(), g, strict=True)}
+    f_trans = features(fast, x_trans)
+    bd = boundary_loss(f_raw, f_trans, y, 2, fed.method.params)
+    assert bd.item() > 0.01  # the boundary term is in play
+    total = loss_inner + fed.task.loss(head(fast, f_trans), y) + gamma * bd
+    grads = torch.autograd.grad(total, list(theta.values()))
+    want = {n: (t - 0.1 * gr).detach() for (n, t), gr in zip(theta.items(), grads, strict=True)}
+    state = fed.method.server_init(model, None)
+    state["bank"] = (np.full((1, 1, 1, 1), a, np.float32), np.array([1]))  # one row, of client 1
+    msg = {**fed.method.client_config(state, 0, 1), "lr": 0.1, "round": 1}
+    reply, _ = fed.method.client_update(model, msg, {}, ctx)
+    for n, w in want.items():
+        np.testing.assert_allclose(reply[f"w/{n}"], w.numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
 
 
 # --------------------------------------------------------------------------- what is shared

@@ -22,10 +22,11 @@ def test_bn_keys_are_every_batchnorm_parameter_and_buffer():
         bn_keys(nn.Linear(2, 2))
 
 
-def _round(fed, state, round):
+def _round(fed, state, round, clients=range(4)):
+    """One round of ``clients``; the others' client states are kept."""
     method = fed.method
-    sent = {cid: {**method.client_config(state, cid, round), "lr": 0.1, "round": round} for cid in range(4)}
-    replies, states = [], {}
+    sent = {cid: {**method.client_config(state, cid, round), "lr": 0.1, "round": round} for cid in clients}
+    replies, states = [], dict(fed.cstates)
     for cid, msg in sent.items():
         reply, states[cid] = method.client_update(fed.model, dict(msg), fed.cstates.get(cid, {}),
                                                   client_context(fed, cid, round))
@@ -61,6 +62,21 @@ def test_bn_stays_local_and_everything_else_is_averaged():
 
     assert all(np.array_equal(fed.method.eval_weights(state, 1)[k], replies1[1].message[BN_PREFIX + k]) for k in BN)
     assert fed.method.eval_weights(state, None) is state["weights"]
+
+
+def test_a_client_absent_this_round_is_evaluated_with_the_bn_it_uploaded_last():
+    """Partial participation: clients 0, 1 in round 1, clients 2, 3 in round 2. Client 0's model after round 2 is
+    the round-2 global non-BN weights with the BN of its round-1 reply."""
+    fed = toy_federation("method.name=fedbn")
+    fed.cstates = {}
+    state = fed.method.server_init(fed.model, None)
+    _, replies1, state = _round(fed, state, 1, [0, 1])
+    _, replies2, state = _round(fed, state, 2, [2, 3])
+    for cid, reply in ((0, replies1[0]), (3, replies2[1])):
+        mine = fed.method.eval_weights(state, cid)
+        assert all(np.array_equal(mine[k], reply.message[BN_PREFIX + k]) for k in BN), cid
+        assert all(np.array_equal(mine[k], state["weights"][k]) for k in state["weights"] if k not in BN)
+    assert not np.array_equal(replies1[0].message[BN_PREFIX + "w/bn.weight"], state["weights"]["w/bn.weight"])
 
 
 def test_target_mode_resets_the_statistics_and_predicts_with_the_batchs_own():

@@ -1,12 +1,16 @@
 """FPL: FINCH cluster prototypes, unbiased prototypes, CPCL and UPCR, the prototype upload."""
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from toy import toy_federation
 
+from feddg.algorithms import fpl
+from feddg.algorithms.base import ClientContext
 from feddg.algorithms.fpl import cluster_prototypes, cpcl_loss, upcr_loss
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.client import client_context
@@ -89,6 +93,33 @@ def test_uploaded_prototypes_are_class_means_of_the_features():
             counts.index_add_(0, y, torch.ones(len(y)))
     assert np.array_equal(reply["proto/present"], (counts > 0).numpy().astype(np.int8))
     assert np.allclose(reply["proto/mean"], (sums / counts.clamp_min(1)[:, None]).numpy(), atol=1e-5)
+
+
+def test_uploaded_prototypes_are_the_class_means_of_the_last_local_epoch_only(monkeypatch):
+    """Two epochs at lr > 0 (the features move between them): the features and labels the loop sees are recorded,
+    and the upload is the class means over the second epoch's alone (the authors' code)."""
+    fed = toy_federation("method.name=fpl", "federation.local_epochs=2")
+    seen: list[tuple[int, torch.Tensor]] = []  # (epoch, labels) of each batch, in order
+    feats: list[torch.Tensor] = []  # the features of each batch, in the same order
+    batches = fpl.local_batches
+
+    def recording_batches(model: torch.nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Any, torch.Tensor]]:
+        for epoch, x, y in batches(model, ctx):
+            seen.append((epoch, y.clone()))
+            yield epoch, x, y
+
+    monkeypatch.setattr(fpl, "local_batches", recording_batches)
+    fed.model.fc.register_forward_hook(lambda m, i, out: feats.append(torch.relu(out).detach().clone()))
+    msg = {**fed.method.client_config(fed.method.server_init(fed.model, None), 0, 1), "lr": 0.1, "round": 1}
+    reply, _ = fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    assert [e for e, _ in seen] == [0] * 4 + [1] * 4 and len(feats) == 8  # 54 examples: 4 batches an epoch
+    last = [i for i, (e, _) in enumerate(seen) if e == 1]
+    z, y = torch.cat([feats[i] for i in last]), torch.cat([seen[i][1] for i in last])
+    want = np.stack([z[y == k].mean(0).numpy() for k in range(4)])
+    assert np.array_equal(reply["proto/present"], np.ones(4, np.int8))
+    np.testing.assert_allclose(reply["proto/mean"], want, atol=1e-6)
+    both = torch.cat(feats)[torch.cat([t for _, t in seen]) == 0].mean(0).numpy()
+    assert np.abs(both - want[0]).max() > 1e-3  # the first epoch's features differ: they would move the means
 
 
 def test_prototype_terms_join_the_loss_from_round_two(tmp_path):

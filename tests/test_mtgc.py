@@ -2,6 +2,7 @@
 reset of z every server round, and the configurations it refuses."""
 
 import re
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -31,10 +32,10 @@ class QuadraticMTGC(MTGC):
 
 
 def _station_round(fed, topo, method, model, state, cstates: dict, round: int, lr: float,
-                   epochs: list[int]) -> tuple[dict, list[Reply]]:
-    """One station round of the four toy clients (client k trains ``epochs[k]`` epochs): the new state, the replies."""
+                   epochs: list[int], clients: Sequence[int] = range(4)) -> tuple[dict, list[Reply]]:
+    """One station round of ``clients`` (client k trains ``epochs[k]`` epochs): the new state, the replies."""
     replies = []
-    for cid in range(4):
+    for cid in clients:
         msg = {**topo.client_config(method, state, cid, round), "lr": lr, "round": round}
         ctx = replace(client_context(fed, cid, round), local_epochs=epochs[cid])
         reply, cstates[cid] = topo.client_update(method, model, msg, cstates.get(cid, {}), ctx)
@@ -88,6 +89,31 @@ def test_on_quadratics_z_and_y_are_the_gradient_gaps_and_z_resets_every_server_r
     np.testing.assert_allclose([float(r.message["w/w"][0]) for r in replies], merged - lr * (merged - a + y),
                                rtol=1e-5)
     assert all(float(cstates[k][Z + "w"][0]) == 0.0 for k in range(4))
+    # its second station round closes it: y_j moves by (x̄_j − x̄)/(Σ_e Hγ) over this server round only, (1 + 2)γ
+    replies = station_round(4, epochs=2)
+    x_bar4 = station_mean(np.array([float(r.message["w/w"][0]) for r in replies]))
+    merged = x_bar4[[0, 2]].mean()
+    np.testing.assert_allclose(state["weights"]["w/w"], [merged], rtol=1e-5)
+    np.testing.assert_allclose([float(state["stations"][station_of[i]]["y"]["w"][0]) for i in range(4)],
+                               y + (x_bar4 - merged) / (3 * lr), rtol=1e-4)
+
+
+def test_a_client_that_missed_the_last_station_round_keeps_its_correction():
+    """Four station rounds per server round, client 0 out of the third: at the fourth its z_0 is still a_0 − ā_0 from
+    the second (its last model is two station rounds old: no gradient gap to read from it)."""
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
+    a = np.array([float(fed.dataset.x[c.train_idx].mean()) for c in fed.clients])
+    lr, station_of = 0.1, [0, 0, 1, 1]
+    topo = StationTopology(np.asarray(station_of), 4, 1.0, "avg", HFedATMParams(), None)
+    method, model = QuadraticMTGC(), Point()
+    state = topo.init(method, model, ServerContext(4, 4, 0))
+    cstates: dict[int, dict] = {}
+    for rnd, clients in ((1, [0, 1, 2, 3]), (2, [0, 1, 2, 3]), (3, [1, 2, 3]), (4, [0, 1, 2, 3])):
+        state, _ = _station_round(fed, topo, method, model, state, cstates, rnd, lr, [1] * 4, clients)
+        if rnd == 2:  # z_i = (x_i − x̄_j)/γ after one step from x0 = a_i − ā_j (equal n)
+            np.testing.assert_allclose(float(cstates[0][Z + "w"][0]), a[0] - a[:2].mean(), atol=1e-5)
+    np.testing.assert_allclose(float(cstates[0][Z + "w"][0]), a[0] - a[:2].mean(), atol=1e-5)
+    assert cstates[0]["round"] == 4
 
 
 _HIER = ("method.name=mtgc", "optim.momentum=0", "hierarchy.stations=2", "hierarchy.station_rounds=2",
@@ -125,16 +151,25 @@ def test_resume_is_bit_identical(tmp_path):
 
 @pytest.mark.parametrize("z_step", ["client", "station"])
 def test_with_unequal_step_counts_only_the_station_step_keeps_a_stations_corrections_summing_to_zero(z_step):
-    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000",
+                         "partition.kind=dirichlet_labels", "partition.params.alpha=1")
     n = np.array([len(c.train_idx) for c in fed.clients], dtype=np.float64)
+    assert n[0] != n[1]  # unequal clients: the station's n-weighted mean Hγ is not the plain one
     lr, station_of, epochs = 0.1, [0, 0, 1, 1], [1, 4, 2, 2]  # station 0's clients take 1 and 4 steps
     topo = StationTopology(np.asarray(station_of), 2, 1.0, "avg", HFedATMParams(), None)
     method, model = QuadraticMTGC(MTGC.Params(z_step=z_step)), Point()
     state = topo.init(method, model, ServerContext(4, 4, 0))
     cstates: dict[int, dict] = {}
-    for rnd in (1, 2):  # z_i is updated at the start of station round 2, from round 1's models and steps
-        state, _ = _station_round(fed, topo, method, model, state, cstates, rnd, lr, epochs)
+    state, replies = _station_round(fed, topo, method, model, state, cstates, 1, lr, epochs)
+    # z_i is updated at the start of station round 2, from round 1's models and steps: (x_i − x̄_j)/(Hγ)
+    state, _ = _station_round(fed, topo, method, model, state, cstates, 2, lr, epochs)
     z = np.array([float(cstates[k][Z + "w"][0]) for k in range(4)])
+    x1 = np.array([float(r.message["w/w"][0]) for r in replies])
+    mine = [[k for k in range(4) if station_of[k] == station_of[i]] for i in range(4)]
+    x_bar = np.array([np.average(x1[m], weights=n[m]) for m in mine])
+    steps = lr * np.array(epochs, dtype=np.float64)  # one full-batch step an epoch
+    h_gamma = steps if z_step == "client" else np.array([np.average(steps[m], weights=n[m]) for m in mine])
+    np.testing.assert_allclose(z, (x1 - x_bar) / h_gamma, rtol=1e-4)
     station0 = float(n[0] * z[0] + n[1] * z[1]) / float(np.abs(n[:2] * z[:2]).sum())  # relative to the terms
     station1 = float(n[2] * z[2] + n[3] * z[3]) / float(np.abs(n[2:] * z[2:]).sum())
     assert abs(station1) < 1e-4  # equal steps: both readings are the gradient gap (float32 weights differenced)
