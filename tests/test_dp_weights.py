@@ -132,6 +132,20 @@ def test_the_server_moves_the_clip_by_the_unclipped_count():
     assert priv.clip == pytest.approx(2.0 * math.exp(-0.2 * (0.5 - 0.9)), rel=1e-15)
 
 
+def test_the_adaptive_clips_count_of_unclipped_updates_is_released_with_gaussian_noise_of_count_std():
+    cfg = WeightDPConfig(noise_multiplier=0.5, clip=2.0, adaptive={"count_std": 1.5})
+    priv = WeightPrivacy(cfg, num_clients=2, fraction=1.0, seed=0)
+    errors = []
+    for rnd in range(1, 801):
+        priv.begin()
+        acc = Accumulator(WeightedSum("w/", 20))
+        for cid in range(2):  # both updates within the clip: the true count is 2
+            acc.weights.add(priv.clip_reply(Reply(cid, {"w/x": np.array([1.0], np.float32), "num_examples": 10}),
+                                            {"w/x": np.zeros(1, np.float32)}).message, 10)
+        errors.append(priv.add_noise(acc, rnd, [10, 10], 2)["dp_weights/unclipped_noised"] * 2 - 2)
+    assert abs(np.mean(errors)) < 0.2 and np.std(errors) == pytest.approx(1.5, rel=0.08)  # 800 draws: se 2.5 %
+
+
 # --- runs ------------------------------------------------------------------------------------------
 def test_noise_zero_and_a_huge_clip_is_fedavg_bit_for_bit(tmp_path):
     ref = Server(toy_federation(), tmp_path / "ref")
