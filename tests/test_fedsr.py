@@ -1,5 +1,7 @@
 """FedSR: representation, regularisers against closed forms, local reference, Monte-Carlo prediction."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 from torch.distributions import Normal, kl_divergence
 from toy import ToyNet, toy_federation
 
+from feddg.algorithms import fedsr
 from feddg.algorithms.fedsr import FedSR, FedSRNet, FedSRParams, cmi_term, l2r_term
 from feddg.federation.client import client_context
 from feddg.messages import weights_of
@@ -86,6 +89,41 @@ def test_client_update_keeps_the_reference_local_and_sends_only_declared_keys():
     reply2, state2 = method.client_update(fed.model, msg, state, client_context(fed, 0, 2))
     assert not np.array_equal(state2["ref/mu"], state["ref/mu"])  # continues from its own state
     assert reply["l2r"] > 0 and reply["cmi"] > 0
+
+
+@pytest.mark.parametrize(("l2r", "cmi"), [(1.0, 0.0), (0.0, 0.5), (0.3, 0.2)])
+def test_one_local_step_descends_ce_plus_l2r_plus_cmi_rebuilt_by_hand(
+    monkeypatch: pytest.MonkeyPatch, l2r: float, cmi: float
+) -> None:
+    """One SGD step on one batch, z drawn from the same seed: the model's and the reference's new values are
+    w − η∇[CE(classifier(z), y) + λ_L2R mean‖z‖ + λ_CMI mean KL(N(cμ, (cσ)²) ‖ N(r_μ[y], softplus(r_σ[y])²))], the
+    loss built here from the term functions; either weight alone moves the step (a dropped term fails)."""
+    fed = toy_federation("method.name=fedsr", f"method.params.l2r={l2r}", f"method.params.cmi={cmi}",
+                         "optim.weight_decay=0")  # the first momentum step is the plain gradient step
+    model, lr = fed.model, 0.1
+    x, y = fed.dataset.get_batch(np.arange(0, 120, 15), train=False)  # classes 0, 0, 1, 1, …, 3, 3
+    monkeypatch.setattr(fedsr, "local_batches", lambda *_: iter([(0, x, y)]))
+    hand = copy.deepcopy(model).train()
+    assert isinstance(hand, FedSRNet)
+    ctx = client_context(fed, 0, 1)
+    torch.manual_seed(3)
+    reply, state = fed.method.client_update(model, {**weights_of(model), "lr": lr, "round": 1}, {}, ctx)
+
+    # the reference's first-round start: r_μ = 0, r_σ = 1 (before softplus), c = 1
+    r_mu, r_sigma = torch.zeros(4, 16, requires_grad=True), torch.ones(4, 16, requires_grad=True)
+    scale = torch.ones((), requires_grad=True)
+    torch.manual_seed(3)
+    mu, sigma = hand.distribution(x)
+    z = mu + sigma * torch.randn(mu.shape)
+    loss = (F.cross_entropy(hand.classifier(z), y) + l2r * l2r_term(z).mean()
+            + cmi * cmi_term(mu, sigma, scale, r_mu[y], F.softplus(r_sigma)[y]).mean())
+    named = {**{f"w/{n}": p for n, p in hand.named_parameters()}, "ref/mu": r_mu, "ref/sigma": r_sigma,
+             "ref/scale": scale}
+    grads = torch.autograd.grad(loss, list(named.values()))
+    got = {**reply, **state}
+    for (key, t), g in zip(named.items(), grads, strict=True):
+        np.testing.assert_allclose(np.asarray(got[key]), (t - lr * g).detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=key)
+    assert reply["train_loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
 
 
 def test_the_wrapped_models_conv_stages_are_found_inside_it():

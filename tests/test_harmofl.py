@@ -2,12 +2,17 @@
 FFT), the weight-perturbed step on quadratics, the setup upload and the server's average, one reproducible round."""
 
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from toy import run_recording_replies, toy_federation
 
+from feddg.algorithms import harmofl
+from feddg.algorithms.base import ClientContext
+from feddg.algorithms.components.local import local_batches
 from feddg.algorithms.harmofl import (
     AmpNormNet,
     amplitude_window,
@@ -17,6 +22,7 @@ from feddg.algorithms.harmofl import (
     perturb,
     perturbed_step,
 )
+from feddg.devices import Inputs, images
 from feddg.engines.inprocess import run_inprocess, run_setup
 from feddg.federation.client import client_context
 from feddg.federation.server import Server
@@ -192,6 +198,42 @@ def test_evaluation_and_training_see_the_normalised_images(tmp_path):
     torch.testing.assert_close(model.features(x), model.net.features(x_hat))
     assert model.classifier is model.net.classifier
     assert not any(k.startswith("w/classifier") for k in server.state["weights"])  # the head is not stored twice
+
+
+def test_client_update_trains_the_network_on_images_normalised_to_the_global_amplitude(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every input the wrapped network sees in training has A_g in its 3×3 low-frequency window (b = 1, |F| by hand,
+    the zero frequency signed) and the raw batch's spectrum outside it: the normalised image, not the raw one."""
+    fed = toy_federation("method.name=harmofl", "method.params.radius=1")
+    server = Server(fed, tmp_path)
+    run_setup(server)
+    a_g = torch.as_tensor(server.state["weights"]["w/amp"]).double()  # [1, 3, 3]
+    raw: list[torch.Tensor] = []
+
+    def recording(model: torch.nn.Module, ctx: ClientContext) -> Iterator[tuple[int, Inputs, torch.Tensor]]:
+        for epoch, x, y in local_batches(model, ctx):  # the batches client_update draws, as drawn
+            raw.append(images(x).clone())
+            yield epoch, x, y
+
+    monkeypatch.setattr(harmofl, "local_batches", recording)
+    seen: list[torch.Tensor] = []
+    assert isinstance(fed.model, AmpNormNet)
+    fed.model.net.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach().clone()))
+    msg = {**fed.method.client_config(server.state, 0, 1), "lr": 0.1, "round": 1}
+    fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    assert raw and len(seen) == 2 * len(raw)  # α > 0: the loss at w, then at w + δ, on the same batch
+    outside = torch.ones(6, 6, dtype=torch.bool)
+    outside[[[5], [0], [1]], [5, 0, 1]] = False  # fft2 layout: frequencies −1, 0, 1 on both axes
+    for j, x_hat in enumerate(seen):
+        x = raw[j // 2]
+        spec = torch.fft.fft2(x_hat.double())
+        amp = spec.abs()
+        amp[..., 0, 0] = spec[..., 0, 0].real
+        window = torch.fft.fftshift(amp, dim=(-2, -1))[..., 2:5, 2:5]
+        torch.testing.assert_close(window, a_g.expand_as(window), atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(spec[..., outside], torch.fft.fft2(x.double())[..., outside], atol=1e-4, rtol=1e-5)
+        assert (x_hat - x).abs().max() > 0.1
 
 
 def _run(tmp_path, *over):
