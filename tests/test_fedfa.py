@@ -1,11 +1,13 @@
 """FedFA's server side (eqs. 6–7), the message contract, the variants, byte accounting and protocols."""
 
+import copy
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from toy import toy_federation
 
@@ -15,11 +17,12 @@ from feddg.aggregation.fedfa_stats import (
     t_modulation,
 )
 from feddg.algorithms import Reply, ServerContext, create_method
+from feddg.algorithms.components.soft_histogram import soft_histogram, symmetric_kl
 from feddg.cli import communication_table
 from feddg.config import ConfigError, build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.evaluation.tally import tally_by_domain
-from feddg.federation.client import run_client
+from feddg.federation.client import client_context, run_client
 from feddg.federation.server import Server
 from feddg.messages import load_weights, weights_of
 from feddg.models import create_model
@@ -218,6 +221,59 @@ def test_local_histogram_eq11(samples, n):
 
     hist = method.local_histogram(model, client_context(fed, 0, 1))
     assert hist.shape == (4, 8) and np.allclose(hist.sum(1), 1.0, atol=1e-5)
+
+
+def _bn_pooled(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's output and its ``bn`` stage (the alignment tap of TOY) pooled over H×W, ``[N, C]``."""
+    seen: list[torch.Tensor] = []
+    handle = model.get_submodule("bn").register_forward_hook(lambda m, i, out: seen.append(out))
+    try:
+        out = model(x)
+    finally:
+        handle.remove()
+    return out, seen[0].mean(dim=(2, 3))
+
+
+def test_uploaded_histogram_is_eq11_over_all_of_the_clients_batches() -> None:
+    """π_m rebuilt with ``soft_histogram`` over the pooled ``bn`` features of all 54 samples (4 batches of 16,
+    eval mode) of the trained model: one min-max range and one mean over them all, not the last batch's."""
+    fed = _fed()
+    ctx = client_context(fed, 0, 1)
+    assert ctx.num_examples > 2 * ctx.batch_size
+    msg = {**fed.method.client_config(fed.method.server_init(fed.model, ServerContext(4, 2, 0)), 0, 1),
+           "lr": 0.1, "round": 1}
+    reply, _ = fed.method.client_update(fed.model, msg, {}, ctx)
+    model = fed.model.eval()
+    with torch.no_grad():
+        _, feats = _bn_pooled(model, fed.dataset.x[ctx.train_idx])
+    expected = soft_histogram(feats, num_bins=8, tau=0.01, kind="paper").numpy()
+    np.testing.assert_allclose(reply["hist/pi"], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_eq15_adds_lambda_times_the_alignment_loss_to_the_task_loss() -> None:
+    """One plain SGD step on the client's data in one batch, FFA off (p=0): the reply's weights are
+    ``w − η ∇(CE + λ·symKL(π_b, π))`` with π_b rebuilt by ``soft_histogram`` on the pooled ``bn`` features."""
+    lam, lr = 1.0, 0.1
+    fed = _fed("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000", "method.params.p=0",
+               f"method.params.lambda_h={lam}")
+    torch.manual_seed(0)
+    pi = torch.softmax(torch.randn(4, 8), dim=1)
+    ref = copy.deepcopy(fed.model).train()
+    ctx = client_context(fed, 0, 2)
+    msg = {**weights_of(fed.model), "hist/pi": pi.numpy(), "lr": lr, "round": 2}
+    reply, _ = fed.method.client_update(fed.model, msg, {}, ctx)
+    x, y = fed.dataset.x[ctx.train_idx], torch.as_tensor(fed.dataset.labels[ctx.train_idx])
+    out, feats = _bn_pooled(ref, x)
+    ce = F.cross_entropy(out, y)
+    align = symmetric_kl(soft_histogram(feats, num_bins=8, tau=0.01, kind="paper"), pi)
+    params = dict(ref.named_parameters())
+    g_ce = torch.autograd.grad(ce, list(params.values()), retain_graph=True)
+    g_align = torch.autograd.grad(align, list(params.values()), materialize_grads=True)  # 0 past bn
+    assert reply["align_loss"] == pytest.approx(float(align.detach()), rel=1e-4)
+    assert max(float((lr * lam * g).abs().max()) for g in g_align) > 1e-3  # the alignment term moves the weights
+    for (name, p), gc, ga in zip(params.items(), g_ce, g_align, strict=True):
+        np.testing.assert_allclose(reply["w/" + name], (p - lr * (gc + lam * ga)).detach().numpy(),
+                                   rtol=1e-4, atol=2e-5)
 
 
 def test_bad_configs_fail_early():

@@ -1,5 +1,6 @@
 """SCAFFOLD: control variates against their closed form on a quadratic, FedAvg at c = c_i = 0, the server step."""
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -65,6 +66,49 @@ def test_on_a_quadratic_the_variates_are_the_gradients_and_every_client_takes_th
     replies = run(2, epochs=5)  # g − c_i + c = (y − a_i) − (x0 − a_i) + (x0 − ā) = y − ā: GD on f = mean f_i
     for r in replies:
         np.testing.assert_allclose(r.message["w/w"], a.mean() + (1 - lr) ** 5 * (x1 - a.mean()), rtol=1e-5)
+
+
+def test_option1_variate_adds_the_weight_decay_term_to_the_mean_gradient() -> None:
+    """Option I with ``wd > 0``: ``c_i⁺ = ∇f_i(x) + wd·x = (x − a_i) + wd·x`` on the quadratic at ``x = 3``."""
+    wd = 0.1
+    fed = toy_federation("optim.momentum=0", f"optim.weight_decay={wd}", "federation.batch_size=1000")
+    method, model = QuadraticScaffold(ScaffoldParams(control="option1")), Point()
+    msg = {**method.client_config(method.server_init(model, ServerContext(4, 2, 0)), 0, 1), "lr": 0.1, "round": 1}
+    reply, own = method.client_update(model, msg, {}, client_context(fed, 0, 1))
+    x, a = 3.0, _targets(fed)[0]
+    np.testing.assert_allclose(np.asarray(own[OWN + "w"]), [x - a + wd * x], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(reply[DELTA + "w"]), [x - a + wd * x], rtol=1e-5)  # c_i = 0: Δc_i = c_i⁺
+
+
+def test_round_two_uploads_the_change_of_the_variate_and_the_server_control_is_the_mean_variate() -> None:
+    """Option II on ToyNet over two rounds, all four clients each round: the test keeps its own ``c_i`` from the
+    replies' weights, ``Δc_i = (x − y_i)/(K η) − c`` and ``c_i ← c_i + Δc_i``; the reply's ``dc/`` must be that
+    change (in round 1 ``c = c_i = 0``, so only round 2 tells ``Δc_i`` from ``c_i⁺``), and after aggregation
+    ``c = mean_i c_i`` (``c ← c + (1/N) Σ_i Δc_i`` from ``c = 0``)."""
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0")
+    method, model, lr = Scaffold(), fed.model, 0.1
+    names = [n for n, _ in model.named_parameters()]
+    state = method.server_init(model, ServerContext(4, 2, 0))
+    own = {cid: {n: np.zeros(p.shape) for n, p in model.named_parameters()} for cid in range(4)}
+    cstates: dict[int, dict] = {}
+    for round in (1, 2):
+        x, c, replies = state["weights"], state["control"], []
+        for cid in range(4):
+            ctx = client_context(fed, cid, round)
+            assert ctx.num_examples % ctx.batch_size > 1  # no one-sample batch for BatchNorm to skip
+            steps = math.ceil(ctx.num_examples / ctx.batch_size) * ctx.local_epochs
+            msg = {**method.client_config(state, cid, round), "lr": lr, "round": round}
+            reply, cstates[cid] = method.client_update(model, msg, cstates.get(cid, {}), ctx)
+            for n in names:
+                delta = (x["w/" + n].astype(np.float64) - reply["w/" + n]) / (steps * lr) - c[n]
+                np.testing.assert_allclose(np.asarray(reply[DELTA + n]), delta, rtol=1e-4, atol=1e-5)
+                own[cid][n] = own[cid][n] + delta
+            replies.append(Reply(cid, reply))
+        state, _ = method.aggregate(state, replies)
+        for n in names:
+            np.testing.assert_allclose(state["control"][n], np.mean([own[k][n] for k in range(4)], axis=0),
+                                       rtol=1e-4, atol=1e-5)
+    assert max(float(np.abs(own[k][n]).max()) for k in range(4) for n in names) > 1e-2  # c_i(1) ≠ 0 in round 2
 
 
 def test_with_zero_variates_the_first_round_is_fedavgs():
