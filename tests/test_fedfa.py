@@ -204,9 +204,9 @@ def test_alignment_changes_training_and_is_off_at_lambda_zero(tmp_path):
 
 def test_noise_is_added_to_the_uploaded_statistics_only():
     _, _, replies = _round_replies(_fed("method.params.stat_noise=0.3", "method.params.lambda_h=0"))
-    reply, state = replies[0]
-    diff = reply["stat/1/mu_bar"] - state["ffa/1/mu_bar"]
-    assert 0.05 < diff.std() and not np.allclose(diff, 0)
+    diff = np.concatenate([reply[k] - state["ffa/" + k.removeprefix("stat/")] for reply, state in replies.values()
+                           for k in reply if k.startswith("stat/")])  # every statistic of every client
+    assert len(diff) == 64 and np.sqrt(np.mean(diff**2)) == pytest.approx(0.3, rel=0.3)  # N(0, 0.3²): se 9 %
     _, _, clean = _round_replies(_fed("method.params.lambda_h=0"))
     np.testing.assert_array_equal(clean[0][0]["stat/1/mu_bar"], clean[0][1]["ffa/1/mu_bar"])
 
