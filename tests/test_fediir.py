@@ -1,18 +1,20 @@
 """FedIIR: classifier-gradient penalty, the server's EMA mean, and what a client sends."""
 
+import copy
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from toy import ToyMLPHeadNet, toy_federation
+from toy import ToyDomains, ToyMLPHeadNet, assert_reply_is_sgd_steps, toy_federation
 
 from feddg.algorithms import Reply
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.fediir import (
     BATCHES,
     GRAD_PREFIX,
+    MEAN_PREFIX,
     FedIIR,
     FedIIRParams,
     batch_gradient_sum,
@@ -106,3 +108,28 @@ def test_zero_penalty_is_fedavg_and_a_positive_one_changes_training():
     assert max(float(np.abs(avg[k] - big[k]).max()) for k in keys) > 1e-3
     assert set(zero) == {*keys, GRAD_PREFIX + "weight", GRAD_PREFIX + "bias", BATCHES, "num_examples", "train_loss"}
     assert zero[GRAD_PREFIX + "weight"].shape == fed.model.classifier.weight.shape
+
+
+def test_a_client_steps_on_the_loss_plus_its_distance_to_a_nonzero_mean_gradient() -> None:
+    """One full batch, two epochs, plain SGD against a non-zero ``ḡ``: the reply is two steps on
+    ``CE + γ Σ ‖∇_classifier CE − ḡ‖²`` rebuilt here with plain autograd (double backprop through the penalty)."""
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
+    data = fed.dataset
+    assert isinstance(data, ToyDomains)
+    lr, gamma = 0.1, 0.5
+    torch.manual_seed(0)
+    mean = {"weight": 0.5 * torch.randn(4, 16), "bias": 0.5 * torch.randn(4)}
+    msg = {**weights_of(fed.model), **{MEAN_PREFIX + k: v.numpy() for k, v in mean.items()}, "lr": lr, "round": 1}
+    ctx = replace(client_context(fed, 0, 1), local_epochs=2)
+    model = copy.deepcopy(fed.model).train()
+    reply, _ = FedIIR(FedIIRParams(penalty=gamma)).client_update(fed.model, msg, {}, ctx)
+    x, y = data.x[ctx.train_idx], torch.as_tensor(data.labels[ctx.train_idx])
+    head = model.get_submodule("classifier")
+    head_params = [head.get_parameter("weight"), head.get_parameter("bias")]
+
+    def loss() -> torch.Tensor:
+        ce = F.cross_entropy(model(x), y)
+        head_grads = torch.autograd.grad(ce, head_params, create_graph=True)
+        return ce + gamma * sum(((g - m) ** 2).sum() for g, m in zip(head_grads, mean.values(), strict=True))
+
+    assert_reply_is_sgd_steps(reply, msg, model, loss, lr, steps=2)

@@ -1,20 +1,23 @@
 """FedMix: the loss of eq. 5 against a hand-computed value, its first-order agreement with mixup, the setup's
 group means, the server's bank without the client's own means, and the refusals."""
 
+import copy
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from toy import toy_federation
+from toy import ToyDomains, assert_reply_is_sgd_steps, toy_federation
 from toy_pixels import NAME, registered
 
 from feddg.algorithms import Reply
+from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.fedmix import MEAN_X, MEAN_Y, FedMix, FedMixParams, fedmix_loss, group_means
 from feddg.config import ConfigError, build_config
 from feddg.federation.client import client_context
-from feddg.messages import weights_of
+from feddg.messages import Message, weights_of
 from feddg.tasks.classification import Classification
 
 
@@ -90,13 +93,35 @@ def test_each_client_receives_the_other_clients_means():
 
 def test_a_client_trains_against_the_bank_and_an_empty_bank_is_refused():
     fed = toy_federation("method.name=fedmix")
-    bank = {MEAN_X: fed.dataset.x[:3].numpy(), MEAN_Y: np.eye(4, dtype=np.float32)[:3]}
+    bank: dict[str, np.ndarray] = {MEAN_X: fed.dataset.x[:3].numpy(), MEAN_Y: np.eye(4, dtype=np.float32)[:3]}
     msg = {**weights_of(fed.model), **bank, "lr": 0.1, "round": 1}
     reply, _ = fed.method.client_update(fed.model, dict(msg), {}, client_context(fed, 0, 1))
     assert set(reply) == {*weights_of(fed.model), "num_examples", "train_loss"} and math.isfinite(reply["train_loss"])
     empty = {**msg, MEAN_X: bank[MEAN_X][:0], MEAN_Y: bank[MEAN_Y][:0]}
     with pytest.raises(ValueError, match="client 0 received no other client's means"):
         fed.method.client_update(fed.model, empty, {}, client_context(fed, 0, 1))
+
+
+def test_a_client_takes_plain_sgd_steps_on_eq_5_against_its_one_row_bank() -> None:
+    """One full batch, two epochs, plain SGD: with a one-row bank every sample's ``j`` is that row, so the reply is
+    two steps ``w ← w − lr ∇_w ℓ_FedMix`` rebuilt here with ``fedmix_loss``; at a tiny ``λ`` it is FedAvg's."""
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
+    data = fed.dataset
+    assert isinstance(data, ToyDomains)
+    lr, lam = 0.1, 0.3
+    bank: dict[str, np.ndarray] = {MEAN_X: 2.0 * data.x[:1].numpy() + 1.0,
+                                   MEAN_Y: np.array([[0.0, 0.2, 0.3, 0.5]], np.float32)}
+    msg: Message = {**weights_of(fed.model), **bank, "lr": lr, "round": 1}
+    ctx = replace(client_context(fed, 0, 1), local_epochs=2)
+    model = copy.deepcopy(fed.model).train()
+    reply, _ = FedMix(FedMixParams(lam=lam)).client_update(fed.model, dict(msg), {}, ctx)
+    x, y = data.x[ctx.train_idx], torch.as_tensor(data.labels[ctx.train_idx])
+    x_bar, y_bar = (torch.from_numpy(bank[k]).expand(len(x), *bank[k].shape[1:]) for k in (MEAN_X, MEAN_Y))
+    assert_reply_is_sgd_steps(reply, msg, model, lambda: fedmix_loss(model, fed.task, x, y, x_bar, y_bar, lam), lr, 2)
+    tiny, _ = FedMix(FedMixParams(lam=1e-7)).client_update(fed.model, dict(msg), {}, ctx)
+    avg, _ = FedAvg().client_update(fed.model, dict(msg), {}, ctx)
+    for k in weights_of(model):
+        np.testing.assert_allclose(np.asarray(tiny[k]), np.asarray(avg[k]), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
 def test_tasks_without_class_labels_are_refused_when_the_config_loads():

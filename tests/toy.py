@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from feddg.data.base import DomainDataset
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation, make_clients, make_split, make_topology
-from feddg.messages import Message
+from feddg.messages import Message, weights_of
 from feddg.models.base import FedModel
 
 
@@ -115,3 +116,19 @@ def run_recording_replies(fed: Federation, run_dir: Path) -> tuple[Server, list[
     server = Server(fed, run_dir)
     run_inprocess(server)
     return server, replies
+
+
+def assert_reply_is_sgd_steps(reply: Message, sent: Message, model: nn.Module, loss: Callable[[], Tensor],
+                              lr: float, steps: int) -> None:
+    """``reply``'s weights are ``steps`` plain SGD steps ``w ← w − lr ∇loss()`` taken here on ``model`` (a copy of
+    the client's model as ``sent``), and those steps moved them."""
+    params = list(model.parameters())
+    for _ in range(steps):
+        grads = torch.autograd.grad(loss(), params)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p.sub_(lr * g)
+    want = weights_of(model)
+    assert max(float(np.abs(np.asarray(want[k]) - np.asarray(sent[k])).max()) for k in want) > 1e-2  # it moved
+    for k in want:
+        np.testing.assert_allclose(np.asarray(reply[k]), np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
