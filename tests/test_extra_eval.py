@@ -3,43 +3,72 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from toy import ToyDomains, toy_federation
 from typer.testing import CliRunner
 
 from feddg.cli import app
 from feddg.config import ConfigError, ExtraEvalConfig, build_config, dump_config
+from feddg.data import load_dataset
 from feddg.engines.inprocess import run_inprocess
+from feddg.federation.client_store import open_checkpoint
 from feddg.federation.extra_eval import evaluate_run
 from feddg.federation.server import Server
-from feddg.federation.setup import ExtraTarget, load_extra_target
+from feddg.federation.setup import ExtraTarget, Federation, load_extra_target
+from feddg.messages import load_weights
+from feddg.models.registry import create_model
+
+FRESH = ToyDomains(per_class_domain=10)
 
 
-def _run_with_the_training_data_as_extra(tmp_path, *over):
+def _run_with_two_extras(tmp_path: Path, *over: str) -> tuple[Server, dict]:
+    """A toy run with two extra targets: the training data itself ("again") and fresh samples of the same classes
+    and domains ("fresh": 10 per class and domain, other noise)."""
     fed = toy_federation("federation.rounds=2", *over)
-    fed.extra = [ExtraTarget("again", fed.dataset)]  # every sample of the toy domains, as a second "dataset"
+    fed.extra = [ExtraTarget("again", fed.dataset), ExtraTarget("fresh", FRESH)]
     server = Server(fed, tmp_path / "run")
     return server, run_inprocess(server)
 
 
+def _accuracy_by_domain(fed: Federation, state: dict, client_id: int | None, ds: ToyDomains) -> list[float]:
+    """Percent of ``ds``'s samples of each domain that the model ``client_id`` is evaluated with (``None``: the
+    global one) classifies right, by hand."""
+    load_weights(fed.model, fed.method.eval_weights(state, client_id))
+    fed.model.eval()
+    with torch.no_grad():
+        right = fed.model(ds.x).argmax(1).numpy() == ds.labels
+    return [100.0 * right[ds.domain_ids == d].mean() for d in range(len(ds.domains))]
+
+
 def test_an_extra_target_is_evaluated_like_the_held_out_domain(tmp_path):
-    server, results = _run_with_the_training_data_as_extra(tmp_path)
+    server, results = _run_with_two_extras(tmp_path)
     final = results["final"]
     assert final["extra/again_acc/c"] == final["ood_acc/c"]  # c is the held-out domain: the same samples
-    assert set(final) >= {"extra/again_acc/a", "extra/again_acc/b", "extra/again_acc"}
+    want = _accuracy_by_domain(server.fed, server.state, None, FRESH)
+    assert [final[f"extra/fresh_acc/{d}"] for d in "abc"] == pytest.approx(want)
+    assert final["extra/fresh_acc"] == pytest.approx(np.mean(want))
+    assert [final[f"extra/again_acc/{d}"] for d in "abc"] != pytest.approx(want)  # another data set, other figures
     assert final["extra/again_acc"] == pytest.approx(sum(final[f"extra/again_acc/{d}"] for d in "abc") / 3)
-    assert results["extra"] == {"again": {"dataset": "toy", "domains": ["a", "b", "c"]}}
-    assert all("extra/again_acc" in row for row in server.metrics)  # every eval round
+    assert results["extra"] == {"again": {"dataset": "toy", "domains": ["a", "b", "c"]},
+                                "fresh": {"dataset": "toy", "domains": ["a", "b", "c"]}}
+    assert all("extra/again_acc" in row and "extra/fresh_acc" in row for row in server.metrics)  # every eval round
     assert json.loads((tmp_path / "run" / "results.json").read_text())["final"] == final
 
 
 def test_a_personalised_method_reports_the_clients_mean_and_the_global_model(tmp_path):
-    _, results = _run_with_the_training_data_as_extra(tmp_path, "method.name=local")
-    final = results["final"]
+    server, results = _run_with_two_extras(tmp_path, "method.name=local")
+    fed, final = server.fed, results["final"]
     assert final["extra/again_acc/c"] == final["ood_acc/c"]  # mean over the clients' own models
     assert final["extra/again_global_acc/c"] == final["global_ood_acc/c"]
+    per_client = [_accuracy_by_domain(fed, server.state, cid, FRESH) for cid in range(len(fed.clients))]
+    glob = _accuracy_by_domain(fed, server.state, None, FRESH)
+    assert [final[f"extra/fresh_acc/{d}"] for d in "abc"] == pytest.approx(np.mean(per_client, axis=0))
+    assert [final[f"extra/fresh_global_acc/{d}"] for d in "abc"] == pytest.approx(glob)
+    assert np.mean(per_client, axis=0) != pytest.approx(glob)  # the clients' models are not the global one
 
 
 def test_an_extra_target_needs_the_training_datas_classes_and_image_shape(cache_dir):
@@ -104,8 +133,25 @@ def _digits_like(ds: ToyDomains) -> ToyDomains:
     return ds
 
 
+# one round of 8 local epochs: above chance (on uci 26.7 %), so a wrong model or data set shows in the figures
 TINY = ["-o", "data.max_per_domain=150", "-o", "partition.num_clients=3", "-o", "federation.rounds=1",
-        "-o", "model.name=lenet", "-o", "split.target=uci", "-o", "federation.workers=1", "-o", "device=cpu"]
+        "-o", "federation.local_epochs=8", "-o", "model.name=lenet", "-o", "split.target=uci",
+        "-o", "federation.workers=1", "-o", "device=cpu"]
+
+
+def _checkpoint_accuracy(run_dir: Path, cache_dir: Path) -> dict[str, float]:
+    """Per Digits-DG domain (150 samples each), the percent the run's checkpointed global model classifies right,
+    by hand."""
+    model = create_model("lenet", num_classes=10)
+    ckpt = open_checkpoint(run_dir)
+    assert ckpt is not None
+    load_weights(model, ckpt["server_state"]["weights"])
+    model.eval()
+    ds = load_dataset("digits-dg", cache_dir=cache_dir, max_per_domain=150)
+    x, y = ds.get_batch(np.arange(len(ds)), train=False)
+    with torch.no_grad():
+        right = (model(x).argmax(1) == y).numpy()
+    return {d: 100.0 * right[ds.domain_ids == k].mean() for k, d in enumerate(ds.domains)}
 
 
 def test_run_with_an_extra_target_then_feddg_eval_gives_the_same_accuracy(tmp_path, cache_dir, monkeypatch):
@@ -116,7 +162,9 @@ def test_run_with_an_extra_target_then_feddg_eval_gives_the_same_accuracy(tmp_pa
                                    "--quiet"])
     assert res.exit_code == 0, res.output
     final = json.loads((run_dir / "results.json").read_text())["final"]
-    assert final["extra/uci150_acc/uci"] == final["ood_acc/uci"]  # the same 150 samples, the same model
+    hand = _checkpoint_accuracy(run_dir, cache_dir)
+    assert hand["uci"] > 20.0 and hand["mnist"] != hand["uci"]  # above chance (10 %), and the domains differ
+    assert final["extra/uci150_acc/uci"] == final["ood_acc/uci"] == pytest.approx(hand["uci"])
     assert "extra/uci150" in res.output  # in the run's table
 
     res = CliRunner().invoke(app, ["eval", str(run_dir), "--dataset", "digits-dg", "--domains", "uci,mnist",
@@ -124,7 +172,8 @@ def test_run_with_an_extra_target_then_feddg_eval_gives_the_same_accuracy(tmp_pa
     assert res.exit_code == 0, res.output
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in res.output.splitlines()
             if line.count("│") == 3}
-    assert rows["uci"] == f"{final['ood_acc/uci']:.2f}" and "mnist" in rows and "mean" in rows
+    assert rows["uci"] == f"{hand['uci']:.2f}" and rows["mnist"] == f"{hand['mnist']:.2f}"
+    assert rows["mean"] == f"{(hand['uci'] + hand['mnist']) / 2:.2f}"
 
     for args, words in ((["--dataset", "colored-mnist"], ["classes"]), (["--dataset", "nope"], ["nope"])):
         res = CliRunner().invoke(app, ["eval", str(run_dir), *args])

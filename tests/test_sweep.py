@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
-from feddg.config import ConfigError
+from feddg.config import ConfigError, ExperimentConfig
+from feddg.experiment import run_experiment
 from feddg.sweep import run_sweep
 
 SWEEP = {
@@ -33,18 +35,40 @@ def sweep_file(tmp_path, cache_dir, monkeypatch):
     return path
 
 
-def _ood(rows: list[dict]) -> dict[tuple[str, str], float]:
-    return {(r["variant"], r["target"]): r["ood_acc"] for r in rows}
+def _ood(rows: list[dict]) -> dict[tuple[str, str, int], float]:
+    return {(r["variant"], r["target"], r["seed"]): r["ood_acc"] for r in rows}
+
+
+def _cell_of(run_dir: Path) -> tuple[str, str, int]:
+    """(variant, target, seed) of a cell's folder <variant>/<target>/seed<k>."""
+    return run_dir.parts[-3], run_dir.parts[-2], int(run_dir.name.removeprefix("seed"))
+
+
+def _losses(out: Path) -> dict[tuple[str, str, int], list[float]]:
+    """Per cell, the train_loss of every round in its metrics.jsonl."""
+    return {_cell_of(p.parent): [json.loads(line)["train_loss"] for line in p.read_text().splitlines()]
+            for p in out.glob("*/*/seed*/metrics.jsonl")}
+
+
+def _configs(out: Path) -> dict[tuple[str, str, int], dict]:
+    """Per cell, its config.yaml."""
+    return {_cell_of(p.parent): yaml.safe_load(p.read_text()) for p in out.glob("*/*/seed*/config.yaml")}
 
 
 def test_sweep_runs_each_cell_once_tables_it_and_parallel_jobs_agree(sweep_file, tmp_path):
+    sweep_file.write_text(yaml.safe_dump({**SWEEP, "sweep": {**SWEEP["sweep"], "seeds": [0, 1]}}))
     seq = run_sweep(sweep_file, out_dir=tmp_path / "seq", progress=False)
-    assert sorted(_ood(seq["rows"])) == [("FedAvg", "mnist"), ("FedAvg", "uci"),
-                                         ("FedProx", "mnist"), ("FedProx", "uci")]
+    cells = [(v, t, s) for v in ("FedAvg", "FedProx") for t in ("mnist", "uci") for s in (0, 1)]
+    assert sorted(_ood(seq["rows"])) == cells
     table = (tmp_path / "seq" / "table.md").read_text()
     assert "| FedAvg |" in table and "| FedProx |" in table and "uci" in table
     runs = [json.loads(line) for line in (tmp_path / "seq" / "runs.jsonl").read_text().splitlines()]
     assert _ood(runs) == _ood(seq["rows"])
+    configs, losses = _configs(tmp_path / "seq"), _losses(tmp_path / "seq")
+    for (variant, target, seed), cfg in configs.items():  # each folder holds the run of its own cell
+        assert (cfg["method"]["name"], cfg["split"]["target"], cfg["seed"]) == (variant.lower(), target, seed)
+    assert sorted(configs) == sorted(losses) == cells
+    assert len({tuple(v) for v in losses.values()}) == len(cells)  # every cell trains differently: a swap shows
 
     stamp = (tmp_path / "seq" / "FedAvg" / "uci" / "seed0" / "results.json").stat().st_mtime_ns
     again = run_sweep(sweep_file, out_dir=tmp_path / "seq", progress=False)  # finished cells are loaded
@@ -53,8 +77,11 @@ def test_sweep_runs_each_cell_once_tables_it_and_parallel_jobs_agree(sweep_file,
 
     par = run_sweep(sweep_file, out_dir=tmp_path / "par", progress=False, jobs=2)
     assert _ood(par["rows"]).keys() == _ood(seq["rows"]).keys()
-    for cell, acc in _ood(par["rows"]).items():  # one vs two torch threads: float rounding only
-        assert acc == pytest.approx(_ood(seq["rows"])[cell], abs=2.0), cell
+    assert _losses(tmp_path / "par") == losses  # federation.workers auto: the bits of jobs=1 (module docstring)
+    par_configs = _configs(tmp_path / "par")
+    assert {cfg["federation"].pop("workers") for cfg in par_configs.values()} == {1}  # one client worker per job
+    assert {cfg["federation"].pop("workers") for cfg in configs.values()} == {"auto"}
+    assert par_configs == configs
 
 
 def test_a_bad_variant_fails_before_any_run(sweep_file, tmp_path):
@@ -70,19 +97,30 @@ def test_a_bad_variant_fails_before_any_run(sweep_file, tmp_path):
         run_sweep(sweep_file, ["sweep.baseline=FedAVG"], out_dir=tmp_path / "out", progress=False)
 
 
-def test_a_changed_config_reruns_its_cells_and_an_unchanged_one_does_not(sweep_file, tmp_path, capsys):
+def test_a_changed_config_reruns_its_cells_an_unchanged_one_does_not_and_an_interrupted_one_resumes(
+        sweep_file, tmp_path, capsys, monkeypatch):
     one = {**SWEEP, "sweep": {"targets": ["uci"], "seeds": [0], "variants": {"FedAvg": {}}}}
     sweep_file.write_text(yaml.safe_dump(one))
     out, cell = tmp_path / "out", tmp_path / "out" / "FedAvg" / "uci" / "seed0"
+    calls: list[tuple[Path, bool, bool]] = []  # (run_dir, resume, overwrite) of every run the sweep starts
+
+    def recording(cfg: ExperimentConfig, run_dir: Path, **kw: bool) -> dict:
+        calls.append((Path(run_dir), kw.get("resume", False), kw.get("overwrite", False)))
+        return run_experiment(cfg, run_dir, **kw)
+
+    monkeypatch.setattr("feddg.sweep.run_experiment", recording)
     first = run_sweep(sweep_file, out_dir=out, progress=False)
+    assert calls == [(cell, False, True)]
     stamp = (cell / "results.json").stat().st_mtime_ns
     capsys.readouterr()
 
     again = run_sweep(sweep_file, out_dir=out, progress=False)
+    assert calls == [(cell, False, True)]  # finished: loaded, no run started
     assert (cell / "results.json").stat().st_mtime_ns == stamp and "done already" in capsys.readouterr().err
     assert again["rows"] == first["rows"]
 
     changed = run_sweep(sweep_file, ["optim.lr=0.05"], out_dir=out, progress=False)
+    assert calls == [(cell, False, True)] * 2
     err = capsys.readouterr().err
     assert (cell / "results.json").stat().st_mtime_ns != stamp
     assert f"rerunning {cell} from scratch: its config changed" in err.replace("\n", "")
@@ -91,6 +129,7 @@ def test_a_changed_config_reruns_its_cells_and_an_unchanged_one_does_not(sweep_f
 
     (cell / "results.json").unlink()  # interrupted after its last checkpoint: resumed, not rerun
     resumed = run_sweep(sweep_file, ["optim.lr=0.05"], out_dir=out, progress=False)
+    assert calls == [(cell, False, True)] * 2 + [(cell, True, False)]
     assert "rerunning" not in capsys.readouterr().err
     assert resumed["rows"][0]["ood_acc"] == changed["rows"][0]["ood_acc"]
 
