@@ -77,6 +77,27 @@ def test_metadata_rows_are_numbered_as_the_file_and_a_row_with_extra_fields_is_r
         _load(root)
 
 
+def test_without_a_val_split_the_training_locations_follow_test_alone(tmp_path):
+    ds = _load(iwildcam_tree(tmp_path, [r for r in IWILDCAM_ROWS if r[0] != "val"]))
+    assert ds.domains == ["test", *TRAIN_LOCATIONS] and ds.ood_validation is None and ds.ood_test == "test"
+    # rows 0-15 train at locations 7, 3, 12, 20 (domains 2, 1, 3, 4), then test (0) twice
+    np.testing.assert_array_equal(ds.domain_ids, [2] * 4 + [1] * 4 + [3] * 4 + [4] * 4 + [0] * 2)
+
+
+def test_chosen_domains_are_renumbered_in_the_order_given(tmp_path):
+    ds = _load(iwildcam_tree(tmp_path), domains=["location_12", "test", "location_3"])
+    assert ds.domains == ["location_12", "test", "location_3"]
+    assert ds.ood_validation is None and ds.ood_test == "test"  # val is not among them
+    # kept in file order: rows 4-7 (location 3), 8-11 (location 12), 19-20 (test)
+    np.testing.assert_array_equal(ds.domain_ids, [2] * 4 + [0] * 4 + [1] * 2)
+    np.testing.assert_array_equal(ds.labels, [0, 5, 0, 181] * 2 + [0, 5])
+
+
+def test_metadata_csv_may_lie_in_root_itself(tmp_path):
+    ds = _load(iwildcam_tree(tmp_path) / "iwildcam_v2.0")
+    assert ds.domains == ["test", "val", *TRAIN_LOCATIONS] and len(ds) == len(IWILDCAM_ROWS) - 2
+
+
 def test_split_codes_read_as_names(tmp_path):
     coded = [({"train": "0", "val": "1", "test": "2", "id_val": "3"}[s], loc, y) for s, loc, y in IWILDCAM_ROWS[:-1]]
     ds = _load(iwildcam_tree(tmp_path, coded))
@@ -106,6 +127,7 @@ def test_lambda_zero_gives_each_client_one_location_and_val_test_are_held_out(tm
     (lambda t: t.replace("\nval,30,", "\nood,30,"), "metadata.csv: line 18: unknown split 'ood'"),
     (lambda t: t.replace("\nval,30,", "\n7,30,"), "metadata.csv: line 18: unknown split '7'"),
     (lambda t: t.replace(",0000.jpg", ",gone.jpg"), "metadata.csv: line 2: no image "),
+    (lambda t: t.replace("\nval,30,", "\nval,x30,"), "metadata.csv: line 18: location_remapped 'x30' is not an integer >= 0"),
     (lambda t: t.replace("\ntest,40,140,19,0,", "\ntest,40,140,19,182,"), "line 21: y '182' is not an integer in 0..181"),
 ])
 def test_a_malformed_metadata_file_is_one_line_naming_it(tmp_path, edit, message):

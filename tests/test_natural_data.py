@@ -29,6 +29,14 @@ def test_leaf_all_data_makes_each_writer_a_domain_and_a_group(tmp_path):
     np.testing.assert_allclose(x[:, 0, 0, 0].numpy(), [-1.0, 1.0, 128 / 255 * 2 - 1], atol=1e-6)
 
 
+def test_leaf_all_data_folder_is_read_as_well(tmp_path):
+    write_json(tmp_path / "all_data" / "part_0.json", leaf_blob({"f2": ([0.5], [7]), "f1": ([0.5], [8])}))
+    ds = load_dataset("femnist", root=str(tmp_path), cache_dir=tmp_path / "cache")
+    assert ds.domains == ds.group_names == ["f1", "f2"]
+    np.testing.assert_array_equal(ds.labels, [7, 8])
+    np.testing.assert_array_equal(ds.domain_ids, [1, 0])
+
+
 def test_leaf_train_and_test_files_are_the_domains_with_writers_shared_across_them(tmp_path):
     write_json(tmp_path / "train" / "a.json", leaf_blob({"u1": ([0.1, 0.2], [0, 61]), "u2": ([0.3], [5])}))
     write_json(tmp_path / "test" / "a.json", leaf_blob({"u2": ([0.4], [7]), "u1": ([0.5], [1])}))
@@ -90,6 +98,20 @@ def test_an_image_listed_on_two_lines_of_metadata_csv_is_one_line_naming_both(tm
         load_dataset("femnist", root=str(tmp_path), cache_dir=tmp_path / "cache")
     assert f"{folder / 'metadata.csv'}: line 4: image {folder / './a.png'} (test) is already listed on line 2 " \
            "(train)" in str(err.value)
+    other = _wilds_femnist(tmp_path / "up", [("a.png", "train", 1), ("d/../a.png", "test", 2)])  # one file, two names
+    with pytest.raises(ValueError, match="is already listed on line 2"):
+        load_dataset("femnist", root=str(other), cache_dir=tmp_path / "cache")
+
+
+def test_the_writer_column_is_domain_remapped_where_a_table_has_both(tmp_path):
+    # FedDG_Benchmark's table holds the raw domain beside domain_remapped: the remapped ids are the writers
+    _png(tmp_path / "a.png", 0)
+    _png(tmp_path / "b.png", 0)
+    (tmp_path / "metadata.csv").write_text("path,y,split,domain,domain_remapped\na.png,1,train,x,w2\n"
+                                           "b.png,2,train,x,w1\n")
+    ds = load_dataset("femnist", root=str(tmp_path), cache_dir=tmp_path / "cache")
+    assert ds.group_names == ["w1", "w2"]
+    np.testing.assert_array_equal(ds.groups, [1, 0])
 
 
 def test_leaf_files_that_repeat_a_user_or_disagree_with_themselves_are_one_line(tmp_path):
@@ -186,6 +208,28 @@ def _bad_csv(root):
     return "metadata.csv: line 3: label 62 is outside 0..61"
 
 
+def _bad_range(root):
+    write_json(root / "all_data_0.json", leaf_blob({"ok": ([0.5], [1]), "f7": ([1.5], [2])}))
+    return "all_data_0.json: user f7: x values must lie in 0..1"
+
+
+def _bool_label(root):
+    write_json(root / "all_data_0.json", leaf_blob({"ok": ([0.5], [1]), "f8": ([0.5], [True])}))
+    return "all_data_0.json: user f8: label True is not an integer"
+
+
+def _no_writer(root):
+    _png(root / "a.png", 0)
+    (root / "metadata.csv").write_text("path,y,split,domain\na.png,1,train, \n")
+    return "metadata.csv: line 2: empty domain"
+
+
+def _no_train(root):
+    _png(root / "a.png", 0)
+    (root / "metadata.csv").write_text("path,y,split,domain\na.png,1,test,w\n")
+    return "metadata.csv: no row of the train split"
+
+
 def _bad_cifar(root):
     cifar_batches(root / "cifar-10-batches-py")
     (root / "cifar-10-batches-py" / "data_batch_3").write_bytes(b"\x80\x02}q\x00(")
@@ -198,7 +242,9 @@ def _bad_tiny(root):
     return "val_annotations.txt: line 2: expected <file><TAB><wnid of wnids.txt>"
 
 
-@pytest.mark.parametrize(("name", "make"), [("femnist", _bad_leaf), ("femnist", _bad_csv), ("cifar10", _bad_cifar),
+@pytest.mark.parametrize(("name", "make"), [("femnist", _bad_leaf), ("femnist", _bad_csv), ("femnist", _bad_range),
+                                            ("femnist", _no_train), ("femnist", _bool_label),
+                                            ("femnist", _no_writer), ("cifar10", _bad_cifar),
                                             ("tiny-imagenet", _bad_tiny)])
 def test_a_malformed_file_is_one_line_naming_it(tmp_path, name, make):
     expected = make(tmp_path / "data")

@@ -71,6 +71,9 @@ def test_natural_makes_each_group_of_the_sources_a_client_in_group_order() -> No
     assert p.client_domains == [[1], [0], [1]]
     with pytest.raises(ValueError, match="natural group"):
         make_partition("natural", np.array([0, 1]), domain_ids, np.zeros(8, np.int64), 2, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="duplicate"):
+        make_partition("natural", np.array([0, 1, 1]), domain_ids, np.zeros(8, np.int64), 2, np.random.default_rng(0),
+                       groups)
 
 
 @pytest.mark.parametrize("sizes", SIZES)
@@ -99,6 +102,16 @@ def test_same_seed_same_partition(kind: str, params: dict[str, Any], num_clients
     assert a.client_domains == b.client_domains
     assert all(np.array_equal(x, y) for x, y in zip(a.client_indices, b.client_indices))
     assert not all(np.array_equal(x, y) for x, y in zip(a.client_indices, c.client_indices))
+
+
+@pytest.mark.parametrize("kind,params,num_clients", [c for c in CASES if c[0] in
+                                                      ("iid", "dirichlet_domains", "dirichlet_labels",
+                                                       "two_level_dirichlet")])
+def test_partitions_that_assign_no_domains_report_the_domains_held(kind: str, params: dict[str, Any],
+                                                                   num_clients: int) -> None:
+    source_idx, domain_ids, labels = make_data(SIZES[2])  # domains 1..3, labels 0..4: a mix-up shows
+    p = make_partition(kind, source_idx, domain_ids, labels, num_clients, np.random.default_rng(0), **params)
+    assert p.client_domains == [sorted(set(domain_ids[ix].tolist())) for ix in p.client_indices]
 
 
 # --------------------------------------------------------------------------- iid, by_domain
@@ -357,6 +370,16 @@ def test_lambda_one_balances_leftover_samples_across_clients() -> None:
     assert sorted(sizes) == [3, 3, 3, 3]
 
 
+def test_lambda_rounding_breaks_full_ties_at_random() -> None:
+    # one domain of 5 over 4 clients (lam = 1): 1.25 each, and the one leftover sample goes to a random client,
+    # not always client 0 (20 seeds all picking one client: probability 4^-19)
+    source_idx, domain_ids, labels = make_data([5])
+    lucky = {int(np.argmax([len(ix) for ix in lambda_partition(source_idx, domain_ids, labels, 4,
+                                                               np.random.default_rng(seed), lam=1.0).client_indices]))
+             for seed in range(20)}
+    assert len(lucky) > 1
+
+
 def test_every_keyword_parameter_has_a_check() -> None:
     for fn in PARTITIONERS.values():
         for name, p in inspect.signature(fn).parameters.items():
@@ -415,3 +438,53 @@ def test_few_shot_is_refused_where_a_shots_neighbouring_slices_would_stay_in_the
     ds = SimpleNamespace(name="synthetic-mri", cases=np.repeat(np.arange(4), 3), domain_ids=np.repeat([0, 1], 6))
     with pytest.raises(ValueError, match=r"^split.few_shot_k: synthetic-mri keeps a case's slices together"):
         few_shot_samples(ds, [1], build_config({}, ["split.few_shot_k=1", "partition.num_clients=2"]))
+
+
+def test_dirichlet_labels_shuffles_each_class_before_cutting_it() -> None:
+    # domains stored one after the other (as real datasets are): an even label split must still mix both domains,
+    # not give client 0 the first (domain-1) half of every class
+    domain_ids, labels = np.repeat([1, 2], 300), np.tile(np.arange(3), 200)
+    p = make_partition("dirichlet_labels", np.arange(600), domain_ids, labels, 2, np.random.default_rng(0), alpha=1e6)
+    share = domain_counts(p, domain_ids, [1, 2]) / np.array([[len(ix)] for ix in p.client_indices])
+    np.testing.assert_allclose(share, 0.5, atol=0.1)  # hypergeometric sd ~0.02 around the overall 300/600
+
+
+# ------------------------------------------------------------------ two-level Dirichlet (HFedATM)
+
+
+def test_two_level_dirichlet_numbers_clients_group_by_group() -> None:
+    # tiny alpha_group: each domain on one group; huge alpha_client: split evenly inside it. Clients 2e, 2e+1 are
+    # group e, so each domain lands on one contiguous pair, half each
+    domain_ids = np.repeat(np.arange(6), 100)
+    p = make_partition("two_level_dirichlet", np.arange(600), domain_ids, domain_ids, 4, np.random.default_rng(0),
+                       groups=2, alpha_group=1e-3, alpha_client=1e6)
+    counts = domain_counts(p, domain_ids, list(range(6)))  # [client, domain]
+    pairs = counts.reshape(2, 2, 6).sum(axis=1)  # [group, domain]
+    assert np.all((pairs >= 99) | (pairs <= 1))  # each domain on one group
+    np.testing.assert_allclose(counts[0::2], counts[1::2], atol=6)  # halved between the pair's two clients
+
+
+def test_two_level_dirichlet_alpha_client_skews_inside_a_group() -> None:
+    # huge alpha_group: every group gets half of each domain; tiny alpha_client: that half goes to one of its clients
+    domain_ids = np.repeat(np.arange(6), 100)
+    p = make_partition("two_level_dirichlet", np.arange(600), domain_ids, domain_ids, 4, np.random.default_rng(0),
+                       groups=2, alpha_group=1e6, alpha_client=1e-3)
+    pairs = domain_counts(p, domain_ids, list(range(6))).reshape(2, 2, 6)  # [group, client in group, domain]
+    np.testing.assert_allclose(pairs.sum(axis=1), 50, atol=2)
+    assert np.all(pairs.max(axis=1) >= 0.99 * pairs.sum(axis=1))
+
+
+def test_two_level_dirichlet_shuffles_a_domain_before_cutting_it() -> None:
+    # one domain whose labels come in two blocks: an even split must give every client both labels about equally
+    domain_ids, labels = np.zeros(400, np.int64), np.repeat([0, 1], 200)
+    p = make_partition("two_level_dirichlet", np.arange(400), domain_ids, labels, 4, np.random.default_rng(0),
+                       groups=2, alpha_group=1e6, alpha_client=1e6)
+    share = class_counts(p, labels, 2)[:, 0] / np.array([len(ix) for ix in p.client_indices])
+    np.testing.assert_allclose(share, 0.5, atol=0.15)  # hypergeometric sd ~0.04 around 200/400
+
+
+def test_two_level_dirichlet_refuses_when_a_client_stays_empty() -> None:
+    # 6 clients can never all be fed from 4 samples
+    with pytest.raises(ValueError, match="^two-level Dirichlet left a client empty in 3 draws"):
+        make_partition("two_level_dirichlet", np.arange(4), np.zeros(4, np.int64), np.zeros(4, np.int64), 6,
+                       np.random.default_rng(0), groups=2, max_tries=3)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from feddg.data.splits import holdout_split, leave_one_domain_out, leave_two_domains_out
+from feddg.data.splits import (
+    every_domain_trains,
+    holdout_split,
+    leave_domains_out,
+    leave_one_domain_out,
+    leave_two_domains_out,
+)
 
 DOMAIN_IDS = np.random.default_rng(0).permutation(np.repeat([0, 1, 2, 3], [30, 45, 12, 50]))
 
@@ -45,6 +51,25 @@ def test_split_errors() -> None:
         leave_two_domains_out(DOMAIN_IDS, 2, 2)
     with pytest.raises(ValueError, match="no source domain left"):
         leave_two_domains_out(np.array([0, 0, 1, 1]), 0, 1)
+    with pytest.raises(ValueError, match="^val domain 7 has no samples"):  # the val domain is checked too
+        leave_two_domains_out(DOMAIN_IDS, 7, 1)
+    for targets in ([1, 1], []):
+        with pytest.raises(ValueError, match="distinct and at least one"):
+            leave_domains_out(DOMAIN_IDS, targets)
+
+
+def test_leave_domains_out_holds_out_exactly_the_targets() -> None:
+    s = leave_domains_out(DOMAIN_IDS, [3, 1])
+    assert s.test_domains == [3, 1] and s.source_domains == [0, 2] and s.val_domains == []
+    np.testing.assert_array_equal(s.test_idx, np.flatnonzero((DOMAIN_IDS == 1) | (DOMAIN_IDS == 3)))
+    np.testing.assert_array_equal(s.source_idx, np.flatnonzero((DOMAIN_IDS == 0) | (DOMAIN_IDS == 2)))
+
+
+def test_every_domain_trains_holds_nothing_out() -> None:
+    s = every_domain_trains(DOMAIN_IDS)
+    assert s.source_domains == [0, 1, 2, 3] and s.val_domains == s.test_domains == []
+    np.testing.assert_array_equal(s.source_idx, np.arange(len(DOMAIN_IDS)))
+    assert len(s.val_idx) == len(s.test_idx) == 0
 
 
 @pytest.mark.parametrize(
@@ -64,6 +89,7 @@ def test_holdout_sizes(n: int, fraction: float, n_hold: int) -> None:
     train, hold = holdout_split(indices, fraction, np.random.default_rng(0))
     assert len(hold) == n_hold and len(train) == n - n_hold
     assert train.dtype == hold.dtype == np.int64
+    assert np.all(np.diff(train) > 0) and np.all(np.diff(hold) > 0)  # both sorted
     assert np.array_equal(np.sort(np.concatenate([train, hold])), indices)
 
 
@@ -87,7 +113,8 @@ def test_a_holdout_by_case_keeps_every_case_on_one_side():
     from feddg.data.splits import holdout_split_by_case
 
     cases = np.repeat(np.arange(10), 4)  # 10 cases of 4 slices
-    idx = np.arange(8, 40)  # a client with cases 2..9
+    idx = np.random.default_rng(1).permutation(np.arange(8, 40))  # a client with cases 2..9, in no order
     train, hold = holdout_split_by_case(idx, cases, 0.25, np.random.default_rng(0))
     assert len(np.unique(cases[hold])) == 2 and len(hold) == 8  # floor(0.25 × 8 cases) whole
-    assert not set(cases[train]) & set(cases[hold]) and sorted(np.concatenate([train, hold])) == list(idx)
+    assert not set(cases[train]) & set(cases[hold]) and sorted(np.concatenate([train, hold])) == list(range(8, 40))
+    assert np.all(np.diff(train) > 0) and np.all(np.diff(hold) > 0)  # both sorted

@@ -4,6 +4,7 @@ the synthetic corpus, and ``model_args`` for each kind of inputs."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from feddg.data.base import DomainDataset
 from feddg.data.inspect import check_dataset
 from feddg.data.synthetic_text import DOMAINS, WORDS, generate
 from feddg.data.text import bag_of_words
-from feddg.data.text_formats import read_processed_acl, read_raw, read_table
-from feddg.data.tokenizer import SPECIAL_TOKENS, train_bpe
+from feddg.data.text_formats import TABLE_LAYOUT, read_processed_acl, read_raw, read_table
+from feddg.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, tokenizer_stamp, train_bpe
 
 RAW = """<review>
 <unique_id>
@@ -116,6 +117,13 @@ def test_table_reader_names_every_malformed_line(tmp_path: Path) -> None:
                                              "label, domain"]
     assert len(check_dataset("text-table", root=str(tmp_path / "t"))) == 3
 
+
+
+def test_a_table_that_is_no_csv_or_a_jsonl_line_that_is_no_object_is_a_problem(tmp_path: Path) -> None:
+    text = _write(tmp_path / "a.txt", "text,label,domain\nfine,1,web\n")
+    assert read_table(text) == ([], {}, [f"{text}: no .csv or .jsonl file; expected {TABLE_LAYOUT}"])
+    lines = _write(tmp_path / "b.jsonl", '[1, 2]\n{"text": "ok", "label": 1, "domain": "web"}\n')
+    assert read_table(lines) == (["web"], {"web": [("ok", "positive")]}, [f"{lines}:1: not a JSON object"])
 
 
 def test_table_rows_with_extra_fields_or_non_text_values_and_empty_files_are_problems(tmp_path: Path) -> None:
@@ -226,12 +234,32 @@ def test_processed_acl_reader_and_bag_of_words(tmp_path: Path) -> None:
 def test_processed_acl_reader_names_the_malformed_line(tmp_path: Path) -> None:
     root = tmp_path / "acl"
     bad = _write(root / "books" / "positive.review", "good:1 #label#:positive\ngood:x #label#:positive\n"
-                 "good:1 #label#:negative\ngood:1\n")
+                 "good:1 #label#:negative\ngood:1\ngood:0 #label#:positive\n")
     _write(root / "books" / "negative.review", "bad:1 #label#:negative\n")
     assert read_processed_acl(root, ("books",))[1] == [
         f"{bad}:2: 'good:x' is not feature:count with a positive count",
         f"{bad}:3: label negative in the positive file",
-        f"{bad}:4: the line does not end with #label#:positive or #label#:negative"]
+        f"{bad}:4: the line does not end with #label#:positive or #label#:negative",
+        f"{bad}:5: 'good:0' is not feature:count with a positive count"]
+
+
+def test_processed_acl_counts_add_up_and_a_feature_may_hold_a_colon(tmp_path: Path) -> None:
+    # the count follows the last colon (re:_great:2 is the feature re:_great twice); a repeated feature's counts sum
+    root = tmp_path / "acl"
+    _write(root / "books" / "positive.review", "re:_great:2 fun:1 fun:3 #label#:positive\n")
+    _write(root / "books" / "negative.review", "dull:1 #label#:negative\n")
+    samples, problems = read_processed_acl(root, ("books",))
+    assert problems == [] and samples["books"] == [({"dull": 1}, 0), ({"re:_great": 2, "fun": 4}, 1)]
+
+
+def test_a_raw_review_with_an_empty_text_or_left_open_is_a_problem(tmp_path: Path) -> None:
+    root = _raw_root(tmp_path)
+    bad = _write(root / "books" / "negative.review", "<review>\n<review_text>\n \n</review_text>\n</review>\n"
+                 "<review>\n<review>\n<review_text>ok</review_text>\n</review>\n")
+    samples, problems = read_raw(root, ("books",))
+    assert problems == [f"{bad}:1: review has an empty <review_text>",
+                        f"{bad}:6: <review> is not closed before the next <review>"]
+    assert samples["books"][0] == ("ok", 0) and [k for _, k in samples["books"]] == [0, 1, 1]
 
 
 def _table(tmp_path: Path) -> Path:
@@ -285,6 +313,32 @@ def test_bpe_round_trips_and_has_robertas_special_ids(tmp_path: Path) -> None:
     assert tok.decode(ids, skip_special_tokens=True) == sentence
     assert len(list((tmp_path / "tokenizers").iterdir())) == 1
     assert train_bpe(texts, 300, tmp_path).get_vocab() == tok.get_vocab()  # loaded from the cache
+    with pytest.raises(ValueError, match="^vocab_size must be >= 261 "):  # 5 specials + 256 bytes
+        train_bpe(texts, 260, tmp_path)
+
+
+def test_a_tokenizer_folder_without_tokenizer_files_is_refused(tmp_path: Path) -> None:
+    _write(tmp_path / "tok" / "config.json", "{}")
+    with pytest.raises(ValueError, match=r"^tokenizer \S+tok: no tokenizer files \(tokenizer.json, vocab.json"):
+        load_tokenizer(tmp_path / "tok")
+
+
+def test_a_tokenizer_without_a_padding_token_is_refused(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="[UNK]").save_pretrained(str(tmp_path / "tok"))
+    with pytest.raises(ValueError, match=r"^tokenizer \S+tok has no padding token"):
+        load_tokenizer(tmp_path / "tok")
+
+
+def test_tokenizer_stamp_changes_with_a_files_modification_time(tmp_path: Path) -> None:
+    vocab = _write(tmp_path / "tok" / "vocab.json", "{}")
+    before = tokenizer_stamp(tmp_path / "tok")
+    assert tokenizer_stamp(tmp_path / "tok") == before
+    os.utime(vocab, ns=(10**18, 10**18))  # same name and size, edited later
+    assert tokenizer_stamp(tmp_path / "tok") != before
 
 
 def test_synthetic_corpus_is_seeded_balanced_and_noisy() -> None:
