@@ -3,7 +3,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from feddg.aggregation.mean import CHUNK, weighted_mean, weighted_mean_messages
+from feddg.aggregation.mean import CHUNK, WeightedSum, weighted_mean, weighted_mean_messages
 
 
 def test_weighted_mean_matches_hand_computation():
@@ -15,7 +15,7 @@ def test_weighted_mean_matches_hand_computation():
 
 def test_integer_buffers_are_rounded_means():
     out = weighted_mean([np.array(10, np.int64), np.array(13, np.int64)], [1, 1])
-    assert out.dtype == np.int64 and int(out) == 12  # 11.5 rounds to even
+    assert type(out) is np.int64 and int(out) == 12  # a numpy scalar, as WeightedSum gives it; 11.5 rounds to even
 
 
 def test_message_mean_uses_only_prefixed_keys_and_checks_agreement():
@@ -44,3 +44,34 @@ def test_weighted_mean_holds_a_few_chunks_of_float64_beyond_its_result_not_a_flo
         tracemalloc.stop()
     np.testing.assert_array_equal(out, np.full(1 << 20, 1.25, np.float32))  # (0 + 1 + 2·2) / 4
     assert peak < out.nbytes + 4 * CHUNK * 8, f"peak {peak} bytes"
+
+
+def test_weighted_sum_folds_the_weighted_mean_rounds_counts_and_rescales_a_short_round():
+    fold = WeightedSum("w/", expected=4.0)  # two clients of weight 1 and 3 expected
+    fold.add({"w/x": np.array([0.0, 4.0], np.float32), "w/n": np.array(10, np.int64), "loss": 9.0}, 1)
+    fold.add({"w/x": np.array([4.0, 0.0], np.float32), "w/n": np.array(13, np.int64), "loss": 9.0}, 3)
+    out = fold.mean()
+    assert set(out) == {"w/x", "w/n"} and out["w/x"].dtype == np.float32 and out["w/n"].dtype == np.int64
+    np.testing.assert_allclose(out["w/x"], [3.0, 1.0])  # (1·a + 3·b) / 4
+    assert int(out["w/n"]) == 12  # (10 + 3·13) / 4 = 12.25, rounded
+    short = WeightedSum("w/", expected=4.0)  # only the first client (weight 1) replied: its own values
+    short.add({"w/x": np.array([0.0, 4.0], np.float32), "w/n": np.array(11, np.int64)}, 1)
+    np.testing.assert_allclose(short.mean()["w/x"], [0.0, 4.0])
+    assert int(short.mean()["w/n"]) == 11
+    half = WeightedSum("w/", expected=2.0)  # 11.5 rounds to even, not truncated
+    for n in (10, 13):
+        half.add({"w/n": np.array(n, np.int64)}, 1)
+    assert int(half.mean()["w/n"]) == 12
+
+
+def test_weighted_sum_refuses_bad_weights_and_disagreeing_keys():
+    with pytest.raises(ValueError, match="expected total weight"):
+        WeightedSum("w/", expected=0.0)
+    fold = WeightedSum("w/")
+    with pytest.raises(ValueError, match="non-negative"):
+        fold.add({"w/x": np.ones(1)}, -0.5)
+    fold.add({"w/x": np.ones(1)}, 1)
+    with pytest.raises(KeyError, match="disagree"):
+        fold.add({"w/y": np.ones(1)}, 1)
+    with pytest.raises(ValueError, match="positive sum"):
+        WeightedSum("w/").mean()

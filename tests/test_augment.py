@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from toy import ToyDomains
 
 from feddg.algorithms import create_method
@@ -51,6 +52,13 @@ def test_moex_exchanges_positional_moments():
     assert torch.allclose(out.view(2, 2), torch.tensor([[2.0, 10.0], [1.0, 3.0]]), **TOL)
 
 
+def test_mixstyle_statistics_are_detached_so_the_gradient_is_the_style_ratio():
+    # μ, σ detached: ∂ x̂ / ∂ x = σ_mix / σ_i elementwise (same tensors as above: σ_mix 2.5, σ_0 1; sample 1 kept)
+    x = torch.tensor([[[[1.0, 3.0]]], [[[2.0, 10.0]]]], requires_grad=True)
+    mixstyle(x, torch.tensor([1, 0]), torch.tensor([0.5, 1.0])).sum().backward()
+    assert torch.allclose(x.grad, torch.tensor([[[[2.5, 2.5]]], [[[1.0, 1.0]]]]), **TOL)
+
+
 # --- the hooks --------------------------------------------------------------------------------------
 def _cnn() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -83,6 +91,62 @@ def test_manifold_mixup_mixes_the_chosen_stage_output_and_the_hooks_go_away():
     assert torch.allclose(seen[1], mix(seen[0], seen[0][perm], lam), **TOL)
     assert torch.allclose(target, soft_targets(y, perm, lam, 4))
     assert sum(len(m._forward_hooks) for m in model.modules()) == 1  # only the test's own hook is left
+
+
+def _stage_io(model: torch.nn.Module, spec: dict, seed: int, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Stage 1's output without and with the Augmenter (as stage 2's input), and the step's target."""
+    seen: list[Tensor] = []
+    model.blocks[1].register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
+    model(x)
+    with Augmenter(model, parse_augment([spec]), seed=seed, num_classes=4) as aug:
+        _, target = aug.step(x, y)
+        model(x)
+    return seen[0], seen[1], target
+
+
+def test_moex_step_exchanges_moments_at_its_stage_and_mixes_labels_with_the_fixed_lambda():
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    before, after, target = _stage_io(_cnn().train(), {"name": "moex", "lam": 0.8, "p": 1.0, "stage": 1}, 5, x, y)
+    rng = np.random.default_rng(5)  # the p draw, then the permutation
+    rng.random()
+    perm = torch.as_tensor(rng.permutation(4))
+    assert torch.allclose(after, moex(before, perm), **TOL)
+    onehot = torch.eye(4)
+    assert torch.allclose(target, 0.8 * onehot[y] + 0.2 * onehot[y[perm]])  # ỹ = λ y_i + (1−λ) y_j, λ = lam
+
+
+def test_moex_with_p_zero_leaves_features_and_hard_labels():
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    before, after, target = _stage_io(_cnn().train(), {"name": "moex", "p": 0.0}, 5, x, y)
+    assert torch.equal(after, before) and torch.equal(target, y)
+
+
+def test_mixstyle_step_applies_with_probability_p_using_the_drawn_lambdas():
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    spec = {"name": "mixstyle", "alpha": 0.1, "p": 1.0, "stages": [1]}
+    before, after, target = _stage_io(_cnn().train(), spec, 4, x, y)
+    rng = np.random.default_rng(4)  # the p draw (0.94 here: p = 1 applies it, p = 0.5 would not), λ [B], permutation
+    assert rng.random() > 0.5
+    lams, perm = torch.as_tensor(rng.beta(0.1, 0.1, 4)), torch.as_tensor(rng.permutation(4))
+    assert torch.allclose(after, mixstyle(before, perm, lams), **TOL)
+    assert torch.equal(target, y)  # labels unchanged
+    before, after, _ = _stage_io(_cnn().train(), {**spec, "p": 0.0}, 2, x, y)  # seed 2 draws 0.26 first
+    assert torch.equal(after, before)
+
+
+def test_hooks_leave_training_forwards_of_another_batch_size_alone():
+    model = _cnn().train()
+    x2 = torch.randn(2, 1, 16, 16)
+    ref = model(x2)
+    with Augmenter(model, parse_augment([{"name": "mixstyle", "p": 1.0, "stages": [1, 2]}]), 0, 4) as aug:
+        aug.step(torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3]))
+        assert torch.equal(model(x2), ref)
+
+
+def test_stages_past_the_last_conv_stage_are_refused():
+    model = _cnn()  # conv stages 1..4
+    with pytest.raises(ValueError, match=r"stages \[5\] out of range"):
+        Augmenter(model, parse_augment([{"name": "mixstyle", "stages": [4, 5]}]), 0, 4)
 
 
 def test_hooks_leave_eval_passes_alone():

@@ -128,6 +128,27 @@ def test_variant_perturbation_stds():
         FFALayer("other")
 
 
+def test_mean_and_std_use_their_own_modulation_and_direct_defaults_to_zero():
+    mu, sigma = torch.randn(8, 2), torch.rand(8, 2) + 0.5
+    var_mu, var_sigma = batch_variance(mu), batch_variance(sigma)
+    full = FFALayer("full")
+    full.modulation_mu, full.modulation_sigma = torch.tensor([0.0, 3.0]), torch.tensor([1.0, 0.0])
+    s_mu, s_sigma = full.perturbation_std(mu, sigma)
+    assert torch.allclose(s_mu**2, torch.tensor([1.0, 4.0]) * var_mu, rtol=1e-5)  # (γ_μ + 1) Σ²_μ
+    assert torch.allclose(s_sigma**2, torch.tensor([2.0, 1.0]) * var_sigma, rtol=1e-5)  # (γ_σ + 1) Σ²_σ
+    # direct fusion before any server message: zero shared variance, so Σ̂² = Σ²
+    s_mu, s_sigma = FFALayer("direct").perturbation_std(mu, sigma)
+    assert torch.allclose(s_mu**2, var_mu, rtol=1e-5) and torch.allclose(s_sigma**2, var_sigma, rtol=1e-5)
+
+
+def test_reset_forgets_client_state_and_server_message():
+    layer = FFALayer("full", p=1.0).train()
+    layer(_x())
+    layer.modulation_mu = layer.modulation_sigma = torch.ones(3)
+    layer.reset()
+    assert (layer.mu_bar, layer.sigma_bar, layer.modulation_mu, layer.modulation_sigma) == (None, None, None, None)
+
+
 def test_safe_sqrt_has_finite_gradient_at_zero():
     v = torch.tensor([0.0, 4.0], requires_grad=True)
     r = safe_sqrt(v)
@@ -187,6 +208,28 @@ def test_only_the_chosen_stages_get_ffa_and_the_tap_sees_the_last_stage():
     assert clone.fedfa.layers["1"].mu_bar is not None and clone.fedfa.layers["1"] is not att.layers["1"]
     with pytest.raises(ValueError, match="out of range"):
         attach_ffa(_cnn(), conv_stages(model), {5: FFALayer()}, tap_stage=4)
+
+
+def test_the_tap_records_the_ffa_augmented_stage_output_only_while_recording():
+    model = _cnn().train()
+    names = conv_stages(model)
+    att = attach_ffa(model, names, {4: FFALayer(p=1.0)}, tap_stage=4)
+    final: list[torch.Tensor] = []  # registered last: sees what the next module receives
+    dict(model.named_modules())[names[3]].register_forward_hook(lambda m, i, o: final.append(o))
+    model(torch.randn(3, 3, 28, 28))
+    assert att.tap.features is None  # not recording
+    att.tap.recording = True
+    model(torch.randn(3, 3, 28, 28))
+    assert att.tap.features is final[1]
+
+
+def test_stage_channels_measures_every_stage_and_restores_the_mode():
+    model = _cnn()
+    att = attach_ffa(model, conv_stages(model), {1: FFALayer(p=1.0)}, tap_stage=4)
+    for training in (True, False):
+        model.train(training)
+        assert att.stage_channels(model, torch.randn(2, 3, 28, 28)) == {1: 32, 2: 64, 3: 128, 4: 256}
+        assert model.training is training and att.layers["1"].training is training
 
 
 @pytest.mark.parametrize("name", ["lenet", "alexnet", "resnet18", "swin_tiny_test"])

@@ -64,6 +64,16 @@ def test_paper_bins_put_the_min_and_max_half_in_the_outer_bins():
     assert torch.allclose(phi[1, 6:], torch.tensor([0.5, 0.5]), atol=1e-4)
 
 
+def test_histogram_uses_the_requested_cut_points():
+    # ẑ = [0, 0.3, 0.6, 1], L = 4, τ → 0: interior cuts [¼, ½, ¾] put one sample in each bin; the paper's cuts
+    # [0, ½, 1] split the min between bins 1, 2 and the max between bins 3, 4
+    z = torch.tensor([[0.0], [0.3], [0.6], [1.0]])
+    interior = soft_histogram(z, num_bins=4, tau=1e-4, kind="interior")[0]
+    paper = soft_histogram(z, num_bins=4, tau=1e-4, kind="paper")[0]
+    assert torch.allclose(interior, torch.tensor([0.25, 0.25, 0.25, 0.25]), atol=1e-4)
+    assert torch.allclose(paper, torch.tensor([0.125, 0.375, 0.375, 0.125]), atol=1e-4)
+
+
 def test_minmax_normalisation_and_constant_channels():
     z = torch.tensor([[1.0, 5.0], [3.0, 5.0], [2.0, 5.0]])
     z_hat = minmax_normalise(z)
