@@ -3,7 +3,9 @@ a run is bit-identical whatever the budget and resumes exactly, also from the pr
 
 from __future__ import annotations
 
+import copy
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +103,26 @@ def test_the_least_recently_used_entries_spill_and_ram_stays_within_the_budget(t
     in_ram = list(stores.lru)
     a[10] = {"w": np.zeros(4 * 1000, np.float32)}  # larger than the whole budget: straight to disk, nothing evicted
     assert list(stores.lru) == in_ram and "a-10-v7.npy" in {p.name for p in tmp_path.iterdir()}
+
+
+def test_an_entry_of_exactly_the_budget_stays_in_ram(tmp_path: Path) -> None:
+    # {"w": 1000 float32}: 1 key byte + 4000 array bytes, the whole budget: within it, so no file is written
+    stores = ClientStores(tmp_path / "s", budget_bytes=4001)
+    stores.open("s")[0] = {"w": np.zeros(1000, np.float32)}
+    assert list(stores.lru.items()) == [(("s", 0), 4001)] and stores.ram_bytes == 4001
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_deep_copy_shares_spilled_files_and_keeps_them_when_the_original_moves_on(tmp_path: Path) -> None:
+    stores = ClientStores(tmp_path, budget_bytes=0)
+    store = stores.open("s")
+    store[0] = {"w": np.arange(4, dtype=np.float32)}
+    twin = copy.deepcopy(store)
+    assert twin.name == "s.1" and stores.refs["s-0-v0.npy"] == 2  # one file, named by both
+    store[0] = {"w": np.zeros(4, np.float32)}  # the original lets go of its file: the copy still names it
+    np.testing.assert_array_equal(twin[0]["w"], [0, 1, 2, 3])
+    del twin[0]  # the last reference: now the file goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s-0-v1.npy"]
 
 
 def test_unlimited_never_spills_and_bad_input_is_one_line(tmp_path):

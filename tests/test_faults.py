@@ -11,6 +11,7 @@ sum with one more float64 multiplication, so the weights agree to rounding, not 
 import importlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -22,7 +23,7 @@ from feddg.engines.inprocess import run_inprocess, run_round
 from feddg.engines.workers import WorkerPool
 from feddg.federation.checkpoint import load_checkpoint
 from feddg.federation.server import Server
-from feddg.federation.validation import RunStopped, check_reply, outliers, shapes_of
+from feddg.federation.validation import RunStopped, check_reply, outliers, shapes_of, update_norm
 
 BASE = {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"},
         "federation": {"rounds": 3, "batch_size": 16}, "optim": {"lr": 0.1}, "device": "cpu"}
@@ -119,6 +120,15 @@ def test_check_reply_accepts_a_good_reply_and_knows_which_weights_must_come_back
     assert check_reply({"w/b": np.ones(2)}, {}, declared, all_weights=False) == no_count
 
 
+def test_update_norm_is_the_distance_from_the_sent_float_weights() -> None:
+    # ‖[4, 5, 6] − [1, 1, 6]‖ = ‖[3, 4, 0]‖ = 5; the int buffer and a weight that was not sent do not count
+    sent = {"w/a": np.array([1, 1, 6], np.float32), "w/n": np.array(0, np.int64), "lr": 0.1}
+    reply = {"w/a": np.array([4, 5, 6], np.float32), "w/n": np.array(100, np.int64), "w/extra": np.ones(3),
+             "num_examples": 10}
+    assert update_norm(reply, sent) == 5.0
+    assert update_norm(sent, sent) == 0.0
+
+
 def test_outliers_compare_with_the_median():
     assert outliers({0: 1.0, 1: 1.2, 2: 0.9, 3: 5.0}, 3.0) == {3: "update norm 5 > 3 x median 1.1"}
     assert outliers({0: 1.0, 1: 1.5}, 2.0) == {}
@@ -182,6 +192,12 @@ def test_a_round_that_samples_fewer_than_min_clients_stops_before_it_starts(tmp_
     cfg = faulty_config({}, "federation.client_fraction=0.25", "federation.min_clients=2")
     with pytest.raises(RunStopped, match="samples 1 clients, fewer than federation.min_clients=2"):
         run_inprocess(Server(faulty.toy_federation_of(cfg), tmp_path / "run"))
+
+
+def test_a_round_that_samples_exactly_min_clients_starts(tmp_path: Path, faulty: ModuleType) -> None:
+    server = Server(faulty.toy_federation_of(faulty_config({}, "federation.min_clients=4")), tmp_path / "run")
+    fold = server.start_round(server.configure(1))  # 4 of 4 sampled: not fewer than min_clients
+    assert fold.expected == {c: len(client.train_idx) for c, client in enumerate(server.fed.clients)}
 
 
 # --- the in-process engine, worker processes -----------------------------------------------------

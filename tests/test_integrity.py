@@ -5,6 +5,7 @@ is rolled back, never checkpointed, and a resumed run goes on as the uninterrupt
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,6 +172,7 @@ def test_non_finite_names_the_array():
     state = {"weights": {"w/a": np.ones(2), "w/b": np.array([1.0, np.inf])}, "count": np.array([1]), "t": [0.5]}
     assert non_finite(state) == "state/weights/w/b"
     assert non_finite({"weights": {"w/a": np.ones(2)}}) is None
+    assert non_finite({"z": (np.ones(1), np.array([1 + 1j, complex(0, np.nan)]))}) == "state/z/1"  # complex too
 
 
 # --- whole runs ---------------------------------------------------------------------------------------
@@ -287,6 +289,39 @@ def test_a_non_finite_aggregate_is_rolled_back_never_checkpointed_and_resume_goe
     run_inprocess(resumed)
     for k, v in server.state["weights"].items():
         np.testing.assert_array_equal(resumed.state["weights"][k], v, err_msg=k)
+
+
+def test_a_rolled_back_round_keeps_the_previous_client_states(tmp_path: Path) -> None:
+    server = Server(toy_federation_of(build_config({**BASE, "method": {"name": "malicious"}}, [])), tmp_path / "run")
+    for round in (1, 2):  # every client echoes the weights sent; in round 2 the attacker poisons the aggregate
+        sent = server.configure(round)
+        fold = server.start_round(sent)
+        for cid, msg in sent.items():
+            reply = {**{k: v for k, v in msg.items() if k.startswith("w/")}, "num_examples": 10}
+            if round == 2 and cid == ATTACKER:
+                reply["poison"] = 1.0
+            server.receive(fold, Reply(cid, reply), {"round": np.array(round)})
+        row = server.finish_round(round, fold, {})
+    assert row["rolled_back"] is True
+    assert {c: int(server.client_states[c]["round"]) for c in server.client_states} == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_the_norm_reference_is_the_median_of_the_accepted_replies_and_survives_a_resume(tmp_path: Path) -> None:
+    cfg = build_config({**BASE, "method": {"name": "malicious"}},
+                       ["federation.reject_outliers=3", "federation.update_norm_factor=1000000"])
+    server = Server(toy_federation_of(cfg), tmp_path / "run")
+    sent = server.configure(1)
+    fold = server.start_round(sent)
+    for cid, step in zip(sent, (1.0, 2.0, 3.0, 100.0)):  # update norms 1, 2, 3 and an outlier 100 > 3 x 2.5
+        reply = {k: v for k, v in sent[cid].items() if k.startswith("w/")}
+        reply["w/classifier.bias"] = reply["w/classifier.bias"] + np.eye(1, reply["w/classifier.bias"].size,
+                                                                         dtype=np.float32)[0] * step
+        server.receive(fold, Reply(cid, {**reply, "num_examples": 10}))
+    row = server.finish_round(1, fold, {})
+    assert list(row["clients_failed_reasons"]) == ["3"]
+    assert server.norm_bound is not None and server.norm_bound.reference == pytest.approx(2.0, rel=1e-5)  # not 2.5
+    resumed = Server(toy_federation_of(cfg), server.run_dir, resume=True)  # the checkpoint carries the reference
+    assert resumed.norm_bound is not None and resumed.norm_bound.reference == pytest.approx(2.0, rel=1e-5)
 
 
 def test_a_reply_within_the_norm_bound_that_explodes_the_loss_is_rolled_back(tmp_path):
