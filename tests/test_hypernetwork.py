@@ -165,9 +165,9 @@ def test_autoencoder_training_is_adam_on_the_mse_to_unit_range_targets_in_shuffl
         order = torch.randperm(8, generator=g)
         for b in (order[:4], order[4:]):
             opt.zero_grad()
-            target = (images[b] - images[b].amin((1, 2, 3), keepdim=True)) / (
-                images[b].amax((1, 2, 3), keepdim=True) - images[b].amin((1, 2, 3), keepdim=True))
-            torch.nn.functional.mse_loss(ref(images[b]), target).backward()
+            x = images[b]
+            lo, hi = x.amin((1, 2, 3), keepdim=True), x.amax((1, 2, 3), keepdim=True)
+            torch.nn.functional.mse_loss(ref(x), (x - lo) / (hi - lo)).backward()
             opt.step()
     for (name, p), q in zip(ae.named_parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-5), name

@@ -3,6 +3,9 @@ built-in ``writers``; each fixture is written here in the exact on-disk format."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -202,32 +205,21 @@ def _bad_leaf(root):
     return "all_data_0.json: user f0042: x must be 1 lists of 784"
 
 
-def _bad_csv(root):
-    _png(root / "a.png", 0)
-    (root / "metadata.csv").write_text("path,y,split,domain\na.png,1,train,w\na.png,62,train,w\n")
-    return "metadata.csv: line 3: label 62 is outside 0..61"
+def _leaf_file(users: dict, message: str) -> Callable[[Path], str]:
+    """A LEAF all_data file of ``users``; the error it must give."""
+    def make(root: Path) -> str:
+        write_json(root / "all_data_0.json", leaf_blob(users))
+        return message
+    return make
 
 
-def _bad_range(root):
-    write_json(root / "all_data_0.json", leaf_blob({"ok": ([0.5], [1]), "f7": ([1.5], [2])}))
-    return "all_data_0.json: user f7: x values must lie in 0..1"
-
-
-def _bool_label(root):
-    write_json(root / "all_data_0.json", leaf_blob({"ok": ([0.5], [1]), "f8": ([0.5], [True])}))
-    return "all_data_0.json: user f8: label True is not an integer"
-
-
-def _no_writer(root):
-    _png(root / "a.png", 0)
-    (root / "metadata.csv").write_text("path,y,split,domain\na.png,1,train, \n")
-    return "metadata.csv: line 2: empty domain"
-
-
-def _no_train(root):
-    _png(root / "a.png", 0)
-    (root / "metadata.csv").write_text("path,y,split,domain\na.png,1,test,w\n")
-    return "metadata.csv: no row of the train split"
+def _wilds_table(rows: str, message: str) -> Callable[[Path], str]:
+    """One image and a WILDS-style metadata.csv of ``rows``; the error it must give."""
+    def make(root: Path) -> str:
+        _png(root / "a.png", 0)
+        (root / "metadata.csv").write_text("path,y,split,domain\n" + rows)
+        return message
+    return make
 
 
 def _bad_cifar(root):
@@ -242,10 +234,17 @@ def _bad_tiny(root):
     return "val_annotations.txt: line 2: expected <file><TAB><wnid of wnids.txt>"
 
 
-@pytest.mark.parametrize(("name", "make"), [("femnist", _bad_leaf), ("femnist", _bad_csv), ("femnist", _bad_range),
-                                            ("femnist", _no_train), ("femnist", _bool_label),
-                                            ("femnist", _no_writer), ("cifar10", _bad_cifar),
-                                            ("tiny-imagenet", _bad_tiny)])
+@pytest.mark.parametrize(("name", "make"), [
+    ("femnist", _bad_leaf),
+    ("femnist", _leaf_file({"ok": ([0.5], [1]), "f7": ([1.5], [2])}, "all_data_0.json: user f7: x values must lie in 0..1")),
+    ("femnist", _leaf_file({"ok": ([0.5], [1]), "f8": ([0.5], [True])},
+                           "all_data_0.json: user f8: label True is not an integer")),
+    ("femnist", _wilds_table("a.png,1,train,w\na.png,62,train,w\n", "metadata.csv: line 3: label 62 is outside 0..61")),
+    ("femnist", _wilds_table("a.png,1,train, \n", "metadata.csv: line 2: empty domain")),
+    ("femnist", _wilds_table("a.png,1,test,w\n", "metadata.csv: no row of the train split")),
+    ("cifar10", _bad_cifar),
+    ("tiny-imagenet", _bad_tiny),
+])
 def test_a_malformed_file_is_one_line_naming_it(tmp_path, name, make):
     expected = make(tmp_path / "data")
     with pytest.raises(ValueError, match=r"^[^\n]*$") as err:
