@@ -1,6 +1,7 @@
 """A secure Flower deployment: test certificates, node keys, the roster's identity proofs, the insecure path's
 warning, run-directory marks, and one loopback deployment with TLS + SuperNode auth + a roster (and a rogue node)."""
 
+import datetime
 import ipaddress
 import json
 import os
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.cli.supernode.register import try_load_public_key
 from flwr.supercore.task_identity import TaskIdentity
@@ -60,6 +63,42 @@ def test_the_server_certificate_is_issued_by_the_ca_for_the_given_hosts(tmp_path
     assert oct(paths["server-key"].stat().st_mode & 0o777) == "0o600"
     with pytest.raises(ValueError, match="--host"):
         make_certificates(tmp_path, [])
+
+
+def test_the_server_key_pairs_with_its_certificate_for_tls_serving_for_the_given_days(tmp_path: Path) -> None:
+    paths = make_certificates(tmp_path, ["127.0.0.1"], days=30)
+    ca = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
+    server = x509.load_pem_x509_certificate(paths["server"].read_bytes())
+    key = serialization.load_pem_private_key(paths["server-key"].read_bytes(), None)
+    ca_key = serialization.load_pem_private_key(paths["ca-key"].read_bytes(), None)
+    assert key.public_key() == server.public_key() and ca_key.public_key() == ca.public_key()  # TLS serves with it
+    assert server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value == x509.ExtendedKeyUsage(
+        [ExtendedKeyUsageOID.SERVER_AUTH])  # a TLS client refuses a server certificate without serverAuth
+    assert ca.extensions.get_extension_for_class(x509.KeyUsage).value.key_cert_sign is True
+    for cert in (ca, server):
+        assert cert.not_valid_after_utc - cert.not_valid_before_utc == datetime.timedelta(days=30)
+
+
+#: an OpenSSH P-384 public key written by `ssh-keygen -t ecdsa -b 384`
+SSH_KEY = ("ecdsa-sha2-nistp384 AAAAE2VjZHNhLXNoYTItbmlzdHAzODQAAAAIbmlzdHAzODQAAABhBHv14E5ndmsIkYdEanPCpyQsowwPFki+Z6"
+           "DFK40EHnc8QworhjY15ySkDhLE3PZyjqcuv+XtpEqB+ZuvOKYQ9N72GjX6dR8TpNuJbLF/X5vX/PZKl2k+EeHAoWArFbL7Qw==")
+
+
+def test_a_key_fingerprint_is_the_one_ssh_keygen_prints() -> None:
+    # `ssh-keygen -lf` of this key printed SHA256:/hn0Hb/3eVVof2IjjS/X40W2CZdd1Q1X4fQIQOfRhjE
+    assert key_fingerprint(load_public_key(SSH_KEY)) == "SHA256:/hn0Hb/3eVVof2IjjS/X40W2CZdd1Q1X4fQIQOfRhjE"
+
+
+def test_keys_that_are_not_elliptic_curve_keys_are_refused(tmp_path: Path) -> None:
+    key = ed25519.Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    with pytest.raises(ValueError, match="not an EC public key"):
+        load_public_key(public.decode())
+    private = tmp_path / "node"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()))
+    with pytest.raises(ValueError, match="not an EC private key"):
+        load_private_key(private)
 
 
 def test_node_keys_are_p384_openssh_pairs_that_flower_accepts(tmp_path):
@@ -172,6 +211,10 @@ def test_the_roster_refuses_unknown_forged_duplicate_and_unproven_nodes(tmp_path
         roster_identity(roster, reply(12, proof(node0, "old", 12)), "c2", {})
     with pytest.raises(Refused, match="forged identity"):  # ... or from another node id
         roster_identity(roster, reply(12, proof(node0, "c2", 10)), "c2", {})
+    with pytest.raises(Refused, match="forged identity"):  # ... or for another federation
+        roster_identity(roster, reply(12, {**proof(node0, "c2", 12), "fingerprint": "other"}), "c2", {})
+    with pytest.raises(Refused, match="forged identity"):  # a signature that is not hex refuses, never raises
+        roster_identity(roster, reply(12, {**proof(node0, "c2", 12), "signature": "not hex"}), "c2", {})
     with pytest.raises(Refused, match=r"client 0 \(St Mary's\) is already node 10"):
         roster_identity(roster, reply(12, proof(node0, "c2", 12)), "c2", {0: 10})
     with pytest.raises(Refused, match="no identity proof"):  # a node declaring partition-id=0 only

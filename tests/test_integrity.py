@@ -20,7 +20,7 @@ from feddg.algorithms.registry import METHODS
 from feddg.config import ConfigError, build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.checkpoint import load_checkpoint
-from feddg.federation.integrity import LossGuard, NormBound, cap_examples, non_finite
+from feddg.federation.integrity import LossGuard, NormBound, cap_examples, non_finite, robust_replies, weights_norm
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
 from feddg.messages import Message
@@ -107,7 +107,7 @@ def assert_close(got: dict, want: dict, rtol: float = 1e-5) -> None:
 
 # --- the pieces, by hand ---------------------------------------------------------------------------
 # five clients' one-number models, the last one an attacker; and an integer buffer
-FIVE = [{"w/a": np.array([v], np.float32), "w/n": np.array(v, np.int64)} for v in (1, 2, 3, 5, 100)]
+FIVE: list[Message] = [{"w/a": np.array([v], np.float32), "w/n": np.array(v, np.int64)} for v in (1, 2, 3, 5, 100)]
 
 
 def test_the_median_and_the_trimmed_mean_ignore_the_attacker():
@@ -124,6 +124,33 @@ def test_krum_scores_its_nearest_neighbours_and_selects_the_lowest():
     np.testing.assert_array_equal(scores, [1 + 4, 1 + 1, 1 + 4, 4 + 9, 95**2 + 97**2])
     assert krum_select(FIVE, "w/", 1) == [1]
     assert krum_select(FIVE, "w/", 1, keep=3) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("over", "kept", "a"), [
+    (["federation.aggregation=median"], [0, 1, 2, 3, 4], 3.0),
+    (["federation.aggregation=trimmed_mean", "federation.trim_fraction=0.2"], [0, 1, 2, 3, 4], 10 / 3),
+    # f = 2: each client's 5 - 2 - 2 = 1 nearest other; scores 1, 1, 1, 4, 95² select the first of the three ties
+    (["federation.aggregation=krum", "federation.krum_malicious=2"], [0], None),
+    (["federation.aggregation=multi_krum", "federation.krum_malicious=1", "federation.krum_keep=3"], [0, 1, 2], None),
+])
+def test_robust_replies_fold_the_rules_values_or_the_selected_replies(over: list[str], kept: list[int],
+                                                                     a: float | None) -> None:
+    replies = [Reply(i, {**m, "num_examples": 10}) for i, m in enumerate(FIVE)]
+    got, left_out = robust_replies(replies, build_config(BASE, over).federation)
+    assert [r.client_id for r in got] == kept and sorted(left_out) == sorted(set(range(5)) - set(kept))
+    assert all(r.num_examples == 10 for r in got)
+    if a is not None:  # median / trimmed mean: every reply carries the robust arrays
+        assert all(r.message["w/a"] == np.float32(a) and r.message["w/n"] == 3 for r in got)
+    else:  # krum: the selected replies unchanged
+        assert all(r.message["w/a"] is FIVE[r.client_id]["w/a"] for r in got)
+
+
+def test_multi_krum_keeps_every_reply_when_failures_leave_fewer_than_krum_keep() -> None:
+    # krum_keep=4 passes the run's check with 5 sampled; a round where 2 of them failed has only 3 replies
+    replies = [Reply(i, {**m, "num_examples": 10}) for i, m in enumerate(FIVE[:3])]
+    fc = build_config(BASE, ["federation.aggregation=multi_krum", "federation.krum_keep=4"]).federation
+    got, left_out = robust_replies(replies, fc)
+    assert [r.client_id for r in got] == [0, 1, 2] and left_out == {}
 
 
 def test_the_rules_agree_with_flowers_own():
@@ -144,6 +171,18 @@ def test_the_norm_bound_uses_the_last_rounds_median_or_the_sent_weights():
                                        "(federation.update_norm_factor)")
 
 
+def test_the_norm_bound_falls_back_to_the_sent_weights_on_a_zero_median_and_keeps_it_without_replies() -> None:
+    sent: Message = {"w/a": np.array([3.0, 4.0], np.float32), "w/n": np.array(7), "gram/g": np.array([12.0])}
+    assert weights_norm(sent) == 5.0  # the float w/ arrays only
+    assert weights_norm({"w/h": np.array([300.0, 400.0], np.float16)}) == 500.0  # in float64: 300² overflows float16
+    bound = NormBound(10.0)
+    bound.update([0.0, 0.0, 1.0])  # most clients echoed the weights: a median of 0 would refuse any change
+    assert bound.reference == 0.0 and bound.check(50.0, sent) is None and bound.check(50.5, sent) is not None
+    bound.update([2.0])
+    bound.update([])  # a round with no accepted reply keeps the last median
+    assert bound.reference == 2.0 and bound.check(20.0, sent) is None
+
+
 def test_a_claim_beyond_the_clients_data_is_capped_and_others_pass():
     reply = Reply(3, {"num_examples": 10**9, "w/a": np.ones(1)})
     capped, claim = cap_examples(reply, 40)
@@ -160,6 +199,7 @@ def test_the_loss_guard_compares_with_the_best_applied_round():
     assert guard.check(1.0) is None
     assert guard.check(1.01) == "evaluated loss 1.01 > 2 x best 0.5 (federation.rollback_loss_factor)"
     assert guard.check(float("nan")) == "evaluated loss nan"
+    assert LossGuard(2.0).check(float("inf")) == "evaluated loss inf"  # refused before any applied round too
 
 
 def test_the_holdout_loss_of_a_model_that_outputs_zero_logits_is_log_of_the_classes(tmp_path):

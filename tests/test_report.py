@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import re
@@ -22,7 +23,7 @@ from feddg.config import build_config
 from feddg.evaluation.plots import chance_line, draw_domains, draw_metric
 from feddg.experiment import run_experiment
 from feddg.reports import figures
-from feddg.reports.run import report
+from feddg.reports.run import failure_notes, report
 from feddg.sweep import run_sweep
 from feddg.tasks import TaskInfo
 from feddg.tasks.classification import Classification
@@ -161,6 +162,34 @@ def test_run_report_has_per_domain_counts_bytes_time_and_config(run_dir, run_pag
     assert "http://" not in html and "https://" not in html  # nothing to fetch
 
 
+def test_a_run_in_progress_reports_its_last_evaluation_its_summed_time_and_bytes_in_kib(run_dir, tmp_path):
+    # no results.json "final" yet: the per-domain table is the last evaluated round's; hand-set time and bytes
+    out = shutil.copytree(run_dir, tmp_path / "r", ignore=shutil.ignore_patterns("report.html"))
+    results = json.loads((out / "results.json").read_text())
+    (out / "results.json").write_text(json.dumps({k: v for k, v in results.items() if k != "final"}))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and all("ood_acc/uci" in r for r in rows)
+    rows = [{**{k: 0 for k in r if "bytes" in k}, **r, "ood_acc/uci": 10.0 * r["round"] + 0.25,
+             "time_round_s": t, "bytes_down": 1536, "bytes_up": 512} for r, t in zip(rows, (1.2, 2.5, 4.1))]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report(out)
+    html = " ".join(report(out)[0].read_text().split())  # the second report finds the first's report.html
+    assert "per domain (last evaluation, round 3)" in html
+    assert '<tr><td>uci</td><td class="text">ood</td><td>30.25</td> <td>40</td></tr>' in html
+    assert "<b>7.8</b><span>time (s)</span>" in html  # 1.2 + 2.5 + 4.1
+    assert "<b>4.5 KiB / 1.5 KiB</b><span>sent down / up</span>" in html  # 3 × 1536 B, 3 × 512 B
+    assert "<tr><td>bytes_down</td><td>1.50</td></tr>" in html and "<tr><td>bytes_up</td><td>0.50</td></tr>" in html
+    assert 'href="metrics.jsonl"' in html and 'href="report.html"' not in html  # the page does not list itself
+
+
+def test_the_failure_note_names_the_rounds_the_client_rounds_lost_and_the_first_reason():
+    failures = {"client_rounds_lost": 3, "rounds": [2, 5],
+                "clients": {"4": [{"round": 2, "reason": "NaN in w"}, {"round": 5, "reason": "no reply"}],
+                            "1": [{"round": 5, "reason": "RuntimeError"}]}}
+    assert failure_notes(failures) == ["clients were dropped in rounds 2, 5: 3 client-round(s) lost (e.g. client 4 in "
+                                       "round 2: NaN in w); the figures are those of the degraded run"]
+
+
 def test_sweep_report_has_both_tables_its_figures_and_every_run(sweep_dir, sweep_page):
     html = sweep_page.read_text()
     rows = [json.loads(line) for line in (sweep_dir / "runs.jsonl").read_text().splitlines()]
@@ -224,6 +253,57 @@ def test_a_sweep_with_a_baseline_reports_the_paired_differences(sweep_dir, tmp_p
     html = report(out)[0].read_text()
     assert 'alt="ood_acc: paired difference from FedProx"' in html
     assert "paired difference from" not in report(sweep_dir)[0].read_text()
+
+
+def test_the_sweep_page_sums_the_runs_time_and_counts_every_target(sweep_dir, tmp_path):
+    out = shutil.copytree(sweep_dir, tmp_path / "out")
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    rows = [{**r, "time_total_s": t} for r, t in zip(rows, (20.1, 30.2, 10.1, 40.0), strict=True)]
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = " ".join(report(out)[0].read_text().split())
+    assert "<b>100</b><span>time (s)</span>" in html  # 20.1 + 30.2 + 10.1 + 40.0
+    assert "1 variants × 2 targets × 2 seeds" in html  # each target's sample counts read
+
+
+def test_a_sweep_still_running_reads_each_runs_dropped_clients_from_its_results(sweep_dir, tmp_path):
+    from feddg.reports.sweep import sweep_rows
+
+    out = shutil.copytree(sweep_dir, tmp_path / "out")
+    (out / "runs.jsonl").unlink()  # rows from the runs' own results.json
+    path = out / "FedProx" / "mnist" / "seed1" / "results.json"
+    results = json.loads(path.read_text())
+    path.write_text(json.dumps({**results, "failures": {**results["failures"], "client_rounds_lost": 2}}))
+    assert {(r["target"], r["seed"]): r["dropped"] for r in sweep_rows(out)} == {
+        ("mnist", 0): 0, ("mnist", 1): 2, ("uci", 0): 0, ("uci", 1): 0}
+
+
+def test_the_best_cell_follows_the_tasks_direction():
+    from feddg.reports.sweep import table
+
+    rows = [{"variant": v, "target": "x", "seed": s, "ood_err": e}
+            for v, s, e in (("a", 0, 5.0), ("a", 1, 7.0), ("b", 0, 9.0), ("b", 1, 11.0))]
+    error = TaskInfo("toy", "err", "error", "%", (0.0, 100.0), False, None)
+    for task, best in ((error, "a"), (dataclasses.replace(error, higher_is_better=True), "b")):
+        assert {v: cells[0][1] for v, cells in table(rows, "ood_err", task)["rows"]} == {"a": best == "a",
+                                                                                          "b": best == "b"}
+
+
+def test_the_curves_band_is_the_sample_std_over_seeds(tmp_path):
+    from feddg.reports.sweep import curves
+
+    rows = []
+    for seed, accs in enumerate(((10.0, 20.0), (14.0, 26.0))):  # per round: mean 12, 23; sample std 2√2, 3√2
+        run = tmp_path / f"seed{seed}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "ood_acc": a}) + "\n"
+                                                   for r, a in enumerate(accs, 1)))
+        rows.append({"variant": "v", "target": "t", "seed": seed, "run_dir": str(run), "ood_acc": accs[-1]})
+    fig = curves(rows, "ood_acc", ACC)
+    band = fig.axes[0].collections[0].get_paths()[0].vertices
+    ys = {round(float(y), 6) for y in band[:, 1]}
+    assert {round(12 - 2 * 2**0.5, 6), round(12 + 2 * 2**0.5, 6), round(23 - 3 * 2**0.5, 6),
+            round(23 + 3 * 2**0.5, 6)} <= ys
+    plt.close(fig)
 
 
 def test_report_of_a_folder_that_is_neither_run_nor_sweep_is_one_line(tmp_path):

@@ -3,18 +3,28 @@ secaggplus_mod run inside feddg's ServerApp and ClientApp (through ``LoopbackGri
 crosses protobuf, as on the wire); the model equals the plain run's within the quantisation error, and the server
 side receives only the aggregate."""
 
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import cast
+
 import numpy as np
 import pytest
+from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common import recorddict_compat as compat
+from flwr.server.client_manager import SimpleClientManager
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.serverapp import Grid
 from test_flower import LoopbackGrid, server_config_text, task_identity, toy_config, toy_federation_of  # noqa: F401
 
-from feddg.config import ConfigError, build_config
+from feddg.config import ConfigError, SecAggPlusConfig, build_config
 from feddg.engines.flower import secagg_server
 from feddg.engines.flower.client import make_client_app
-from feddg.engines.flower.secagg import from_fitins, to_fitins
+from feddg.engines.flower.secagg import fitres_content, from_fitins, summed_keys, to_fitins
 from feddg.engines.flower.server import run_on_grid
 from feddg.federation.server import AGGREGATE, Server
 from feddg.federation.validation import RunStopped
+from feddg.messages import Message as FeddgMessage
 
 SECURE = ("federation.engine=flower", "flower.secure_aggregation=secaggplus")
 
@@ -156,3 +166,89 @@ def test_secaggplus_fedavg_on_the_simulation_runtime_gives_the_in_process_model(
         torch.set_num_threads(before)
     assert 0 < max_error(plain.state["weights"], secure.state["weights"]) < ROUND_ERROR
     assert [r["clients"] for r in secure.metrics] == [4]
+
+
+# --- the codec and the server side, by hand ----------------------------------------------------------
+def test_secaggplus_sums_only_the_float_weight_arrays_in_the_order_sent() -> None:
+    msg: FeddgMessage = {"w/b": np.ones(2, np.float32), "w/n": np.array(3), "gram/g": np.ones(2, np.float32),
+                         "w/a": np.zeros(1, np.float64), "lr": 0.5}
+    assert summed_keys(msg) == ["w/b", "w/a"]  # not the integer buffer, not another prefix's float array
+
+
+def test_a_clients_fitres_carries_its_weights_count_and_loss_and_refuses_anything_else() -> None:
+    sent: FeddgMessage = {"w/b": np.ones(2, np.float32), "w/n": np.array(3), "w/a": np.zeros(1, np.float32),
+                          "lr": 0.5}
+    answer: FeddgMessage = {"w/a": np.array([2.0], np.float32), "w/b": np.array([3.0, 4.0], np.float32),
+                            "w/n": np.array(5), "num_examples": 7}
+    res = compat.recorddict_to_fitres(fitres_content(sent, answer), keep_input=True)
+    got = parameters_to_ndarrays(res.parameters)  # the summed arrays in the order sent, the integer buffer not
+    assert len(got) == 2 and np.array_equal(got[0], [3.0, 4.0]) and np.array_equal(got[1], [2.0])
+    assert res.num_examples == 7 and np.isnan(res.metrics["train_loss"])  # no loss: NaN, which the server refuses
+    with pytest.raises(ValueError, match="the reply holds 'gram/g' beyond weights"):
+        fitres_content(sent, {**answer, "gram/g": np.ones(2, np.float32)})
+
+
+def test_the_workflow_takes_the_configured_secaggplus_settings_and_else_the_largest_clients_examples() -> None:
+    cfg = SecAggPlusConfig(num_shares=3, reconstruction_threshold=2, clipping_range=4.0, quantization_range=2**10,
+                           modulus_range=2**20)
+    got = secagg_server.workflow(cfg, 54.0, 30.0)
+    assert (got.num_shares, got.reconstruction_threshold, got.clipping_range, got.quantization_range,
+            got.modulus_range, got.max_weight, got.timeout) == (3, 2, 4.0, 2**10, 2**20, 54.0, 30.0)
+    assert secagg_server.workflow(cfg.model_copy(update={"max_weight": 100.0}), 54.0, 30.0).max_weight == 100.0
+
+
+def test_the_secure_mean_is_the_sent_weight_arrays_in_their_dtypes_and_integer_buffers_as_sent() -> None:
+    sent: FeddgMessage = {"w/b": np.ones(2, np.float32), "w/n": np.array(3), "w/a": np.zeros(1, np.float16),
+                          "lr": 0.5, "round": 1}
+    mean = secagg_server.aggregate_message(sent, ndarrays_to_parameters([np.array([0.25, 1.5]), np.array([-2.0])]))
+    assert list(mean) == ["w/b", "w/n", "w/a"]  # the config scalars are no weights
+    b, a = np.asarray(mean["w/b"]), np.asarray(mean["w/a"])
+    assert b.dtype == np.float32 and np.array_equal(b, [0.25, 1.5])
+    assert a.dtype == np.float16 and np.array_equal(a, [-2.0])
+    assert mean["w/n"] is sent["w/n"]
+
+
+#: the node ids of the toy's 4 clients
+NODES = {0: 1000, 1: 1001, 2: 1002, 3: 1003}
+
+
+def test_a_secure_round_folds_the_workflows_mean_and_fails_the_client_without_a_masked_reply(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a stand-in for Flower's workflow: it sends FitIns through the strategy and returns the mean (half the sent
+    # weights) for clients 0, 1, 2 only, with their counts and losses in the clear
+    server = Server(toy_federation_of(toy_config(*SECURE, "federation.rounds=1")), tmp_path / "run")
+    clients = server.fed.clients
+    clients[1] = replace(clients[1], train_idx=clients[1].train_idx[:20])  # the largest client holds 54, not all
+    max_weights: list[float] = []
+
+    def fake_workflow(grid: Grid, context: LegacyContext) -> None:
+        strategy = cast(secagg_server.SecureRound, context.strategy)
+        fitins = strategy.configure_fit(1, Parameters([], ""), SimpleClientManager())
+        sent = strategy.sent[0]
+        mean = ndarrays_to_parameters([np.asarray(sent[k]) * 0.5 for k in summed_keys(sent)])
+        results = [(proxy, FitRes(Status(Code.OK, ""), mean, n, {"train_loss": loss}))
+                   for (proxy, _), n, loss in zip(fitins[:3], (10, 20, 30), (1.0, 2.0, 3.0))]
+        strategy.aggregate_fit(1, results, [])
+
+    def workflow(cfg: SecAggPlusConfig, max_weight: float, timeout: float) -> Callable[[Grid, LegacyContext], None]:
+        max_weights.append(max_weight)
+        return fake_workflow
+
+    monkeypatch.setattr(secagg_server, "workflow", workflow)
+    sent = {k: v.copy() for k, v in server.state["weights"].items()}
+    rows: list[dict] = []
+    secagg_server.run_secure_rounds(server, cast(Grid, None), NODES, rows.append)
+    assert max_weights == [54.0]
+    assert rows[0]["clients"] == 3 and rows[0]["clients_failed_reasons"] == {
+        "3": "no masked reply (secure aggregation)"}
+    assert rows[0]["train_loss"] == pytest.approx((10 * 1.0 + 20 * 2.0 + 30 * 3.0) / 60)
+    for k, v in sent.items():
+        np.testing.assert_array_equal(server.state["weights"][k], v * 0.5 if v.dtype.kind == "f" else v, err_msg=k)
+
+
+def test_a_secure_round_whose_workflow_halts_stops_the_run_in_one_line(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    server = Server(toy_federation_of(toy_config(*SECURE, "flower.round_timeout_s=5")), tmp_path / "run")
+    monkeypatch.setattr(secagg_server, "workflow", lambda cfg, max_weight, timeout: lambda grid, context: None)
+    with pytest.raises(RunStopped, match=r"^round 1: secure aggregation halted \(fewer than 2 clients, .* within 5 s\)"):
+        secagg_server.run_secure_rounds(server, cast(Grid, None), NODES)
