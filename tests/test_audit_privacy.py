@@ -5,6 +5,7 @@ degrading each attack as ε falls, and ``feddg audit privacy`` on a tiny run."""
 import csv
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,9 +30,9 @@ from feddg.audit.metrics import (
     ssim,
     to_unit,
 )
-from feddg.audit.privacy import Replay
+from feddg.audit.privacy import Replay, replay
 from feddg.cli import app
-from feddg.config import AuditConfig, ConfigError, audit_attacks, build_config
+from feddg.config import AuditConfig, ConfigError, audit_attacks, build_config, dump_config
 from feddg.experiment import resume_experiment, run_experiment
 from feddg.reports.run import report
 
@@ -100,6 +101,16 @@ def test_images_are_scored_in_0_1_with_the_datasets_own_normalisation_undone():
     np.testing.assert_allclose(Replay.unit(replay, normalised), pixels, atol=1e-12)
     replay.fed.dataset = SimpleNamespace(mean=None, std=None)  # no statistics known: the value range, as before
     assert np.array_equal(Replay.unit(replay, normalised), to_unit(normalised, replay.lo, replay.hi))
+
+
+def test_replay_takes_distinct_training_images_of_every_client_and_the_initial_weights_without_a_checkpoint(
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    (tmp_path / "config.yaml").write_text(dump_config(build_config(TINY)))
+    rp = replay(tmp_path, AuditConfig(per_client=10_000, attacker_size=5), seed=0)
+    assert rp.weights == "initial (no checkpoint)" and len(rp.attacker_x) == 5
+    for client, x in zip(rp.fed.clients, rp.x, strict=True):  # more asked than held: each image once, in index order
+        np.testing.assert_array_equal(x.numpy(), rp.fed.dataset.get_batch(np.sort(client.train_idx), train=False)[0])
 
 
 # --------------------------------------------------------------------------- generator inversion

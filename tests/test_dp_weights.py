@@ -130,6 +130,16 @@ def test_the_server_moves_the_clip_by_the_unclipped_count():
     assert metrics["dp_weights/unclipped_noised"] == 0.5 and priv.clip == 2.0
     priv.commit()
     assert priv.clip == pytest.approx(2.0 * math.exp(-0.2 * (0.5 - 0.9)), rel=1e-15)
+    record = priv.record(1)  # results.json: the configured clip and the one the run ended with
+    assert record["clip"] == 2.0 and record["clip_final"] == pytest.approx(2.0 * math.exp(0.08), rel=1e-15)
+
+
+def test_an_update_of_norm_exactly_the_clip_counts_as_unclipped() -> None:
+    cfg = WeightDPConfig(noise_multiplier=0.0, clip=2.0, adaptive={"target_quantile": 0.5, "clip_lr": 0.2})
+    priv = WeightPrivacy(cfg, num_clients=1, fraction=1.0, seed=0)
+    priv.begin()
+    priv.clip_reply(Reply(0, {"w/x": np.array([2.0], np.float32)}), {"w/x": np.zeros(1, np.float32)})
+    assert priv.unclipped == 1  # Andrew et al.: b = 1[‖Δ‖ ≤ C]
 
 
 def test_the_adaptive_clips_count_of_unclipped_updates_is_released_with_gaussian_noise_of_count_std():
@@ -185,6 +195,7 @@ def test_epsilon_is_the_accountants_for_replace_one_sampling_without_replacement
     rec = json.loads((tmp_path / "results.json").read_text())["weights_privacy"]
     clients = len(server.fed.clients)
     assert (rec["clients"], rec["sampled"], rec["releases"], rec["noise_multiplier_accounted"]) == (clients, 2, 3, 0.75)
+    assert rec["sampling_rate"] == 2 / clients
     expected = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)  # Wang et al. 2019, Thm. 27
     expected.compose(SampledWithoutReplacementDpEvent(clients, 2, GaussianDpEvent(0.75)), 3)
     assert rec["epsilon"] == expected.get_epsilon(1e-5)

@@ -4,21 +4,29 @@ chance level; the Gram's ε counts training's releases; DLG's ε is local DP's; 
 FPL under DP releases all K rows. Constant 1×7×7 images make every score a closed form."""
 
 import math
+from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from toy import ToyNet, toy_federation
 
 from feddg.aggregation.accounting import gaussian_epsilon
+from feddg.aggregation.dp import symmetric_noise
 from feddg.audit import inversion
+from feddg.audit.gradient import TinyNet
+from feddg.audit.gram import gram_audit
 from feddg.audit.inversion import Victims, noised, scores, vector_inversion
 from feddg.audit.metrics import FID_NAME, PSNR_CAP
 from feddg.audit.privacy import Replay, gram_attack, gram_releases, update_attack
 from feddg.audit.shares import prototype_share
 from feddg.config import AuditConfig
+from feddg.devices import images
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
+from feddg.models.base import FedModel
 from feddg.models.permutation import register_spec, sequential_spec
 
 register_spec(ToyNet, sequential_spec)  # HFedATM aligns: conv -> bn -> flatten -> fc, a plain chain
@@ -125,3 +133,52 @@ def test_dlg_is_labelled_local_dp_with_epsilon_at_half_z_over_every_engine_round
     assert rows[1]["epsilon"] == pytest.approx(gaussian_epsilon(0.5, 6, 1e-5))
     assert rows[1]["epsilon"] == pytest.approx(gaussian_epsilon(0.5 / math.sqrt(6), 1, 1e-5), rel=1e-6)
     assert rows[0]["scored_against"] == "own image" and 0.0 <= rows[0]["ssim_chance"] <= 1.0
+
+
+def test_the_inter_client_pool_leaves_out_the_attacker_and_each_paired_row_points_at_its_own_image() -> None:
+    fed = toy_federation()
+    xs = [torch.full((n, 1, 7, 7), 0.1 * c) + 0.01 * torch.arange(n).view(-1, 1, 1, 1)
+          for c, n in enumerate((2, 3, 1, 2))]  # every image distinct
+    rp = Replay(fed.cfg, fed, cast(FedModel, fed.model), "initial", xs, [], xs[0], 0.0, 1.0)
+    victims = rp.victims([np.zeros((3, 1)), np.zeros((2, 1))], [1, 3], attacker=0, paired=True)
+    assert victims.pool_owner.tolist() == [1, 1, 1, 2, 3, 3]  # client 0 knows its own images
+    np.testing.assert_allclose(victims.pool, torch.cat(xs[1:]).numpy())
+    np.testing.assert_allclose(victims.pool[victims.source], torch.cat([xs[1], xs[3]]).numpy())
+    assert victims.row_owner.tolist() == [1, 1, 1, 3, 3]
+
+
+def test_dlg_clips_at_the_median_update_norm_labels_each_victim_and_draws_chance_from_other_clients(tmp_path: Path) -> None:
+    fed = toy_federation()
+    xs = [torch.full((2, 1, 8, 8), v) for v in (0.1, 0.4, 0.7, 1.0)]  # two copies of one image per client
+    ys = [np.array([c, c]) for c in (3, 1, 0, 2)]
+    rp = Replay(fed.cfg, fed, cast(FedModel, fed.model), "initial", xs, ys, xs[0], 0.0, 1.0)
+    rows = update_attack(rp, AuditConfig(noise_multipliers=[0.0], dlg_victims=3, dlg_iterations=1, fid=False), 0, tmp_path)
+    assert rows[0]["label_acc"] == 1.0  # iDLG: the one positive entry of a batch-1 update's bias
+    torch.manual_seed(0)  # the attack's network: ‖η ∇CE‖ of each victim's first image, as one vector
+    net = TinyNet(1, 8, 8, 4)
+    norms = []
+    for x, y in zip(xs[:3], ys[:3], strict=True):
+        grads = torch.autograd.grad(F.cross_entropy(net(x[:1]), torch.as_tensor(y[:1])), list(net.parameters()))
+        norms.append(0.1 * float(torch.cat([g.flatten() for g in grads]).norm()))
+    assert rows[0]["clip"] == pytest.approx(sorted(norms)[1], rel=1e-5)
+    assert rows[0]["psnr_chance"] < psnr_of(0.1, 0.4) + 1e-9  # another client's image: at least 0.3 away
+
+
+def test_the_gram_attack_is_the_clipped_rows_gram_plus_symmetric_noise_of_std_z_c_squared_averaged_over_clients() -> None:
+    fed = toy_federation()
+    model = cast(FedModel, fed.model).eval()
+    xs = [images(fed.dataset.get_batch(c.train_idx[:n], train=False)[0]) for c, n in zip(fed.clients, (8, 8, 8, 9), strict=True)]
+    rp = Replay(fed.cfg, fed, model, "initial", xs, [], xs[0], -3.0, 3.0)
+    rows = gram_attack(rp, AuditConfig(noise_multipliers=[0.0, 0.5]), seed=2)
+    with torch.no_grad():
+        feats = [model.features(x).double().numpy() for x in xs]
+    clip = float(np.median(np.linalg.norm(np.concatenate(feats), axis=1)))  # 33 rows: the middle one
+    assert rows[0]["clip"] == rows[1]["clip"] == pytest.approx(clip, rel=1e-12)
+    for z, row in zip((0.0, 0.5), rows, strict=True):
+        per_client = []
+        for c, a in enumerate(feats):  # no DP at z = 0: the raw activations, not clipped
+            ac = a * np.minimum(1.0, clip / np.linalg.norm(a, axis=1, keepdims=True)) if z > 0 else a
+            noise = symmetric_noise(a.shape[1], z * clip**2, torch.Generator().manual_seed(2 + c)).numpy()
+            per_client.append(gram_audit(ac, ac.T @ ac + noise, seed=2 + c))
+        for key in ("procrustes_rel_err", "row_cosine", "row_cosine_top"):
+            assert row[key] == pytest.approx(np.mean([p[key] for p in per_client]), rel=1e-6), (z, key)
