@@ -7,7 +7,7 @@ import torch
 
 from feddg.aggregation.fot import align_to_reference
 from feddg.aggregation.mean import CHUNK, weighted_mean
-from feddg.aggregation.merges import merge_stations
+from feddg.aggregation.merges import HFedATMParams, merge_stations
 from feddg.aggregation.regmean import regmean
 from feddg.messages import WEIGHT_PREFIX
 from feddg.models import create_model
@@ -100,11 +100,11 @@ def test_fused_merge_has_the_bits_of_the_merge_of_the_permuted_states(solver):
     layer = next(k.removesuffix(".weight") for k, v in base.items() if k.endswith(".weight") and v.dim() == 2)
     dim = base[f"{layer}.weight"].shape[1]
     grams = []
-    for _ in states:
-        x = rng.normal(size=(32, dim)).astype(np.float32)
+    for _ in states:  # more samples than inputs: RegMean solves eq. 12 (a singular Gram falls back to the mean)
+        x = rng.normal(size=(2 * dim, dim)).astype(np.float32)
         grams.append({layer: x.T @ x})
     gammas = [2.0, 3.0, 5.0]
-    merged, _ = merge_stations([{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in states], grams,
+    merged, metrics = merge_stations([{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in states], grams,
                                gammas, spec, solver=solver)
     # the unfused algorithm: permute every state (eq. 5), then RegMean on the permuted Grams and the mean
     al = align_to_reference(states[0], states[1:], spec, solver)
@@ -113,6 +113,7 @@ def test_fused_merge_has_the_bits_of_the_merge_of_the_permuted_states(solver):
     permuted = [grams[0]] + [{k: v.numpy() for k, v in permute_grams({k: torch.from_numpy(v) for k, v in g.items()},
                                                                      spec, p).items()}
                              for g, p in zip(grams[1:], al.perms, strict=True)]
+    assert metrics[f"regmean/{layer}/fallback"] == 0.0
     for key in base:
         arrays = [s[key].numpy() for s in aligned]
         if key == f"{layer}.weight":
@@ -121,6 +122,38 @@ def test_fused_merge_has_the_bits_of_the_merge_of_the_permuted_states(solver):
             want = weighted_mean(arrays, gammas)
         got = merged[WEIGHT_PREFIX + key]
         assert got.dtype == want.dtype and np.array_equal(got, want), key
+
+
+def test_regmean_merge_by_hand_with_an_input_no_station_activated():
+    """Eq. 12 where the Grams see input 0 only: W[:, 0] = (Σ G_e)⁻¹ Σ G_e W_e = (1·1 + 2·3) / 3; input 1 is dead at
+    every station and takes the γ-weighted mean (eq. 7), as the bias does: (1·10 + 3·20) / 4 and (1·0 + 3·4) / 4."""
+    weights = [{WEIGHT_PREFIX + "fc.weight": np.array([[w0, w1]], np.float32), WEIGHT_PREFIX + "fc.bias": np.array([b])}
+               for w0, w1, b in ((1.0, 10.0, 0.0), (3.0, 20.0, 4.0))]
+    grams = [{"fc": np.diag([g, 0.0])} for g in (1.0, 2.0)]
+    merged, metrics = merge_stations(weights, grams, [1.0, 3.0], None)
+    np.testing.assert_allclose(merged[WEIGHT_PREFIX + "fc.weight"], [[7 / 3, 17.5]], rtol=1e-6)
+    np.testing.assert_allclose(merged[WEIGHT_PREFIX + "fc.bias"], [3.0])
+    assert metrics["regmean/fc/dead_inputs"] == 1.0 and metrics["regmean/fc/fallback"] == 0.0
+
+
+def test_hfedatm_defaults_are_the_supplements_table_1():
+    params = HFedATMParams()
+    assert (params.lambda_ot, params.sinkhorn_iters, params.solver, params.alpha) == (0.05, 25, "sinkhorn", 0.75)
+
+
+def test_fot_moved_is_the_mean_over_groups_of_the_fraction_of_filters_moved():
+    """A copy with a swap of 2 of conv.0's 6 filters and conv.3's 16 reversed (all moved): FOT undoes exactly that,
+    so the groups moved 2/6 and 16/16, and the model 2/3 on average."""
+    torch.manual_seed(0)
+    model = create_model("lenet", num_classes=4, in_channels=3, image_size=28)
+    spec = permutation_spec(model)
+    state = model.state_dict()
+    q = {"conv.0": np.array([1, 0, 2, 3, 4, 5]), "conv.3": np.arange(16)[::-1].copy()}
+    copy = apply_permutations(state, spec, q)
+    _, metrics = merge_stations([{WEIGHT_PREFIX + k: v.numpy() for k, v in s.items()} for s in (state, copy)], None,
+                                [1.0, 1.0], spec, solver="hungarian")
+    assert (metrics["fot/conv.0/moved"], metrics["fot/conv.3/moved"]) == pytest.approx((2 / 6, 1.0))
+    assert metrics["fot/moved"] == pytest.approx(2 / 3)
 
 
 def test_merge_on_two_threads_has_the_bits_and_key_order_of_one_thread():

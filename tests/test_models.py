@@ -368,6 +368,20 @@ def test_head_size_mismatch_loads_trunk_and_keeps_a_fresh_head(
         assert torch.equal(value, fresh[key] if is_head else saved[key]), key
 
 
+def test_a_checkpoint_without_num_batches_tracked_loads(tmp_path: Path) -> None:
+    """torchvision's checkpoints predate BatchNorm's ``num_batches_tracked``: every other tensor loads, the counters
+    stay at their initial 0."""
+    torch.manual_seed(0)
+    source = create_model("cnn", num_classes=3, image_size=28)
+    source.train()(torch.randn(2, 3, 28, 28))  # running statistics and counters away from their initial values
+    state = {k: v for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert len(state) < len(source.state_dict())
+    torch.save(state, tmp_path / "old.pth")
+    loaded = create_model("cnn", num_classes=3, image_size=28, weights=tmp_path / "old.pth").state_dict()
+    for key, value in loaded.items():
+        assert torch.equal(value, state.get(key, torch.tensor(0))), key
+
+
 def test_missing_weights_file_names_the_path(tmp_path: Path) -> None:
     path = tmp_path / "nowhere.pth"
     with pytest.raises(FileNotFoundError) as err:

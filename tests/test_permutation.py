@@ -77,6 +77,23 @@ def test_a_randomly_permuted_copy_is_exactly_realigned_and_merges_to_the_origina
     assert all(np.array_equal(merged[WEIGHT_PREFIX + k], v.numpy()) for k, v in original.items())
 
 
+def test_bag_of_words_mlp_spec_preserves_the_function_and_is_realigned():
+    torch.manual_seed(0)
+    model = create_model("mlp", num_classes=5, in_features=20, hidden=16).eval()
+    spec = permutation_spec(model)
+    original = model.state_dict()
+    q = random_permutations(spec, np.random.default_rng(0))
+    copy = apply_permutations(original, spec, q)
+    assert not torch.equal(copy["classifier.weight"], original["classifier.weight"])
+    x = torch.rand(3, 20, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(x)
+        model.load_state_dict(copy)
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6)
+    al = align_to_reference(original, [copy], spec)
+    assert all(torch.equal(al.states[0][k], v) for k, v in original.items())
+
+
 def test_hungarian_solver_realigns_resnet_streams_too():
     model = _model("resnet18", {}, 32)
     spec = permutation_spec(model)

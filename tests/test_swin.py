@@ -58,6 +58,18 @@ def test_stage_map_is_the_four_stage_grids_before_each_patch_merging():
         assert torch.equal(ours, theirs)
 
 
+def test_tiny_stages_have_two_blocks_and_a_head_per_16_channels():
+    """Two blocks a stage, regular then shifted by half a window (Swin's W-MSA, SW-MSA), and heads 1, 2, 4, 8: one
+    column per head in each block's (2·4 − 1)² relative position bias table."""
+    model = _tiny()
+    state = model.state_dict()
+    for k, (stage, channels) in enumerate(zip(model.swin.encoder.layers, TINY_CHANNELS, strict=True)):
+        assert [block.shift_size for block in stage.blocks] == [0, 2]
+        tables = [v.shape for key, v in state.items()
+                  if key.startswith(f"swin.encoder.layers.{k}.") and key.endswith("relative_position_bias_table")]
+        assert tables == [(49, channels // 16)] * 2, k
+
+
 def test_swin_t_has_the_papers_sizes():
     model = create_model("swin_t", num_classes=1000, in_channels=3, image_size=224).eval()
     assert sum(p.numel() for p in model.parameters()) == 28_288_354  # Swin-T's 28 M (timm's swin_tiny_patch4_window7_224)

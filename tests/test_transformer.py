@@ -51,6 +51,32 @@ def test_tiny_models_compute_the_hugging_face_logits_from_their_pooled_features(
         model.classifier = nn.Linear(64, 3)
 
 
+@pytest.mark.parametrize("name", ["tiny-roberta", "tiny-deberta"])
+def test_model_params_override_the_tiny_sizes(name: str) -> None:
+    model = _tiny(name, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48)
+    encoder = model.hf.base_model.encoder
+    weights = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert len(encoder.layer) == 1 and model.feature_dim == 32
+    assert encoder.layer[0].attention.self.num_attention_heads == 2
+    assert weights[f"hf.{model.hf.base_model_prefix}.encoder.layer.0.intermediate.dense.weight"] == (48, 32)
+    with torch.no_grad():
+        assert model.features(token_batch([4, 6])).shape == (2, 32)
+
+
+def test_tiny_deberta_has_deberta_v3_disentangled_attention():
+    """DeBERTa-v3's attention: content↔position terms both ways (c2p, p2c) through the shared query/key projections,
+    relative positions only (no absolute position embeddings), LayerNorm'd relative embeddings spanning ±positions."""
+    model = _tiny("tiny-deberta")
+    config = model.config
+    assert config.relative_attention and sorted(config.pos_att_type) == ["c2p", "p2c"] and config.share_att_key
+    deberta = model.hf.deberta
+    names = {name for name, _ in model.named_modules()}
+    assert "hf.deberta.encoder.layer.0.attention.self.query_proj" in names
+    assert not any(n.endswith(("pos_query_proj", "pos_key_proj", "position_embeddings")) for n in names)
+    assert tuple(deberta.encoder.rel_embeddings.weight.shape) == (2 * config.max_position_embeddings, 64)
+    assert "hf.deberta.encoder.LayerNorm" in names and config.norm_rel_ebd == "layer_norm"
+
+
 def test_the_roberta_representation_is_the_heads_tanh_of_the_first_token():
     model = _tiny("tiny-roberta")
     x = token_batch([4, 6])
@@ -114,6 +140,8 @@ def test_a_model_directory_without_tokenizer_files_is_refused_as_a_tokenizer(tmp
     ("cnn", {"foo": 1}, r"^model\.params\.foo: model cnn has no such option; it takes block_widths$"),
     ("tiny-roberta", {"hiden_size": 8, **TEXT}, r"^model\.params\.hiden_size: model tiny-roberta has no such option"),
     ("tiny-deberta", {"max_position_embeddings": 8, **TEXT}, r"^model\.params\.max_position_embeddings: .*no such"),
+    ("tiny-roberta", {"max_position_embeddings": 8, **TEXT}, r"^model\.params\.max_position_embeddings: .*no such"),
+    ("tiny-roberta", {"pos_att_type": ["c2p"], **TEXT}, r"^model\.params\.pos_att_type: model tiny-roberta has no such"),
     ("mlp", {"in_features": 0}, "mlp needs in_features and hidden >= 1"),
 ])
 def test_bad_model_arguments_are_refused_in_one_line(name, kwargs, message):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from feddg.aggregation.fot import align_to_reference
@@ -71,6 +72,8 @@ def test_registry_capabilities_and_the_papers_size():
     assert sum(p.numel() for p in full.parameters()) == 7_763_074
     with pytest.raises(ValueError, match="divisible by 16"):
         create_model("unet", num_classes=2, image_size=40)
+    with pytest.raises(ValueError, match="depth >= 1 and width >= 1, got depth 0"):
+        UNet(num_classes=2, depth=0)
 
 
 def test_upconv_is_a_transposed_convolution_with_its_weight_transposed():
@@ -97,6 +100,47 @@ def test_conv_stages_are_the_encoder_blocks_and_the_bottleneck():
     for h in hooks:
         h.remove()
     assert [s for (s,) in seen.values()] == [(2, 8, 32, 32), (2, 16, 16, 16), (2, 32, 8, 8), (2, 64, 4, 4)]
+
+
+def _block_by_hand(x: Tensor, block: nn.Sequential) -> Tensor:
+    """(conv 3×3, padding 1, no bias → BatchNorm with its running statistics → ReLU) twice."""
+    for conv, bn in ((block[0], block[1]), (block[3], block[4])):
+        x = F.conv2d(x, conv.weight, padding=1)
+        scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+        x = ((x - bn.running_mean[:, None, None]) * scale[:, None, None] + bn.bias[:, None, None]).clamp(min=0)
+    return x
+
+
+def _up_by_hand(x: Tensor, up: UpConv2x2) -> Tensor:
+    """out[o, 2i+a, 2j+b] = Σ_c W[o, c, a, b] x[c, i, j] + bias[o]."""
+    n, _, h, w = x.shape
+    out = torch.einsum("ocab,ncij->noiajb", up.weight, x).reshape(n, up.out_channels, 2 * h, 2 * w)
+    return out + up.bias[:, None, None]
+
+
+def test_forward_is_the_u_net_rebuilt_from_its_weights():
+    """Ronneberger et al.'s U-Net by hand: encoder blocks with 2×2 max-pools between them, the bottleneck, then per
+    level the transposed conv, the concatenation [up-sampled, encoder output] and a block, and the 1×1 classifier."""
+    model = _unet(size=16, width=4, depth=2, classes=3)
+    x = _x(16)
+    for m in model.modules():  # running statistics of x itself: random ones would swamp the spatial signal
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = 1.0
+    with torch.no_grad():
+        model.train()(x)
+        model.eval()
+        h, skips = x, []
+        for encoder in model.encoders:
+            h = _block_by_hand(h, encoder)
+            skips.append(h)
+            n, c, rows, cols = h.shape
+            h = h.reshape(n, c, rows // 2, 2, cols // 2, 2).amax(dim=(3, 5))  # 2×2 max-pool
+        h = _block_by_hand(h, model.bottleneck)
+        for up, decoder, skip in zip(model.upconvs, model.decoders, reversed(skips), strict=True):
+            h = _block_by_hand(torch.cat((_up_by_hand(h, up), skip), dim=1), decoder)
+        expected = torch.einsum("kc,nchw->nkhw", model.classifier.weight[:, :, 0, 0], h)
+        expected = expected + model.classifier.bias[:, None, None]
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 
 # --- FOT: the permutation spec ------------------------------------------------------------------------------------

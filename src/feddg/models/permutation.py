@@ -229,7 +229,8 @@ class _Builder:
     def new_group(self, conv: str) -> str:
         m = self.modules[conv]
         members = [Axis(f"{conv}.weight", 0)] + ([Axis(f"{conv}.bias", 0)] if m.bias is not None else [])
-        self.groups[conv] = {"size": m.out_channels, "producers": [f"{conv}.weight"], "members": members}
+        size = m.out_features if isinstance(m, nn.Linear) else m.out_channels
+        self.groups[conv] = {"size": size, "producers": [f"{conv}.weight"], "members": members}
         return conv
 
     def add_producer(self, group: str, conv: str, bn: str | None) -> None:
