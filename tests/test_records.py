@@ -209,8 +209,30 @@ def test_a_two_seed_interval_is_clipped_to_the_metric_and_shows_its_n():
     rows = [{"variant": "A", "target": t, "seed": s, "ood_acc": v}
             for t, vals in (("x", (2.0, 30.0)), ("y", (1.0, 33.0))) for s, v in enumerate(vals)]
     md = markdown_table(rows, bounds=(0.0, 100.0))
-    assert "[0.0, " in md and "n=2" in md  # the raw Student-t interval goes below 0 %
-    assert "[-" not in md.split("|")[-2]
+    # per-seed averages 1.5, 31.5: 16.5 ± t(0.975, 1) · 21.21 / √2 = 16.5 ± 190.6 leaves 0-100 at both ends
+    assert md.splitlines()[2].endswith("| 16.5 ± 21.2 | [0.0, 100.0] n=2 |")
+
+
+def test_a_dropped_client_marks_its_own_cell_and_the_average_and_tables_keep_the_sweeps_order():
+    """Variant B dropped a client on target y only: its x cell stays unmarked. Rows come as the sweep wrote them
+    (B before A, y before x), not sorted."""
+    rows = [{"variant": v, "target": t, "seed": 0, "ood_acc": 60.0 if v == "A" else 50.0,
+             "dropped": int((v, t) == ("B", "y"))} for v in ("B", "A") for t in ("y", "x")]
+    assert markdown_table(rows).splitlines()[:4] == [
+        "| method | y | x | avg | avg 95 % CI |", "|---|---|---|---|---|",
+        f"| B | 50.0 ± – {DEGRADED} | 50.0 ± – | 50.0 ± – | – |", "| A | 60.0 ± – | 60.0 ± – | 60.0 ± – | – |"]
+    assert [line.split(",")[:2] + line.split(",")[-1:] for line in csv_table(rows).splitlines()[1:]] == [
+        ["B", "y", "1"], ["B", "x", "0"], ["B", "avg", "1"], ["A", "y", "0"], ["A", "x", "0"], ["A", "avg", "0"]]
+
+
+def test_a_paired_difference_keeps_its_interval_below_zero_where_the_metric_is_clipped():
+    """Per seed: base 10, 50, 90; new 1, 2, 3 points above. The base's average, 50 ± 4.303 · 40 / √3, is clipped to
+    0-100; the difference, 2 ± 4.303 · 1 / √3 = [-0.484, 4.484], is no accuracy and keeps its negative end."""
+    rows = [{"variant": v, "target": "x", "seed": s, "ood_acc": base + (s + 1) * (v == "new")}
+            for v in ("base", "new") for s, base in enumerate((10.0, 50.0, 90.0))]
+    lines = csv_table(rows, baseline="base", bounds=(0.0, 100.0)).splitlines()
+    assert "base,avg,50.000,40.000,0.000,100.000,3,0" in lines
+    assert "new,avg - base,2.000,1.000,-0.484,4.484,3,0" in lines
 
 
 def test_a_sweep_report_shows_what_each_variant_and_each_draw_changes(tmp_path, cache):

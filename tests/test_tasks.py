@@ -26,6 +26,7 @@ from feddg.experiment import run_experiment
 from feddg.federation.server import Server
 from feddg.reports.run import report
 from feddg.sweep import run_sweep
+from feddg.tasks import TaskInfo, info_for_dataset, make_task
 from feddg.tasks.classification import Classification
 
 
@@ -50,6 +51,24 @@ def test_classification_loss_tally_score_and_chance_by_hand():
                                                                    "ood_acc": 50.0}
     assert domain_counts(task, tally, ["a", "b", "c"], "ood") == {"ood_acc/a": 2, "ood_acc/b": 2, "ood_acc": 4}
     assert task.chance() == 25.0 and task.info()["bounds"] == [0.0, 100.0]
+
+
+def test_a_task_refuses_an_unknown_input_kind_and_lists_a_metric_once():
+    with pytest.raises(ValueError, match="unknown input kind 'audio'"):
+        Classification(4, "audio")
+    assert make_task("classification", 4, metrics=["macro_f1", "macro_f1"]).info()["extra_metrics"] == ["macro_f1"]
+
+
+def test_the_task_of_a_run_without_results_comes_from_the_registry_and_reads_its_keys():
+    """digits-dg's 10 classes give chance 10 %; tiny-imagenet's are found in its folders: no chance line. A block
+    without a unit (an older run's) labels its axis with the bare name; a key of no role is no figure of it."""
+    digits, tiny = info_for_dataset("digits-dg"), info_for_dataset("tiny-imagenet")
+    assert digits is not None and digits.chance == 10.0 and digits.axis_label == "accuracy (%)"
+    assert tiny is not None and tiny.chance is None
+    assert info_for_dataset("no-such-set") is None
+    older = TaskInfo.of({"name": "toy", "metric": "err", "label": "error", "bounds": [0, 1], "higher_is_better": False})
+    assert older.axis_label == "error" and older.unit == ""
+    assert older.parse("ood_err/a") == ("ood", "a") and older.parse("_err") is None
 
 
 _FED = toy_federation()

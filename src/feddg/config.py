@@ -389,14 +389,21 @@ def audit_attacks(cfg: ExperimentConfig) -> tuple[PrivacyAttack, ...]:
     return (*own, *gram, "update-dlg")
 
 
+def task_provides(info: dict[str, Any]) -> frozenset[str]:
+    """What a dataset's batches carry (``dataset_info``'s row): its inputs' kind and its task's targets."""
+    from feddg.tasks import task_class  # lazy: tasks import torch
+
+    return frozenset({info["inputs"]}) | task_class(info["task"]).targets
+
+
 def audit_problem(cfg: ExperimentConfig, attacks: list[PrivacyAttack] | None) -> str | None:
     """Why ``attacks`` (``None``: :func:`audit_attacks` of the run) do not fit the task of ``cfg``'s dataset, on
     one line; ``None`` when they all do."""
     from feddg.data import dataset_info  # lazy: tasks import torch
-    from feddg.tasks import CLASS_LABELS, IMAGES, task_class
+    from feddg.tasks import CLASS_LABELS, IMAGES
 
     info = dataset_info(cfg.data.dataset)
-    provides = frozenset({info["inputs"]}) | task_class(info["task"]).targets
+    provides = task_provides(info)
     needs = {a: frozenset({IMAGES, *((CLASS_LABELS,) if a in LABELLED_ATTACKS else ())}) for a in get_args(PrivacyAttack)}
     misfit = {a: needs[a] - provides for a in (attacks or audit_attacks(cfg)) if not needs[a] <= provides}
     if not misfit:
@@ -560,7 +567,7 @@ class ExperimentConfig(Settings):
 
         cls = method_class(self.method.name)
         info = dataset_info(self.data.dataset)
-        task = frozenset({info["inputs"]}) | task_class(info["task"]).targets
+        task = task_provides(info)
         model = model_capabilities(self.model.name)
         specs = parse_augment(self.optim.augment)
         needs = {f"method {cls.name}": cls.requirements(cls.Params(**self.method.params)),

@@ -105,11 +105,6 @@ class Task(ABC):
             out.update(per | ({metric_key(role, name): float(np.mean(list(per.values())))} if per else {}))
         return out
 
-    @property
-    def provides(self) -> frozenset[str]:
-        """The capabilities of this task's batches: its inputs' kind and its targets'."""
-        return frozenset({self.inputs}) | self.targets
-
     @abstractmethod
     def loss(self, output: Tensor, target: Tensor) -> Tensor:
         """The training loss of a batch (a scalar tensor); ``target`` may be soft (label mixing)."""
