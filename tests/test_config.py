@@ -1,8 +1,9 @@
+import warnings
 from pathlib import Path
 
 import pytest
 
-from feddg.config import ConfigError, build_config, dump_config, load_config
+from feddg.config import ConfigError, build_config, config_tree, dump_config, load_config
 from feddg.sweep import load_sweep
 
 
@@ -104,6 +105,10 @@ def test_bad_override_values_and_keys_are_one_line():
         build_config({}, ["federation.rounds=[1,"])
     with pytest.raises(ConfigError, match="empty part"):
         build_config({}, ["federation..rounds=1"])
+    with pytest.raises(ConfigError, match=r"^override key federation\. has an empty part$"):
+        build_config({}, ["federation.=1"])
+    with pytest.raises(ConfigError, match=r"^name\.first: 'name' is not a section$"):
+        build_config({"name": "x"}, ["name.first=1"])
 
 
 def test_device_is_checked_at_load(monkeypatch):
@@ -158,3 +163,94 @@ def test_a_hierarchy_takes_a_natural_partition_and_refuses_a_method_that_average
     assert cfg.hierarchy is not None and cfg.hierarchy.stations == 10
     with pytest.raises(ConfigError, match="^hierarchy: pfedhn does not average weights, so its stations have no model"):
         build_config({"method": {"name": "pfedhn"}, "hierarchy": {"stations": 2}})  # it failed after a server round
+
+
+def test_an_override_splits_at_its_first_equals_sign() -> None:
+    # the value keeps every later '=' (a name, a path)
+    assert build_config({}, ["name=lr=0.1"]).name == "lr=0.1"
+
+
+def test_a_mapping_override_merges_into_its_section_and_an_empty_one_empties_it() -> None:
+    raw = {"federation": {"rounds": 3, "batch_size": 8}}
+    cfg = build_config(raw, ["federation={local_epochs: 2, batch_size: 16}"])
+    assert (cfg.federation.rounds, cfg.federation.local_epochs, cfg.federation.batch_size) == (3, 2, 16)
+    assert build_config(raw, ["federation={}"]).federation.rounds == 10  # the default
+    assert raw == {"federation": {"rounds": 3, "batch_size": 8}}  # the overrides did not leak into raw
+
+
+def test_a_key_overridden_twice_warns_and_the_last_value_wins() -> None:
+    with pytest.warns(UserWarning, match=r"^federation\.rounds is overridden twice: the last value wins \(3 is replaced\)$"):
+        cfg = build_config({}, ["federation.rounds=3", "federation.rounds=5"])
+    assert cfg.federation.rounds == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_config({}, ["federation.rounds=3", "federation.batch_size=5"])  # distinct keys: no warning
+
+
+def test_replacing_a_components_params_warns_of_the_dropped_keys_unless_it_is_renamed() -> None:
+    raw = {"method": {"name": "fedprox", "params": {"mu": 0.5}}}
+    with pytest.warns(UserWarning, match=r"^method\.params is replaced whole: mu go back to their defaults"):
+        assert build_config(raw, ["method.params={}"]).method.params == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build_config(raw, ["method.name=fedavg", "method.params={}"]).method.name == "fedavg"
+        two_level = {"hierarchy": {"stations": 2},
+                     "partition": {"kind": "two_level_dirichlet", "num_clients": 4, "params": {"groups": 2}}}
+        cfg = build_config(two_level, ["partition.kind=iid", "partition.params={}", "hierarchy=null"])
+        assert cfg.partition.kind == "iid"  # a partition is switched by its kind
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["federation.client_timeout_s=5", "federation.workers=1"], "federation: client_timeout_s needs workers >= 2"),
+    (["federation.client_timeout_s=5", "federation.engine=flower"], "federation: client_timeout_s is for the in-process"),
+    (["hierarchy.stations=5"], "hierarchy.stations: 5 stations need partition.num_clients >= 5"),
+    (["dp_weights={noise_multiplier: 1, clip: 1, accountant: pld}", "federation.client_fraction=0.5"],
+     "dp_weights.accountant: pld cannot compose client sampling"),
+    (["federation.rollback_loss_factor=2", "partition.holdout=0"], "federation.rollback_loss_factor needs the clients' holdouts"),
+    (["federation.trim_fraction=0.5"], "federation.trim_fraction: Input should be less than 0.5"),
+    (["split.target_fraction=1"], "split.target_fraction: Input should be less than 1"),
+])
+def test_cross_field_checks_refuse_just_past_their_bound(overrides: list[str], why: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config({}, overrides)
+    assert str(err.value).startswith(why)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["federation.client_timeout_s=5", "federation.workers=2"],
+    ["hierarchy.stations=4"],  # == partition.num_clients (4, the default)
+    ["dp_weights={noise_multiplier: 1, clip: 1, accountant: pld}"],  # every client every round
+    ["federation.rollback_loss_factor=2", "partition.holdout=0.1"],
+])
+def test_cross_field_checks_accept_their_bound(overrides: list[str]) -> None:
+    build_config({}, overrides)
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    # docs/architecture.md (10 % holdout, client_state_budget_mb 1024), docs/reliability.md (update_norm_factor 10,
+    # num_clients 4)
+    cfg = build_config({})
+    assert (cfg.partition.holdout, cfg.federation.client_state_budget_mb, cfg.federation.update_norm_factor,
+            cfg.partition.num_clients) == (0.1, 1024.0, 10.0, 4)
+    assert (cfg.split.protocol, cfg.method.name, cfg.federation.aggregation, cfg.federation.client_fraction) == (
+        "lodo", "fedavg", "mean", 1.0)
+
+
+def test_an_override_key_is_read_without_surrounding_spaces() -> None:
+    assert build_config({}, [" federation.rounds =3"]).federation.rounds == 3
+
+
+def test_a_natural_partition_left_to_the_data_dumps_no_client_count() -> None:
+    natural = {"data": {"dataset": "writers"}, "split": {"target_fraction": 0.1}, "partition": {"kind": "natural"}}
+    assert "num_clients" not in config_tree(build_config(natural))["partition"]
+    assert config_tree(build_config(natural, ["partition.num_clients=7"]))["partition"]["num_clients"] == 7
+    assert config_tree(build_config({}))["partition"]["num_clients"] == 4  # by_domain: always written
+
+
+def test_a_two_level_dirichlet_partition_needs_one_group_per_station() -> None:
+    raw = {"partition": {"kind": "two_level_dirichlet", "num_clients": 4, "params": {"groups": 2}},
+           "hierarchy": {"stations": 2}}
+    assert build_config(raw).partition.params == {"groups": 2}
+    with pytest.raises(ConfigError, match=r"^partition.kind=two_level_dirichlet: partition.params.groups \(2\) must "
+                                          r"equal hierarchy.stations \(4\)$"):
+        build_config(raw, ["hierarchy.stations=4"])

@@ -26,6 +26,8 @@ from feddg.sweep import load_sweep
     (bool, True, []),
     (int | bool, True, []),
     (Any, True, []),
+    (float | Any, True, []),  # a union with Any takes a boolean as it is
+    (list[int | Any], [True], []),
     (Literal[True, "x"], True, []),
     (str, True, []),  # pydantic refuses it itself
     (list[str], [True], []),

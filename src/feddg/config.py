@@ -791,7 +791,8 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Exp
                 warnings.warn(f"{leaf} is overridden twice: the last value wins ({given[leaf]!r} is replaced)",
                               stacklevel=2)
         old = _get_dotted(tree, key)
-        renamed = key.removesuffix("params") + "name" in {k for k, _ in pairs}
+        # the component itself switched (method.name, partition.kind): its old params are no longer its defaults
+        renamed = any(key.removesuffix("params") + selector in {k for k, _ in pairs} for selector in ("name", "kind"))
         if key.endswith(".params") and isinstance(old, dict) and isinstance(value, dict) and not renamed:
             if dropped := sorted(set(old) - set(value)):
                 warnings.warn(f"{key} is replaced whole: {', '.join(map(str, dropped))} go back to their defaults "
