@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import warnings
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -72,3 +77,25 @@ def test_a_plain_torch_archive_from_before_digests_still_loads(tmp_path):
     (tmp_path / CHECKPOINT).write_bytes((tmp_path / CHECKPOINT).read_bytes()[:40])
     with pytest.raises(CheckpointError, match="cannot be loaded"):
         load_checkpoint(tmp_path)
+
+
+def test_a_failed_write_leaves_the_latest_and_previous_intact_and_no_temporary_file(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_two(tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in (CHECKPOINT, PREVIOUS)}
+
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)  # the write of round 3 cannot reach the disk
+    with pytest.raises(OSError, match="previous checkpoint is intact") as err:
+        save_checkpoint(tmp_path, {"round": 3, "w": np.full(1000, 3, dtype=np.float32)})
+    assert err.value.errno == errno.ENOSPC and str(tmp_path / CHECKPOINT) in str(err.value)
+    monkeypatch.undo()
+    # the files are byte for byte what rounds 2 and 1 wrote, and nothing else is left in the run directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PREVIOUS, CHECKPOINT]
+    assert {name: (tmp_path / name).read_bytes() for name in (CHECKPOINT, PREVIOUS)} == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the latest loads, no fallback
+        ckpt = load_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt["round"] == 2

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import socket
+import sys
 
+import numpy as np
 import pytest
+import torch
 
 import feddg
 from feddg.config import build_config, dump_config
@@ -47,18 +53,23 @@ def test_every_excluded_key_is_a_config_key():
 
 
 def test_provenance_json_records_hash_versions_and_machine(tmp_path):
-    cfg = build_config({}, ["seed=3"])
+    cfg = build_config({}, ["seed=3", "device=cpu"])
     write_provenance(tmp_path, cfg)
     rec = json.loads((tmp_path / PROVENANCE).read_text())
     assert rec["config_hash"] == config_hash(cfg) and rec["feddg"] == feddg.__version__
-    assert {"torch", "numpy", "flwr", "python", "git_commit", "git_dirty"} <= rec.keys()
-    assert rec["machine"]["cpus"] >= 1 and rec["machine"]["device"].startswith(("cpu", "cuda"))
+    assert {"flwr", "git_commit", "git_dirty"} <= rec.keys()
+    # each version under its own name, read here from the packages themselves
+    assert (rec["torch"], rec["numpy"], rec["python"]) == (torch.__version__, np.__version__,
+                                                           platform.python_version())
+    assert rec["command"] == sys.argv and rec["hash_excludes"] == list(provenance.HASH_EXCLUDES)
+    assert rec["machine"] == {"cpus": os.cpu_count(), "device": "cpu", "hostname": socket.gethostname()}
     assert stored_config_hash(tmp_path) == config_hash(cfg)
 
     resumed = build_config({}, ["seed=3", "federation.rounds=20"])
     record_resume(tmp_path, resumed, ["federation.rounds=20"])
     rec = json.loads((tmp_path / PROVENANCE).read_text())
     assert rec["config_hash"] == config_hash(resumed) and rec["resumed"][0]["overrides"] == ["federation.rounds=20"]
+    assert (rec["resumed"][0]["torch"], rec["resumed"][0]["numpy"]) == (torch.__version__, np.__version__)
 
 
 def test_without_provenance_json_the_config_yaml_is_rehashed(tmp_path):
@@ -68,6 +79,10 @@ def test_without_provenance_json_the_config_yaml_is_rehashed(tmp_path):
     assert stored_config_hash(tmp_path) == config_hash(cfg)
     (tmp_path / PROVENANCE).write_text("{truncated")  # unreadable: fall back to config.yaml
     assert stored_config_hash(tmp_path) == config_hash(cfg)
+    yaml = (tmp_path / "config.yaml").read_text()
+    assert yaml.count("\ndevice: auto\n") == 1
+    (tmp_path / "config.yaml").write_text(yaml.replace("\ndevice: auto\n", "\ndevice: cuda:7\n"))  # not on this machine
+    assert stored_config_hash(tmp_path) == config_hash(cfg)  # the device is not hashed, nor checked here
 
 
 def test_no_git_commit_outside_a_checkout_and_no_failure_without_git(tmp_path, monkeypatch):
@@ -105,6 +120,13 @@ def test_a_sweep_cell_whose_input_files_changed_is_rerun(tmp_path, monkeypatch):
     assert sweep._run_or_load(cfg, run, progress=False) == {}  # unchanged: loaded
     weights.write_bytes(b"two, longer")  # another file under the same name
     assert provenance.changed_inputs(run, cfg) == ["model.weights"]
+    write_provenance(run, cfg)
+    stat = weights.stat()
+    weights.write_bytes(b"owt, longer")  # rewritten in place with as many bytes: only its time tells
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert provenance.changed_inputs(run, cfg) == ["model.weights"]
+    tokenizer = build_config({"model": {"weights": str(weights)}, "data": {"tokenizer": str(tmp_path / "tok")}})
+    assert provenance.changed_inputs(run, tokenizer) == ["data.tokenizer", "model.weights"]  # one it did not read
     assert sweep._run_or_load(cfg, run, progress=False) == {"rerun": True} and calls == [{"overwrite": True,
                                                                                           "progress": False}]
     assert provenance.inputs_stamp(build_config({"data": {"root": str(tmp_path / "nowhere")}})) == {
