@@ -35,6 +35,12 @@ def test_sqrt_of_zero_dim_non_contiguous_and_bfloat16_tensors():
     assert torch.equal(sqrt(b), torch.from_numpy(np.sqrt(b.float().numpy())).to(torch.bfloat16))
 
 
+def test_sqrt_off_the_cpu_is_torchs() -> None:
+    x = torch.empty(3, 2, device="meta")  # no data: numpy cannot take it, torch.sqrt can
+    y = sqrt(x)
+    assert y.device.type == "meta" and y.shape == (3, 2)
+
+
 def test_sqrt_gradient_is_torchs_formula():
     x = torch.tensor([0.25, 4.0, 9.0], dtype=torch.float64, requires_grad=True)
     (sqrt(x) * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
@@ -60,6 +66,12 @@ def test_adam_is_fused_on_cpu_and_takes_one_closed_form_step(decoupled):
         gw = g + 0.01 * p0
         expected = p0 - 0.1 * gw / (gw.abs() + eps)
     torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_adam_is_not_fused_when_any_parameter_is_on_a_device_without_a_fused_step() -> None:
+    cpu, meta = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, device="meta"))
+    assert adam([cpu, meta], lr=0.1).param_groups[0]["fused"] is None
+    assert adam([{"params": [cpu]}, {"params": [meta]}], lr=0.1).param_groups[0]["fused"] is None  # across groups
 
 
 #: methods and functions whose result depends on the CPU's vendor in PyTorch's x86 build (MKL's vector math)
