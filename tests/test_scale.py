@@ -1,15 +1,18 @@
 """Scale (issue 13): the streaming fold is bit-equal to the all-at-once mean and holds O(model); the lazy
-method registry; the cnn4 model; the scale configs' partitions; forked workers that rebuild nothing."""
+method registry; the cnn4 model; the scale configs' partitions; forked workers that rebuild nothing; the
+bookkeeping of `feddg bench merge`, `memory` and `scale` on hand-made timings (no test asserts a speed)."""
 
+import io
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from toy import toy_federation_of
+from toy import toy_federation, toy_federation_of
 
 from feddg.aggregation.mean import WeightedSum, weighted_mean, weighted_mean_messages
 from feddg.algorithms.base import Reply
@@ -238,3 +241,209 @@ def test_the_bound_s_gemm_kernels_are_float32_products_and_the_fastest_is_taken(
     rates = {"slow": 100.0, "fast": 300.0, "middle": 200.0}
     monkeypatch.setattr(bench_merge, "gemm_gflops", lambda threads, kernel="MKL", **_: rates[kernel])
     assert bench_merge.fastest_gemm(2) == ("fast", 300.0)
+
+
+def test_time_merges_interleave_the_merges_on_the_threads_asked_and_give_the_callers_back():
+    from feddg.bench.merge import time_merges
+
+    calls: list[tuple[str, int]] = []
+    merges = {name: (lambda name=name: calls.append((name, torch.get_num_threads()))) for name in ("a", "b")}
+    times = time_merges(merges, repeats=3, threads=2)
+    assert calls == [("a", 2), ("b", 2)] * 3 and torch.get_num_threads() == 1  # A B A B A B; conftest's 1 thread back
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+
+
+def test_merge_summary_is_min_and_median():
+    from feddg.bench.merge import summary
+
+    assert summary([3.0, 1.0, 2.0, 10.0]) == (1.0, 2.5)
+
+
+def test_a_linear_s_flops_are_two_per_multiply_add():
+    from feddg.bench.merge import _linear_flop
+
+    assert _linear_flop([4, 5], [7, 5]) == 2 * 4 * 5 * 7  # input [4, 5] · weight [7, 5]ᵀ
+
+
+def test_the_gemm_rate_is_2mkn_over_the_best_timed_product_after_the_warm_ups(monkeypatch):
+    """A fake kernel on a fake clock: 3 warm-ups of 0.01 s, then 0.5, 0.2 and 0.4 s; the rate counts 2·m·k·n FLOPs
+    of the best, 0.2 s, on the threads asked."""
+    from feddg.bench import merge as bench_merge
+
+    now, seconds, threads = [0.0], iter([0.01, 0.01, 0.01, 0.5, 0.2, 0.4]), []
+
+    def kernel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        assert (a.shape, b.shape, out.shape) == ((2, 3), (4, 3), (2, 4))
+        threads.append(torch.get_num_threads())
+        now[0] += next(seconds)
+
+    monkeypatch.setitem(bench_merge.CPU_CROSS_PRODUCTS, "fake", kernel)
+    monkeypatch.setattr(bench_merge, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    rate = bench_merge.gemm_gflops(3, shape=(2, 3, 4), repeats=3, kernel="fake")
+    assert rate == pytest.approx(2 * 2 * 3 * 4 / 0.2 / 1e9, rel=1e-12)
+    assert threads == [3] * 6 and torch.get_num_threads() == 1
+
+
+def test_the_gemm_clock_adds_up_a_block_s_products_and_its_floor_is_the_shortest_lap(monkeypatch):
+    from feddg.bench import merge as bench_merge
+
+    now = [0.0]
+
+    def kernel(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        now[0] += float(out[0, 0])  # each product takes the seconds written in its output
+
+    monkeypatch.setitem(bench_merge.CPU_CROSS_PRODUCTS, "fake", kernel)
+    monkeypatch.setattr(bench_merge, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = bench_merge.GemmClock()
+    for seconds in ([0.5, 0.25], [0.125]):  # two blocks: products of 0.5 + 0.25 s, then one of 0.125 s
+        with clock:
+            for s in seconds:
+                bench_merge.CPU_CROSS_PRODUCTS["fake"](torch.ones(1), torch.ones(1), torch.full((1, 1), s))
+    assert clock.laps == [0.75, 0.125] and clock.shortest() == 0.125
+    assert bench_merge.CPU_CROSS_PRODUCTS["fake"] is kernel
+
+
+def test_the_mean_pass_weights_each_station_by_its_gamma():
+    from feddg.bench.merge import MergeCase, mean_pass
+
+    case = MergeCase([{"w/a": np.array([1.0, 2.0])}, {"w/a": np.array([5.0, 6.0])}], [], [1.0, 3.0], None)
+    np.testing.assert_allclose(mean_pass(case)()["w/a"], [(1 + 3 * 5) / 4, (2 + 3 * 6) / 4])
+
+
+def test_synthetic_replies_scale_the_template_and_count_100_plus_k_mod_50_examples():
+    from feddg.bench.memory import examples, streaming_fold
+
+    template = synthetic_weights(1_000)
+    reply = synthetic_reply(template, 51)
+    assert reply["num_examples"] == 101 and reply["w/bn.num_batches_tracked"] == 7 + 51
+    np.testing.assert_allclose(reply["w/layer4"], template["w/layer4"] * 1.051, rtol=1e-6)
+    assert examples(52) == 50 * 100 + sum(range(50)) + 100 + 101
+    # the fold's weights are the example-weighted mean of the scales: Σ (100 + k % 50)(1 + k / 1000) / Σ (100 + k % 50)
+    n = [100 + k % 50 for k in range(52)]
+    scale = sum(m * (1 + k / 1000) for k, m in enumerate(n)) / sum(n)
+    np.testing.assert_allclose(streaming_fold(template, 52)["w/layer2"], template["w/layer2"] * scale, rtol=1e-6)
+
+
+def test_the_memory_table_measures_a_list_that_fits_and_computes_one_that_does_not(monkeypatch):
+    from feddg.bench import memory
+
+    template = synthetic_weights(1_000)
+    mb = 4 * (20 + 80 + 150 + 250 + 500) + 8  # five float32 layers and an int64 counter
+    assert model_bytes(template) == mb
+    monkeypatch.setattr(memory, "peak_extra_bytes", lambda fold, t, n: (2**20 * (n + (fold == "all-at-once")), 0.5))
+    rows = memory.memory_table(1_000, [2, 5], max_list_bytes=2 * mb)  # 2 replies fit exactly, 5 do not
+    assert rows == [
+        {"fold": "streaming", "clients": 2, "peak_mb": 2.0, "models": 2 * 2**20 / mb, "seconds": 0.5, "note": "measured"},
+        {"fold": "all-at-once", "clients": 2, "peak_mb": 3.0, "models": 3 * 2**20 / mb, "seconds": 0.5,
+         "note": "measured"},
+        {"fold": "streaming", "clients": 5, "peak_mb": 5.0, "models": 5 * 2**20 / mb, "seconds": 0.5, "note": "measured"},
+        {"fold": "all-at-once", "clients": 5, "peak_mb": 5 * mb / 2**20, "models": 5.0, "seconds": pytest.approx(np.nan,
+         nan_ok=True), "note": "computed (clients × model), not allocated"}]
+
+
+def test_a_round_s_peak_leaves_out_what_was_held_and_freed_before_it():
+    import tracemalloc
+
+    template = synthetic_weights(100_000)
+    one = model_bytes(template)
+    tracemalloc.start()
+    try:
+        held = np.ones(20 * one // 8)  # held through the round: not the round's
+        freed = np.ones(40 * one // 8)  # a peak before the round
+        del freed
+        streamed, _ = peak_extra_bytes("streaming", template, 5)
+        assert tracemalloc.is_tracing()  # the caller's tracing goes on
+    finally:
+        tracemalloc.stop()
+    assert held.size and streamed < 5 * one, f"the streamed fold's peak counted {streamed / one:.1f} models"
+
+
+def test_peak_rss_is_ru_maxrss_in_mib(monkeypatch):
+    import resource
+
+    from feddg.bench.scale import peak_rss_mb
+
+    monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3 * 1024 * 1024))  # KiB
+    assert peak_rss_mb() == 3072.0
+
+
+def test_scale_run_books_each_round_and_leaves_the_rest_to_build(monkeypatch):
+    import feddg.experiment
+    from feddg.bench import scale, w1
+
+    now, cpu = [0.0], [50.0]
+
+    def run(cfg: object, out: Path, progress: bool) -> None:
+        now[0] += 10.0
+        cpu[0] += 17.0
+
+    monkeypatch.setattr(feddg.experiment, "run_experiment", run)
+    monkeypatch.setattr(scale, "read_metrics", lambda path: [{"time_round_s": "1.5", "clients": "50"},
+                                                             {"time_round_s": "2.25", "clients": "48"}])
+    monkeypatch.setattr(scale, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(w1, "cpu_seconds", lambda: cpu[0])
+    assert scale.scale_run(None) == {"sampled": [50, 48], "round_s": [1.5, 2.25], "total_s": 10.0, "cpu_s": 17.0,
+                                     "build_s": 6.25}
+
+
+def test_the_plain_round_trains_each_client_s_epochs_skipping_batches_of_one_and_evaluates_every_held_out_image():
+    from feddg.bench.scale import plain_round_seconds
+
+    # 54 training images a client in batches of 53: one batch of 53 an epoch (the batch of one is skipped);
+    # held out: the target domain's 120 images and each client's 6, in batches of 100
+    fed = toy_federation("federation.batch_size=53", "federation.local_epochs=2", "eval.batch_size=100")
+    assert [len(c.train_idx) for c in fed.clients] == [54] * 4 and [len(c.holdout_idx) for c in fed.clients] == [6] * 4
+    before = {k: v.clone() for k, v in fed.model.state_dict().items()}
+    seen: list[tuple[bool, int]] = []
+    fed.model.register_forward_hook(lambda m, args, out: seen.append((m.training, len(args[0]))))
+    seconds = plain_round_seconds(fed, [0, 2], lr=0.1)
+    assert seen == [(True, 53)] * 4 + [(False, 100), (False, 44)]  # 2 clients × 2 epochs, then 144 images
+    assert set(seconds) == {"train", "eval"}
+    for k, v in fed.model.state_dict().items():  # the model is left at its start
+        assert torch.equal(v, before[k]), k
+
+
+def _cells(table: object) -> list[list[str]]:
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=400, color_system=None).print(table)
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in out.getvalue().splitlines() if line.startswith("│")]
+
+
+def test_scale_report_divides_the_min_last_round_by_the_min_plain_train_plus_eval(monkeypatch):
+    from feddg.bench import scale, w1
+
+    runs = iter([{"sampled": [50, 50], "round_s": [3.0, 2.5], "total_s": 20.0, "cpu_s": 30.0, "build_s": 14.5},
+                 {"sampled": [50, 49], "round_s": [3.1, 2.0], "total_s": 18.0, "cpu_s": 35.0, "build_s": 12.9}])
+    plain = iter([{"train": 0.6, "eval": 0.4, "clients": 3400.0}, {"train": 0.5, "eval": 0.7, "clients": 3400.0}])
+    monkeypatch.setattr(scale, "scale_run", lambda cfg: next(runs))
+    monkeypatch.setattr(scale, "yardstick", lambda cfg: next(plain))
+    monkeypatch.setattr(scale, "peak_rss_mb", lambda: 1234.0)
+    monkeypatch.setattr(w1, "load_average", lambda: "0.10 0.20 0.30")
+    path = CONFIGS / "femnist-scale.yaml"
+    before, table, after = scale.scale_report([path], 2, [], repeats=2)
+    assert before == "load average before: 0.10 0.20 0.30" and after == "load average after: 0.10 0.20 0.30"
+    # last rounds 2.5 and 2.0 s against train + eval of 1.0 and 1.2 s: 2.0 / 1.0
+    assert _cells(table) == [[str(path), "3,400", "50 50", "12.9", "2.00 (2.25)", "1.00 (0.50 + 0.40)", "2.00",
+                              "18.0 / 30.0", "1,234", "1,024"]]  # the default budget
+
+
+def test_the_scale_yardstick_trains_the_last_round_s_clients_at_its_learning_rate_on_one_thread(monkeypatch):
+    from feddg.bench import scale
+
+    # 3 rounds, step decay by half each round: the last round's learning rate is 0.1 · 0.5² = 0.025
+    fed = toy_federation("seed=1", "federation.client_fraction=0.5", "optim.schedule=step", "optim.step_size=1",
+                         "optim.gamma=0.5")
+    asked: list[tuple[list[int], float, int]] = []
+
+    def plain(f: object, clients: list[int], lr: float) -> dict[str, float]:
+        asked.append((clients, lr, torch.get_num_threads()))
+        return {"train": 1.0, "eval": 2.0}
+
+    monkeypatch.setattr(scale, "build_federation", lambda cfg: fed)
+    monkeypatch.setattr(scale, "plain_round_seconds", plain)
+    assert scale.yardstick(fed.cfg) == {"train": 1.0, "eval": 2.0, "clients": 4}
+    last = sorted(fed.topology.sample(3, 0.5, 1))
+    assert len(last) == 2 and last != sorted(fed.topology.sample(2, 0.5, 1))  # round 2 samples others
+    assert [(sorted(c), lr, t) for c, lr, t in asked] == [(last, pytest.approx(0.025), 1)]
