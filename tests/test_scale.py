@@ -358,32 +358,46 @@ def test_a_round_s_peak_leaves_out_what_was_held_and_freed_before_it():
     assert held.size and streamed < 5 * one, f"the streamed fold's peak counted {streamed / one:.1f} models"
 
 
-def test_peak_rss_is_ru_maxrss_in_mib(monkeypatch):
+def test_the_peak_rss_starts_again_at_each_reset_and_is_ru_maxrss_without_proc(monkeypatch):
+    import math
     import resource
 
-    from feddg.bench.scale import peak_rss_mb
+    from feddg.bench import scale
+    from feddg.bench.memory import reset_peak_rss
 
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs: the peak cannot be reset here")
+    block = np.ones(100 * 2**20 // 8)  # 100 MiB, touched
+    high = scale.peak_rss_mb()
+    del block
+    reset_peak_rss()
+    assert scale.peak_rss_mb() < high - 50  # a later run's peak no longer shows the 100 MiB freed before it
+    monkeypatch.setattr(scale, "rss_mb", lambda field: math.nan)  # no /proc: the process's peak since it started
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3 * 1024 * 1024))  # KiB
-    assert peak_rss_mb() == 3072.0
+    assert scale.peak_rss_mb() == 3072.0
 
 
 def test_scale_run_books_each_round_and_leaves_the_rest_to_build(monkeypatch):
     import feddg.experiment
     from feddg.bench import scale, w1
 
-    now, cpu = [0.0], [50.0]
+    now, cpu, events = [0.0], [50.0], []
 
     def run(cfg: object, out: Path, progress: bool) -> None:
         now[0] += 10.0
         cpu[0] += 17.0
+        events.append("run")
 
     monkeypatch.setattr(feddg.experiment, "run_experiment", run)
     monkeypatch.setattr(scale, "read_metrics", lambda path: [{"time_round_s": "1.5", "clients": "50"},
                                                              {"time_round_s": "2.25", "clients": "48"}])
     monkeypatch.setattr(scale, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(w1, "cpu_seconds", lambda: cpu[0])
+    monkeypatch.setattr(scale, "reset_peak_rss", lambda: events.append("reset"))
+    monkeypatch.setattr(scale, "peak_rss_mb", lambda: events.append("peak") or 321.0)
     assert scale.scale_run(None) == {"sampled": [50, 48], "round_s": [1.5, 2.25], "total_s": 10.0, "cpu_s": 17.0,
-                                     "build_s": 6.25}
+                                     "build_s": 6.25, "peak_mb": 321.0}
+    assert events == ["reset", "run", "peak"]  # the run's own peak
 
 
 def test_the_plain_round_trains_each_client_s_epochs_skipping_batches_of_one_and_evaluates_every_held_out_image():
@@ -414,19 +428,20 @@ def _cells(table: object) -> list[list[str]]:
 def test_scale_report_divides_the_min_last_round_by_the_min_plain_train_plus_eval(monkeypatch):
     from feddg.bench import scale, w1
 
-    runs = iter([{"sampled": [50, 50], "round_s": [3.0, 2.5], "total_s": 20.0, "cpu_s": 30.0, "build_s": 14.5},
-                 {"sampled": [50, 49], "round_s": [3.1, 2.0], "total_s": 18.0, "cpu_s": 35.0, "build_s": 12.9}])
+    runs = iter([{"sampled": [50, 50], "round_s": [3.0, 2.5], "total_s": 20.0, "cpu_s": 30.0, "build_s": 14.5,
+                  "peak_mb": 1200.0},
+                 {"sampled": [50, 49], "round_s": [3.1, 2.0], "total_s": 18.0, "cpu_s": 35.0, "build_s": 12.9,
+                  "peak_mb": 1234.0}])
     plain = iter([{"train": 0.6, "eval": 0.4, "clients": 3400.0}, {"train": 0.5, "eval": 0.7, "clients": 3400.0}])
     monkeypatch.setattr(scale, "scale_run", lambda cfg: next(runs))
     monkeypatch.setattr(scale, "yardstick", lambda cfg: next(plain))
-    monkeypatch.setattr(scale, "peak_rss_mb", lambda: 1234.0)
     monkeypatch.setattr(w1, "load_average", lambda: "0.10 0.20 0.30")
     path = CONFIGS / "femnist-scale.yaml"
     before, table, after = scale.scale_report([path], 2, [], repeats=2)
     assert before == "load average before: 0.10 0.20 0.30" and after == "load average after: 0.10 0.20 0.30"
     # last rounds 2.5 and 2.0 s against train + eval of 1.0 and 1.2 s: 2.0 / 1.0
     assert _cells(table) == [[str(path), "3,400", "50 50", "12.9", "2.00 (2.25)", "1.00 (0.50 + 0.40)", "2.00",
-                              "18.0 / 30.0", "1,234", "1,024"]]  # the default budget
+                              "18.0 / 30.0", "1,234", "1,024"]]  # the larger peak; the default budget
 
 
 def test_the_scale_yardstick_trains_the_last_round_s_clients_at_its_learning_rate_on_one_thread(monkeypatch):

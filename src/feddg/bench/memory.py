@@ -8,8 +8,10 @@ are traced), above what was allocated before the round: the global model and the
 
 from __future__ import annotations
 
+import math
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 from rich.table import Table
@@ -17,6 +19,26 @@ from rich.table import Table
 from feddg.algorithms.base import Reply
 from feddg.algorithms.registry import create_method
 from feddg.messages import Message
+
+
+def rss_mb(field: str) -> float:
+    """``VmRSS`` / ``VmHWM`` (the peak since the last :func:`reset_peak_rss`) of this process in MiB; NaN where
+    /proc is missing."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return math.nan
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith(field + ":")), math.nan)
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's ``VmHWM`` again from its ``VmRSS`` (Linux); False where that cannot be done."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
 
 #: fractions of the parameters in each synthetic layer (a CNN-like spread: the largest layer is half)
 LAYER_FRACTIONS = (0.02, 0.08, 0.15, 0.25, 0.5)

@@ -3,6 +3,7 @@ peak RSS) and the client workers' start-up time."""
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import tempfile
@@ -16,6 +17,7 @@ import torch
 from rich.table import Table
 from torch import nn
 
+from feddg.bench.memory import reset_peak_rss, rss_mb
 from feddg.config import ExperimentConfig, load_config
 from feddg.engines.workers import FederationFactory, WorkerPool, compute_threads, resolve_workers
 from feddg.evaluation.plots import read_metrics
@@ -24,24 +26,27 @@ from feddg.federation.setup import Federation, build_federation
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory so far of this process (Linux: KiB -> MiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process in MiB since the last :func:`reset_peak_rss` (Linux ``VmHWM``), or
+    without /proc since the process started (``ru_maxrss``, KiB)."""
+    peak = rss_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if math.isnan(peak) else peak
 
 
 def scale_run(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run ``cfg`` in a scratch directory: build seconds, each round's seconds (the last one evaluates), wall
-    and CPU seconds, the client-state budget, and the clients of the last round."""
+    and CPU seconds, the run's peak RSS (MiB), and the clients of each round."""
     from feddg.bench.w1 import cpu_seconds
     from feddg.experiment import run_experiment  # the whole stack
 
+    reset_peak_rss()  # this run's own peak: not an earlier config's, nor a yardstick's federation
     with tempfile.TemporaryDirectory() as tmp:
         t0, c0 = time.perf_counter(), cpu_seconds()
         run_experiment(cfg, Path(tmp) / "run", progress=False)
-        total, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        total, cpu, peak = time.perf_counter() - t0, cpu_seconds() - c0, peak_rss_mb()
         rows = read_metrics(Path(tmp) / "run")
     per_round = [float(r["time_round_s"]) for r in rows]
     return {"sampled": [int(r["clients"]) for r in rows],
-            "round_s": per_round, "total_s": total, "cpu_s": cpu, "build_s": total - sum(per_round)}
+            "round_s": per_round, "total_s": total, "cpu_s": cpu, "build_s": total - sum(per_round), "peak_mb": peak}
 
 
 def yardstick(cfg: ExperimentConfig) -> dict[str, float]:
@@ -137,6 +142,6 @@ def scale_report(configs: list[Path], rounds: int, overrides: list[str], repeats
                   f"{min(r['build_s'] for r in runs):.1f}", f"{min(last):.2f} ({statistics.median(last):.2f})",
                   f"{best:.2f} ({min(p['train'] for p in plain):.2f} + {min(p['eval'] for p in plain):.2f})",
                   f"{min(last) / best:.2f}", " / ".join(f"{min(r[k] for r in runs):.1f}" for k in ("total_s", "cpu_s")),
-                  f"{peak_rss_mb():,.0f}", "unlimited" if budget is None else f"{budget:,.0f}")
+                  f"{max(r['peak_mb'] for r in runs):,.0f}", "unlimited" if budget is None else f"{budget:,.0f}")
     yield t
     yield f"load average after: {load_average()}"

@@ -27,28 +27,12 @@ from torch import nn
 
 from feddg.algorithms.base import Method, Reply, ServerContext, ServerState
 from feddg.algorithms.registry import create_method
-from feddg.bench.memory import examples, model_bytes, synthetic_reply
+from feddg.bench.memory import examples, model_bytes, reset_peak_rss, rss_mb, synthetic_reply
 from feddg.engines.workers import can_fork
 from feddg.federation.client_store import STORE_DIR, ClientStore, ClientStores
 from feddg.messages import WEIGHT_PREFIX, Message, entries, weights_of
 
 PER_ROUND = 20
-
-
-def _rss_mb(field: str) -> float:
-    """``VmRSS`` / ``VmHWM`` of this process (MiB; NaN where /proc is missing)."""
-    try:
-        lines = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return math.nan
-    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith(field + ":")), math.nan)
-
-
-def _reset_peak_rss() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
-    except OSError:
-        pass
 
 
 def _round(method: Method, state: ServerState, client_states: ClientStore, template: Message,
@@ -70,8 +54,8 @@ def local_only_server(n_clients: int, params: int, budget_mb: float | None, root
     stores = ClientStores(root / STORE_DIR, None if budget_mb is None else int(budget_mb * 2**20))
     method = create_method("local")
     template = weights_of(model)
-    rss0, was_tracing = _rss_mb("VmRSS"), tracemalloc.is_tracing()
-    _reset_peak_rss()
+    rss0, was_tracing = rss_mb("VmRSS"), tracemalloc.is_tracing()
+    reset_peak_rss()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     t0 = time.perf_counter()
@@ -89,7 +73,7 @@ def local_only_server(n_clients: int, params: int, budget_mb: float | None, root
     disk = sum(p.stat().st_size for p in (root / STORE_DIR).glob("*.npy"))
     return {"clients": n_clients, "budget_mb": budget_mb, "model_mb": model_bytes(template) / 2**20,
             "store_ram_mb": stores.ram_bytes / 2**20, "traced_peak_mb": (peak - base) / 2**20,
-            "traced_kept_mb": (current - base) / 2**20, "peak_rss_mb": _rss_mb("VmHWM") - rss0,
+            "traced_kept_mb": (current - base) / 2**20, "peak_rss_mb": rss_mb("VmHWM") - rss0,
             "disk_mb": disk / 2**20, "seconds": seconds}
 
 
