@@ -201,6 +201,15 @@ def test_a_resume_cannot_stretch_a_cosine_schedule(tmp_path):
         resume_experiment(tmp_path, ["federation.rounds=20"])
 
 
+def test_a_resume_cannot_shrink_a_run(tmp_path):
+    from feddg.config import ConfigError, build_config, dump_config
+    from feddg.experiment import resume_experiment
+
+    (tmp_path / "config.yaml").write_text(dump_config(build_config({}, ["federation.rounds=5"])))
+    with pytest.raises(ConfigError, match=r"^federation.rounds: a resumed run can only grow \(5 -> 3\)$"):
+        resume_experiment(tmp_path, ["federation.rounds=3"])
+
+
 def test_user_errors_are_one_line_without_a_traceback(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
     bad = tmp_path / "bad.yaml"

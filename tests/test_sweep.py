@@ -92,6 +92,10 @@ def test_a_bad_variant_fails_before_any_run(sweep_file, tmp_path):
     assert not list((tmp_path / "out").glob("*/*/seed0/results.json"))
     with pytest.raises(ValueError, match="jobs"):
         run_sweep(sweep_file, out_dir=tmp_path / "out", progress=False, jobs=0)
+    mixed = {**SWEEP, "sweep": {**SWEEP["sweep"], "variants": {"ok": {}, "pinned": {"reproducibility": "portable"}}}}
+    sweep_file.write_text(yaml.safe_dump(mixed))
+    with pytest.raises(ConfigError, match="reproducibility: every cell of a sweep runs with the same CPU kernels"):
+        run_sweep(sweep_file, out_dir=tmp_path / "out", progress=False)
     sweep_file.write_text(yaml.safe_dump(SWEEP))
     with pytest.raises(ConfigError, match=r"sweep.baseline 'FedAVG' is not a variant; variants: \['FedAvg', 'FedProx'\]"):
         run_sweep(sweep_file, ["sweep.baseline=FedAVG"], out_dir=tmp_path / "out", progress=False)
@@ -231,3 +235,63 @@ def test_a_sweep_over_natural_clients_holds_out_one_seeded_fraction_of_the_domai
     base = build_config({"data": {"dataset": "writers"}, "split": {"target_fraction": 0.1},
                          "partition": {"kind": "natural"}})
     assert _cells(SweepSpec(), base) == [("unseen 0.1", [])]
+
+
+def test_each_row_and_folder_holds_the_figures_of_its_own_cells_run(sweep_file, tmp_path, monkeypatch):
+    """Stand-in runs (no training) whose figures encode their cell's method, target and seed: every row carries its
+    own cell's figures, folder and dropped clients, and the default metrics are the task's ood and id means."""
+    codes = {"fedavg": 0, "fedprox": 100, "mnist": 10, "uci": 20}
+    task = {"name": "classification", "metric": "acc", "label": "accuracy", "unit": "%", "bounds": [0, 100],
+            "higher_is_better": True, "chance": 10.0}
+
+    def stand_in(cfg: ExperimentConfig, run_dir: Path, progress: bool) -> dict:
+        code = float(codes[cfg.method.name] + codes[str(cfg.split.target)] + cfg.seed)
+        run_dir.mkdir(parents=True)
+        return {"final": {"ood_acc": code, "id_acc": code + 0.5}, "time_total_s": 1.0, "source": ["svhn"],
+                "failures": {"client_rounds_lost": cfg.seed}, "task": task}
+
+    monkeypatch.setattr("feddg.sweep._run_or_load", stand_in)
+    sweep_file.write_text(yaml.safe_dump({**SWEEP, "sweep": {**SWEEP["sweep"], "seeds": [0, 1]}}))
+    out = tmp_path / "out"
+    rows = run_sweep(sweep_file, ["sweep.selection=[last]"], out_dir=out, progress=False)["rows"]
+    cells = [(v, t, s) for v in ("FedAvg", "FedProx") for t in ("uci", "mnist") for s in (0, 1)]  # the sweep's order
+    assert [(r["variant"], r["target"], r["seed"]) for r in rows] == cells
+    for r in rows:
+        code = {"FedAvg": 0, "FedProx": 100}[r["variant"]] + codes[r["target"]] + r["seed"]
+        assert (r["ood_acc"], r["id_acc"], r["dropped"]) == (code, code + 0.5, r["seed"])
+        assert r["run_dir"] == str(out / r["variant"] / r["target"] / f"seed{r['seed']}")
+    assert json.loads((out / "sweep.json").read_text())["metrics"] == ["ood_acc", "id_acc"]
+    assert (out / "table_ood_acc.csv").is_file() and (out / "table_id_acc.csv").is_file()
+
+
+def test_cells_are_each_target_once_or_every_ordered_ltdo_pair():
+    from feddg.config import build_config
+    from feddg.sweep import SweepSpec, _cells
+
+    data = {"dataset": "digits-dg", "domains": ["mnist", "uci", "svhn"]}
+    lodo = build_config({"data": data})
+    assert _cells(SweepSpec(), lodo) == [(d, [f'split.target="{d}"']) for d in ("mnist", "uci", "svhn")]
+    named = SweepSpec.model_validate({"targets": ["svhn", "mnist"]})
+    assert _cells(named, lodo) == [(d, [f'split.target="{d}"']) for d in ("svhn", "mnist")]
+    ltdo = _cells(SweepSpec(), build_config({"data": data, "split": {"protocol": "ltdo"}}))
+    pairs = [("mnist", "uci"), ("mnist", "svhn"), ("uci", "mnist"), ("uci", "svhn"), ("svhn", "mnist"), ("svhn", "uci")]
+    assert ltdo == [(f"{v}→{t}", [f'split.val_domain="{v}"', f'split.target="{t}"']) for v, t in pairs]
+
+
+def test_search_draw_k_of_the_vth_variant_is_seeded_by_the_search_seed_v_and_k():
+    """Each draw is rebuilt from its own generator, ``derived_seed(search.seed, v, k)``: another search seed draws
+    anew, and two variants of one method draw independently."""
+    import numpy as np
+
+    from feddg.algorithms.fedprox import FedProx
+    from feddg.seeds import derived_seed
+    from feddg.sweep import SweepSpec, search_variants
+
+    mus = FedProx.search_space["mu"]
+    variants = {"a": {"method.name": "fedprox"}, "b": {"method.name": "fedprox"}}
+    for seed in (3, 4):
+        spec = SweepSpec.model_validate({"variants": variants, "search": {"n": 6, "seed": seed}})
+        drawn = search_variants(spec, {})
+        for v, name in enumerate(variants):
+            expected = [mus[int(np.random.default_rng(derived_seed(seed, v, k)).integers(len(mus)))] for k in range(1, 6)]
+            assert [drawn[f"{name} #{k}"]["method.params.mu"] for k in range(1, 6)] == expected

@@ -10,7 +10,12 @@ import numpy as np
 
 
 def derived_seed(*keys: int, bits: int = 63) -> int:
-    """A ``bits``-bit seed (63 or 31) from integer keys via ``np.random.SeedSequence``."""
+    """A ``bits``-bit seed (63 or 31) from integer keys via ``np.random.SeedSequence``.
+
+    SeedSequence pads its keys with zeros, so ``(s, a)`` and ``(s, a, 0)`` give one seed: the model's init stream
+    ``(seed, 23)`` (torch) is client 0's round-23 data stream ``(seed, 23, 0)`` (torch); setup's numpy streams 17,
+    29, 31 and 37 share their seeds with client 0's rounds 17, 29, 31 and 37 but draw with another generator. Kept:
+    another derivation would change every stream of every existing run (resumes, golden tests)."""
     seq = np.random.SeedSequence([int(k) for k in keys])
     if bits == 63:
         return int(seq.generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
