@@ -83,3 +83,27 @@ def test_the_cli_and_a_warm_listing_import_no_torch(sources, tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "client methods" in res.stdout
+
+
+def test_merges_are_listed_sorted_with_what_each_computes():
+    from feddg.aggregation.merges import MERGES
+
+    listing = build_catalog()
+    assert [name for name, _ in listing["merges"]] == sorted(MERGES)
+    what = dict(listing["merges"])
+    assert what["hfedatm-no-fot"] == "RegMean of linear layers (eqs. 8–12)"
+    names = [name for name, _ in listing["methods"]]
+    assert names == sorted(names) and "fedavg" in names
+
+
+def test_the_cache_folder_keeps_the_newest_listings_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(feddg.catalog, "build_catalog", lambda: {k: [] for k in feddg.catalog.KEYS})
+    folder = tmp_path / "methods"
+    folder.mkdir()
+    for i in range(20):  # older listings, oldest first
+        (folder / f"old{i:02d}.json").write_text("{}")
+        os.utime(folder / f"old{i:02d}.json", (1000 + i, 1000 + i))
+    catalog(cache_dir=tmp_path, root=Path(feddg.catalog.__file__).parent / "aggregation")
+    kept = sorted(p.name for p in folder.glob("*.json"))
+    assert len(kept) == 16  # the new listing and the 15 newest old ones
+    assert [n for n in kept if n.startswith("old")] == [f"old{i:02d}.json" for i in range(5, 20)]

@@ -199,3 +199,19 @@ def test_a_folder_without_its_card_is_normalised_with_the_training_datas_statist
     x_extra, _ = extra.get_batch(np.arange(len(extra)), train=False)
     sums = [np.sort(x.flatten(1).sum(1).numpy()) for x in (x_extra, x_ref)]  # the same images, in any order
     np.testing.assert_allclose(*sums, rtol=1e-5)
+
+
+def test_an_extra_target_is_normalised_with_the_training_datas_std_as_well_as_its_mean(tmp_path, cache_dir):
+    from feddg.data.export import export_dataset
+
+    export_dataset("digits-dg", tmp_path / "f", cache_dir=cache_dir, max_per_domain=20)
+    (tmp_path / "f" / "feddg.json").unlink()
+    cfg = build_config({}, [f"data.cache_dir={cache_dir}"])
+    reference = load_dataset("digits-dg", cache_dir=cache_dir, max_per_domain=20)
+    x_ref, _ = reference.get_batch(np.arange(len(reference)), train=False)  # (raw - 0.5) / 0.5
+    reference.std = (0.25,) * 3  # training data of half Digits-DG's std: (raw - 0.5) / 0.25, twice x_ref
+    extra = load_extra_target(ExtraEvalConfig(name="f", dataset="folder", root=str(tmp_path / "f")), cfg, reference).dataset
+    assert (extra.mean, extra.std) == ((0.5,) * 3, (0.25,) * 3)
+    x_extra, _ = extra.get_batch(np.arange(len(extra)), train=False)
+    sums = [np.sort(x.flatten(1).sum(1).numpy()) for x in (x_extra, 2 * x_ref)]  # the same images, in any order
+    np.testing.assert_allclose(*sums, rtol=1e-5, atol=1e-4)
