@@ -4,7 +4,6 @@ runs a benchmark or asserts a speed."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -13,18 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
-from rich.table import Table
+from support.tables import table_cells
 
 from feddg.bench import memory, merge, scale, summary, throughput, w1
 from feddg.bench.summary import Row
-
-
-def _cells(table: Table) -> list[list[str]]:
-    """The rendered rows of ``table``, one list of cell texts each."""
-    out = io.StringIO()
-    Console(file=out, width=400, color_system=None).print(table)
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in out.getvalue().splitlines() if line.startswith("│")]
 
 
 def _cpu_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
@@ -190,7 +181,7 @@ def test_scale_row_compares_the_min_last_round_with_the_min_train_plus_eval(monk
 def test_summary_table_says_yes_no_or_nothing_and_the_report_reads_the_load_before_the_rows(monkeypatch):
     rows = [Row("a", "1 s", "y", 0.5, "≤ 1×", True, "1.0"), Row("b", "2 s", "y", 2.0, "≤ 1×", False, "2.0"),
             Row("c", "3 s", "", None, "", None, "3.0")]
-    assert [[c[0], c[4], c[6]] for c in _cells(summary.summary_table(rows, False, 3))] == [
+    assert [[c[0], c[4], c[6]] for c in table_cells(summary.summary_table(rows, False, 3))] == [
         ["a", "0.50", "yes"], ["b", "2.00", "no"], ["c", "", ""]]
     load = ["0.50 0.40 0.30"]
 
@@ -266,7 +257,7 @@ def test_loops_table_gives_per_second_from_min_and_median_and_feddg_over_plain(m
     times = {"feddg train_local": [2.0, 1.0, 4.0], "plain PyTorch": [0.5, 0.8, 2.0]}
     monkeypatch.setattr(throughput, "loop_bench", lambda *_: _Bench())
     monkeypatch.setattr(throughput, "time_loops", lambda bench, repeats: times)
-    fed, plain = _cells(throughput.loops_table(["cnn4@28"], 1, 1.0, batch=8, repeats=3, steps=5))
+    fed, plain = table_cells(throughput.loops_table(["cnn4@28"], 1, 1.0, batch=8, repeats=3, steps=5))
     # 64 images: feddg 64 / 1 s best, 64 / 2 s median; plain 64 / 0.5 s and 64 / 0.8 s
     assert fed == ["cnn4", "28", "classification", "5", "feddg train_local", "64 img", "32 img", "0.50, 0.40"]
     assert plain == ["cnn4", "28", "classification", "5", "plain PyTorch", "128 img", "80 img", ""]

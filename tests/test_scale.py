@@ -2,7 +2,6 @@
 method registry; the cnn4 model; the scale configs' partitions; forked workers that rebuild nothing; the
 bookkeeping of `feddg bench merge`, `memory` and `scale` on hand-made timings (no test asserts a speed)."""
 
-import io
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from support.tables import table_cells
 from toy import toy_federation, toy_federation_of
 
 from feddg.aggregation.mean import WeightedSum, weighted_mean, weighted_mean_messages
@@ -417,14 +417,6 @@ def test_the_plain_round_trains_each_client_s_epochs_skipping_batches_of_one_and
         assert torch.equal(v, before[k]), k
 
 
-def _cells(table: object) -> list[list[str]]:
-    from rich.console import Console
-
-    out = io.StringIO()
-    Console(file=out, width=400, color_system=None).print(table)
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in out.getvalue().splitlines() if line.startswith("│")]
-
-
 def test_scale_report_divides_the_min_last_round_by_the_min_plain_train_plus_eval(monkeypatch):
     from feddg.bench import scale, w1
 
@@ -440,7 +432,7 @@ def test_scale_report_divides_the_min_last_round_by_the_min_plain_train_plus_eva
     before, table, after = scale.scale_report([path], 2, [], repeats=2)
     assert before == "load average before: 0.10 0.20 0.30" and after == "load average after: 0.10 0.20 0.30"
     # last rounds 2.5 and 2.0 s against train + eval of 1.0 and 1.2 s: 2.0 / 1.0
-    assert _cells(table) == [[str(path), "3,400", "50 50", "12.9", "2.00 (2.25)", "1.00 (0.50 + 0.40)", "2.00",
+    assert table_cells(table) == [[str(path), "3,400", "50 50", "12.9", "2.00 (2.25)", "1.00 (0.50 + 0.40)", "2.00",
                               "18.0 / 30.0", "1,234", "1,024"]]  # the larger peak; the default budget
 
 
