@@ -393,10 +393,10 @@ def test_scale_run_books_each_round_and_leaves_the_rest_to_build(monkeypatch):
                                                              {"time_round_s": "2.25", "clients": "48"}])
     monkeypatch.setattr(scale, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(w1, "cpu_seconds", lambda: cpu[0])
-    monkeypatch.setattr(scale, "reset_peak_rss", lambda: events.append("reset"))
+    monkeypatch.setattr(scale, "reset_peak_rss", lambda: events.append("reset") or False)
     monkeypatch.setattr(scale, "peak_rss_mb", lambda: events.append("peak") or 321.0)
     assert scale.scale_run(None) == {"sampled": [50, 48], "round_s": [1.5, 2.25], "total_s": 10.0, "cpu_s": 17.0,
-                                     "build_s": 6.25, "peak_mb": 321.0}
+                                     "build_s": 6.25, "peak_mb": 321.0, "peak_own": False}
     assert events == ["reset", "run", "peak"]  # the run's own peak
 
 
@@ -417,13 +417,14 @@ def test_the_plain_round_trains_each_client_s_epochs_skipping_batches_of_one_and
         assert torch.equal(v, before[k]), k
 
 
-def test_scale_report_divides_the_min_last_round_by_the_min_plain_train_plus_eval(monkeypatch):
+@pytest.mark.parametrize(("own", "peak"), [(True, "1,234"), (False, "1,234 (process so far)")])
+def test_scale_report_divides_the_min_last_round_by_the_min_plain_train_plus_eval(monkeypatch, own, peak):
     from feddg.bench import scale, w1
 
     runs = iter([{"sampled": [50, 50], "round_s": [3.0, 2.5], "total_s": 20.0, "cpu_s": 30.0, "build_s": 14.5,
-                  "peak_mb": 1200.0},
+                  "peak_mb": 1200.0, "peak_own": True},
                  {"sampled": [50, 49], "round_s": [3.1, 2.0], "total_s": 18.0, "cpu_s": 35.0, "build_s": 12.9,
-                  "peak_mb": 1234.0}])
+                  "peak_mb": 1234.0, "peak_own": own}])  # own: its peak could be reset
     plain = iter([{"train": 0.6, "eval": 0.4, "clients": 3400.0}, {"train": 0.5, "eval": 0.7, "clients": 3400.0}])
     monkeypatch.setattr(scale, "scale_run", lambda cfg: next(runs))
     monkeypatch.setattr(scale, "yardstick", lambda cfg: next(plain))
@@ -433,7 +434,7 @@ def test_scale_report_divides_the_min_last_round_by_the_min_plain_train_plus_eva
     assert before == "load average before: 0.10 0.20 0.30" and after == "load average after: 0.10 0.20 0.30"
     # last rounds 2.5 and 2.0 s against train + eval of 1.0 and 1.2 s: 2.0 / 1.0
     assert table_cells(table) == [[str(path), "3,400", "50 50", "12.9", "2.00 (2.25)", "1.00 (0.50 + 0.40)", "2.00",
-                              "18.0 / 30.0", "1,234", "1,024"]]  # the larger peak; the default budget
+                              "18.0 / 30.0", peak, "1,024"]]  # the larger peak; the default budget
 
 
 def test_the_scale_yardstick_trains_the_last_round_s_clients_at_its_learning_rate_on_one_thread(monkeypatch):

@@ -34,11 +34,12 @@ def peak_rss_mb() -> float:
 
 def scale_run(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run ``cfg`` in a scratch directory: build seconds, each round's seconds (the last one evaluates), wall
-    and CPU seconds, the run's peak RSS (MiB), and the clients of each round."""
+    and CPU seconds, the run's peak RSS (MiB; ``peak_own``: False where it could not be reset, so it is the
+    process's peak so far), and the clients of each round."""
     from feddg.bench.w1 import cpu_seconds
     from feddg.experiment import run_experiment  # the whole stack
 
-    reset_peak_rss()  # this run's own peak: not an earlier config's, nor a yardstick's federation
+    own_peak = reset_peak_rss()  # this run's own peak: not an earlier config's, nor a yardstick's federation
     with tempfile.TemporaryDirectory() as tmp:
         t0, c0 = time.perf_counter(), cpu_seconds()
         run_experiment(cfg, Path(tmp) / "run", progress=False)
@@ -46,7 +47,8 @@ def scale_run(cfg: ExperimentConfig) -> dict[str, Any]:
         rows = read_metrics(Path(tmp) / "run")
     per_round = [float(r["time_round_s"]) for r in rows]
     return {"sampled": [int(r["clients"]) for r in rows],
-            "round_s": per_round, "total_s": total, "cpu_s": cpu, "build_s": total - sum(per_round), "peak_mb": peak}
+            "round_s": per_round, "total_s": total, "cpu_s": cpu, "build_s": total - sum(per_round), "peak_mb": peak,
+            "peak_own": own_peak}
 
 
 def yardstick(cfg: ExperimentConfig) -> dict[str, float]:
@@ -138,10 +140,11 @@ def scale_report(configs: list[Path], rounds: int, overrides: list[str], repeats
         base = [p["train"] + p["eval"] for p in plain]
         best = min(base)
         budget = cfg.federation.client_state_budget_mb
+        peak = f"{max(r['peak_mb'] for r in runs):,.0f}" + ("" if all(r["peak_own"] for r in runs) else " (process so far)")
         t.add_row(str(path), f"{plain[0]['clients']:,.0f}", " ".join(map(str, runs[0]["sampled"])),
                   f"{min(r['build_s'] for r in runs):.1f}", f"{min(last):.2f} ({statistics.median(last):.2f})",
                   f"{best:.2f} ({min(p['train'] for p in plain):.2f} + {min(p['eval'] for p in plain):.2f})",
                   f"{min(last) / best:.2f}", " / ".join(f"{min(r[k] for r in runs):.1f}" for k in ("total_s", "cpu_s")),
-                  f"{max(r['peak_mb'] for r in runs):,.0f}", "unlimited" if budget is None else f"{budget:,.0f}")
+                  peak, "unlimited" if budget is None else f"{budget:,.0f}")
     yield t
     yield f"load average after: {load_average()}"
