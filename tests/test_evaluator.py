@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.decisive import decisive_argmax
 from toy import ToyDomains, toy_federation
 
 from feddg.engines.inprocess import run_inprocess
@@ -24,7 +25,7 @@ def _right(fed: Federation, state: dict, client_id: int | None, indices: np.ndar
     fed.model.eval()
     x, y = fed.dataset.get_batch(indices, train=False)
     with torch.no_grad():
-        return (fed.model(x).argmax(1) == y).numpy()
+        return (decisive_argmax(fed.model(x)) == y).numpy()
 
 
 def _local_run(tmp_path: Path) -> tuple[Server, dict]:
