@@ -16,6 +16,7 @@ from feddg.evaluation.selection import (
     pick_notes,
     picks_by,
     select,
+    split_draw,
     unavailable,
 )
 from feddg.reports.sweep import sweep_report
@@ -115,6 +116,42 @@ def test_leave_one_domain_out_averages_the_validation_domains_of_each_test_domai
     assert (chosen["target"], chosen["draw"], chosen["round"], chosen["candidates"]) == ("c", 1, 2, 4)
     assert (chosen["score"], chosen["ood_acc"]) == (85.0, 70.0)
     assert default_rules(rows, ACC) == ["train_domain", "lodo", "last"]
+
+
+def test_lodo_scores_only_rounds_every_validation_run_evaluated_and_none_of_a_draw_with_a_run_missing(tmp_path):
+    def ev(v: float, o: float) -> dict[str, float]:
+        return {"val_acc": v, "ood_acc": o}
+
+    rows = [  # draw 0: the a→c run evaluated rounds 2 and 4, the b→c run round 4 only; draw 1's b→c run never ran
+        _row("P #0", "a→c", 0, _run(tmp_path, "0a", {2: ev(99, 99), 4: ev(60, 30)})),
+        _row("P #0", "b→c", 0, _run(tmp_path, "0b", {4: ev(80, 50)})),
+        _row("P #1", "a→c", 0, _run(tmp_path, "1a", {2: ev(100, 100), 4: ev(100, 100)})),
+        _row("P #1", "b→c", 0, str(tmp_path / "never-ran")),
+    ]
+    [chosen] = select(rows, "lodo", ACC)  # round 2 is not a mean over both validation domains; draw 1 has one
+    assert (chosen["draw"], chosen["round"], chosen["candidates"]) == (0, 4, 1)
+    assert (chosen["score"], chosen["ood_acc"]) == (70.0, 40.0)
+
+
+def test_a_round_whose_score_is_not_finite_is_no_candidate(tmp_path):
+    rows = [_row("X", "a", 0, _run(tmp_path, "r", {2: {"id_acc": float("nan"), "ood_acc": 99.0},
+                                                    4: {"id_acc": 60.0, "ood_acc": 40.0},
+                                                    6: {"id_acc": 70.0, "ood_acc": 45.0}}))]
+    [chosen] = select(rows, "train_domain", ACC)  # a NaN first would stay "best": nothing compares above it
+    assert (chosen["round"], chosen["candidates"], chosen["ood_acc"]) == (6, 2, 45.0)
+
+
+def test_a_draw_number_is_only_a_variant_names_last_word():
+    assert split_draw("FedProx #2") == ("FedProx", 2)
+    assert split_draw("FedProx #2 (reconstructed)") == ("FedProx (reconstructed)", 2)
+    assert split_draw("FedProx #2b") == ("FedProx #2b", 0)  # not draw 2 of "FedProx"
+    assert split_draw("FedProx") == ("FedProx", 0)
+
+
+def test_pick_notes_list_the_seeds_in_seed_order_whatever_the_rows_order():
+    rows = [{"variant": "V", "target": "t", "seed": s, "draw": d, "round": r, "candidates": c}
+            for s, d, r, c in ((2, 1, 8, 6), (0, 0, 4, 6), (1, 2, 6, 4))]
+    assert pick_notes(rows) == {("V", "t"): "#0 r4, #2 r6, #1 r8 of 6/4"}
 
 
 def test_lodo_without_ltdo_pairs_is_unavailable_in_one_line(lodo_rows):
