@@ -116,6 +116,9 @@ def test_the_median_and_the_trimmed_mean_ignore_the_attacker():
     np.testing.assert_array_equal(got["w/a"], np.array([10 / 3], np.float32))
     assert got["w/n"] == 3 and got["w/n"].dtype == np.int64
     assert coordinate_median(FIVE[:4], "w/")["w/a"] == np.float32(2.5)  # even count: the middle pair's mean
+    assert coordinate_median([FIVE[1], FIVE[3]], "w/")["w/n"] == 4  # an integer buffer's 3.5 rounded, not cut to 3
+    with pytest.raises(ValueError, match=r"trim fraction must be in \[0, 0.5\), got 0.5"):
+        trimmed_mean(FIVE, "w/", 0.5)  # scipy would take the middle value of an odd count: a median, not a trim
 
 
 def test_krum_scores_its_nearest_neighbours_and_selects_the_lowest():
