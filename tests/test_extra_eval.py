@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.decisive import decisive_argmax
 from toy import ToyDomains, toy_federation
 from typer.testing import CliRunner
 
 from feddg.cli import app
-from feddg.config import ConfigError, ExtraEvalConfig, build_config, dump_config
+from feddg.config import ConfigError, ExperimentConfig, ExtraEvalConfig, build_config, dump_config
 from feddg.data import load_dataset
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.client_store import open_checkpoint
@@ -40,7 +41,7 @@ def _accuracy_by_domain(fed: Federation, state: dict, client_id: int | None, ds:
     load_weights(fed.model, fed.method.eval_weights(state, client_id))
     fed.model.eval()
     with torch.no_grad():
-        right = fed.model(ds.x).argmax(1).numpy() == ds.labels
+        right = decisive_argmax(fed.model(ds.x)).numpy() == ds.labels
     return [100.0 * right[ds.domain_ids == d].mean() for d in range(len(ds.domains))]
 
 
@@ -127,6 +128,39 @@ def test_feddg_eval_refuses_another_kind_of_dataset_before_loading_it(tmp_path, 
     assert build_config({}, ["eval.extra=[{name: f, dataset: folder, root: /nowhere}]"])  # a folder's classes: at load
 
 
+def test_feddg_eval_takes_model_path_as_the_fixed_tokenizer_then_needs_a_checkpoint(tmp_path: Path, cache_dir: Path
+                                                                                  ) -> None:
+    over = ["data.dataset=synthetic-sentiment", "model.name=transformer", "model.path=/nowhere", "device=cpu",
+            f"data.cache_dir={cache_dir}"]
+    (tmp_path / "config.yaml").write_text(dump_config(build_config({}, over)))
+    with pytest.raises(ValueError, match=r"has no checkpoint.pt to evaluate$"):  # past the tokenizer check
+        evaluate_run(tmp_path, ExtraEvalConfig(name="s", dataset="synthetic-sentiment"))
+
+
+class _Built(Exception):
+    """Stops ``evaluate_run`` once it builds the federation."""
+
+
+def test_feddg_eval_rebuilds_the_run_without_its_own_extra_targets_on_the_device_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from feddg.federation import extra_eval
+
+    folder = "eval.extra=[{name: gone, dataset: folder, root: /nowhere}]"  # the run's own target, since removed
+    (tmp_path / "config.yaml").write_text(dump_config(build_config({}, ["device=cpu", folder])))
+    built: list[ExperimentConfig] = []
+
+    def build(cfg: ExperimentConfig) -> Federation:
+        built.append(cfg)
+        raise _Built
+
+    monkeypatch.setattr(extra_eval, "open_checkpoint", lambda run_dir: {"round": 1, "server_state": {}})
+    monkeypatch.setattr(extra_eval, "build_federation", build)
+    for device in ("auto", None):
+        with pytest.raises(_Built):
+            evaluate_run(tmp_path, ExtraEvalConfig(name="d", dataset="digits-dg"), device)
+    assert [(cfg.device, cfg.eval.extra) for cfg in built] == [("auto", []), ("cpu", [])]  # None: the run's own
+
+
 def _digits_like(ds: ToyDomains) -> ToyDomains:
     ds.classes = [str(k) for k in range(10)]
     ds.image_shape = (3, 28, 28)
@@ -150,7 +184,7 @@ def _checkpoint_accuracy(run_dir: Path, cache_dir: Path) -> dict[str, float]:
     ds = load_dataset("digits-dg", cache_dir=cache_dir, max_per_domain=150)
     x, y = ds.get_batch(np.arange(len(ds)), train=False)
     with torch.no_grad():
-        right = (model(x).argmax(1) == y).numpy()
+        right = (decisive_argmax(model(x)) == y).numpy()
     return {d: 100.0 * right[ds.domain_ids == k].mean() for k, d in enumerate(ds.domains)}
 
 
@@ -170,6 +204,7 @@ def test_run_with_an_extra_target_then_feddg_eval_gives_the_same_accuracy(tmp_pa
     res = CliRunner().invoke(app, ["eval", str(run_dir), "--dataset", "digits-dg", "--domains", "uci,mnist",
                                    "--max-per-domain", "150"])
     assert res.exit_code == 0, res.output
+    assert "r (round 1) on digits-dg" in res.output  # the checkpoint of the run's one round
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in res.output.splitlines()
             if line.count("│") == 3}
     assert rows["uci"] == f"{hand['uci']:.2f}" and rows["mnist"] == f"{hand['mnist']:.2f}"
