@@ -1,0 +1,194 @@
+"""``run_flower``'s own work, without Ray: what it hands Flower's ``run_simulation`` (supernodes, Ray settings, the
+ClientApp, log and environment settings) and what it makes of the ServerApp's outcome (results, RunStopped, nothing).
+
+``run_simulation`` is replaced by a fake that records its arguments and the environment, then calls the ServerApp the
+way Flower's thread does; ``run_on_grid`` by one that records its arguments. The real runtime is run by
+tests/test_flower.py, test_tasks.py, test_faults.py and test_secagg.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import flwr.simulation
+import pytest
+from flwr.app import Context, RecordDict
+
+from feddg.config import build_config, dump_config
+from feddg.engines.flower import simulation
+from feddg.engines.flower.simulation import run_flower
+from feddg.federation.validation import RunStopped
+
+GRID = object()  # the Grid Flower would give the ServerApp
+ENV = ("FEDDG_VERBOSE", "FEDDG_PLAIN_LOGS", "RAY_COLOR_PREFIX", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+       "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO")
+
+
+class FakeFlower:
+    """Stands in for ``run_simulation``, ``run_on_grid``, ``make_client_app`` and ``update_console_handler``."""
+
+    def __init__(self) -> None:
+        self.simulation: dict[str, Any] = {}
+        self.env: dict[str, str | None] = {}
+        self.flwr_level = logging.NOTSET
+        self.grid_calls: list[tuple[Any, Any, Any]] = []
+        self.client_app_args: tuple[str, Any] | None = None
+        self.client_app = object()
+        self.console_colored: list[bool] = []
+        self.outcome: Callable[[], dict[str, Any]] = lambda: {"final": {"ood_acc": 50.0}}
+        self.serve = True  # False: the ServerApp never returns (Flower logged its error and went on)
+
+    def run_simulation(self, server_app: Any, **kwargs: Any) -> None:
+        self.simulation = kwargs
+        self.env = {k: os.environ.get(k) for k in ENV}
+        self.flwr_level = logging.getLogger("flwr").level
+        if self.serve:
+            server_app(GRID, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+
+    def run_on_grid(self, server: Any, grid: Any, on_round: Any) -> dict[str, Any]:
+        self.grid_calls.append((server, grid, on_round))
+        return self.outcome()
+
+    def make_client_app(self, text: str, factory: Any) -> object:
+        self.client_app_args = (text, factory)
+        return self.client_app
+
+    def update_console_handler(self, colored: bool) -> None:
+        self.console_colored.append(colored)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeFlower]:
+    fake = FakeFlower()
+    for name in ("run_simulation", "run_on_grid", "make_client_app", "update_console_handler"):
+        monkeypatch.setattr(simulation, name, getattr(fake, name))
+    for key in ENV:  # set, then removed: what run_flower sets in os.environ goes when the test ends
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    flwr_log = logging.getLogger("flwr")
+    monkeypatch.setattr(flwr_log, "filters", [])
+    level = flwr_log.level
+    yield fake
+    flwr_log.setLevel(level)
+
+
+def fake_server(*overrides: str, clients: int = 3) -> Any:
+    """What run_flower reads of a Server: its config and its clients."""
+    return SimpleNamespace(fed=SimpleNamespace(cfg=build_config({}, list(overrides)), clients=[object()] * clients))
+
+
+def test_one_supernode_per_client_on_a_loopback_ray_with_the_configured_resources(fake: FakeFlower) -> None:
+    server = fake_server("flower.ray_num_cpus=3", "flower.client_num_cpus=0.5", "flower.client_num_gpus=0.25",
+                         clients=5)
+    run_flower(server)
+    assert fake.simulation["num_supernodes"] == 5
+    assert fake.simulation["backend_config"] == {
+        "init_args": {"_node_ip_address": "127.0.0.1", "include_dashboard": False, "logging_level": logging.WARNING,
+                      "num_cpus": 3},
+        "client_resources": {"num_cpus": 0.5, "num_gpus": 0.25},
+    }
+    assert fake.simulation["verbose_logging"] is False
+    assert set(fake.simulation) < set(inspect.signature(flwr.simulation.run_simulation).parameters)  # Flower's names
+
+
+def test_ray_takes_all_cpus_unless_flower_ray_num_cpus_is_set(fake: FakeFlower) -> None:
+    run_flower(fake_server())
+    assert fake.simulation["backend_config"]["init_args"] == {
+        "_node_ip_address": "127.0.0.1", "include_dashboard": False, "logging_level": logging.WARNING}
+    assert fake.simulation["backend_config"]["client_resources"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+
+
+@pytest.mark.parametrize(("value", "loud"), [(None, False), ("0", False), ("", False), ("1", True)])
+def test_only_feddg_verbose_1_lets_flower_and_ray_log_info(fake: FakeFlower, monkeypatch: pytest.MonkeyPatch,
+                                                            value: str | None, loud: bool) -> None:
+    if value is not None:
+        monkeypatch.setenv("FEDDG_VERBOSE", value)
+    run_flower(fake_server())
+    level = logging.INFO if loud else logging.WARNING
+    assert fake.simulation["verbose_logging"] is loud
+    assert fake.simulation["backend_config"]["init_args"]["logging_level"] == level
+    assert fake.flwr_level == level
+
+
+def test_the_client_app_gets_the_experiment_yaml_and_the_factory(fake: FakeFlower) -> None:
+    server = fake_server("federation.rounds=7", "seed=11")
+
+    def factory(cfg: Any) -> Any:
+        raise AssertionError("the fake ClientApp builds nothing")
+
+    run_flower(server, factory=factory)
+    assert fake.client_app_args == (dump_config(server.fed.cfg), factory)
+    assert fake.simulation["client_app"] is fake.client_app
+
+
+def test_the_server_app_drives_the_server_and_its_results_come_back(fake: FakeFlower) -> None:
+    server = fake_server()
+    rows: list[dict[str, Any]] = []
+    assert run_flower(server, on_round=rows.append) == {"final": {"ood_acc": 50.0}}
+    assert fake.grid_calls == [(server, GRID, rows.append)]
+
+
+def test_run_stopped_in_the_server_app_thread_is_raised_again_by_run_flower(fake: FakeFlower) -> None:
+    stop = RunStopped("round 2: every client failed")
+
+    def stopped() -> dict[str, Any]:
+        raise stop
+
+    fake.outcome = stopped
+    with pytest.raises(RunStopped) as raised:
+        run_flower(fake_server())
+    assert raised.value is stop
+
+
+def test_a_server_app_that_ended_without_results_is_an_error(fake: FakeFlower) -> None:
+    fake.serve = False
+    with pytest.raises(RuntimeError, match=r"^the Flower ServerApp ended without results \(see the log above\)$"):
+        run_flower(fake_server())
+
+
+def test_a_roster_is_refused_before_the_simulation_starts(fake: FakeFlower, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^flower\.roster is for deployments \(feddg flower run: its nodes prove their "
+                                         r"keys\); the simulation and the in-process engine have no keys$"):
+        run_flower(fake_server(f"flower.roster={tmp_path}/roster.yaml"))
+    assert fake.simulation == {}
+
+
+def test_the_deprecation_filter_is_on_the_flwr_logger_once_however_many_runs(fake: FakeFlower) -> None:
+    run_flower(fake_server())
+    run_flower(fake_server())
+    flwr_log = logging.getLogger("flwr")
+    assert [type(f).__name__ for f in flwr_log.filters] == ["_NotRunSimulationDeprecation"]
+    notice = logging.LogRecord("flwr", logging.WARNING, "", 0, "DEPRECATED FEATURE: `run_simulation` ...", (), None)
+    assert not flwr_log.filter(notice)
+
+
+def test_ray_and_the_actors_get_plain_logs_where_stderr_is_redirected(fake: FakeFlower,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    run_flower(fake_server())
+    assert fake.env["FEDDG_PLAIN_LOGS"] == "1" and fake.env["RAY_COLOR_PREFIX"] == "0"
+    assert fake.console_colored == [False]
+
+
+def test_a_terminal_keeps_colour(fake: FakeFlower) -> None:
+    run_flower(fake_server())
+    assert fake.env["FEDDG_PLAIN_LOGS"] is None and fake.env["RAY_COLOR_PREFIX"] is None
+    assert fake.console_colored == []
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "0"), ("1", "1")])
+def test_ray_environment_at_start_keeps_a_users_accelerator_override(fake: FakeFlower, monkeypatch: pytest.MonkeyPatch,
+                                                                     given: str | None, seen: str) -> None:
+    if given is not None:
+        monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", given)
+    run_flower(fake_server())
+    assert fake.env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == seen
+    assert fake.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
