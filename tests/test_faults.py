@@ -93,6 +93,8 @@ GOOD = {"w/a": np.ones((2, 3), np.float32), "w/n": np.array(4, np.int64), "num_e
     ({"w/a": np.array([[1, np.nan, 0], [0, 0, 0]], np.float32)}, "NaN in w/a"),
     ({"stat/x": np.array([np.inf])}, "Inf in stat/x"),
     ({"train_loss": float("nan")}, "train_loss is nan"),
+    ({"train_loss": np.float32("nan")}, "train_loss is nan"),  # a numpy float32 is no Python float
+    ({"stat/z": np.array([complex(0, np.nan)])}, "NaN in stat/z"),  # complex: its NaN is found too
     ({"w/a": np.ones((3, 2), np.float32)}, "w/a has shape (3, 2), expected (2, 3)"),
     ({"w/b": np.ones(2, np.float32)}, "unexpected weight w/b"),
     ({"num_examples": 0}, "num_examples is 0, not a positive int"),
@@ -101,6 +103,7 @@ GOOD = {"w/a": np.ones((2, 3), np.float32), "w/n": np.array(4, np.int64), "num_e
     # an integer or complex array in a float's place escaped the finite check and the update-norm bound
     ({"w/a": np.full((2, 3), 10**15, np.int64)}, "w/a is int64, expected float32"),
     ({"w/a": np.ones((2, 3), np.complex64)}, "w/a is complex64, expected float32"),
+    ({"w/a": np.ones((2, 3), np.float64)}, "w/a is float64, expected float32"),  # a float, but not the one sent
     ({"w/n": np.array(4, np.float64)}, "w/n is float64, expected int64"),
     ({"train_loss": [0.5, 0.5]}, "train_loss is a list, not an array, a number or a string"),
 ])
@@ -132,6 +135,7 @@ def test_update_norm_is_the_distance_from_the_sent_float_weights() -> None:
 def test_outliers_compare_with_the_median():
     assert outliers({0: 1.0, 1: 1.2, 2: 0.9, 3: 5.0}, 3.0) == {3: "update norm 5 > 3 x median 1.1"}
     assert outliers({0: 1.0, 1: 1.5}, 2.0) == {}
+    assert outliers({0: 1.0, 1: 1.0, 2: 2.0}, 2.0) == {}  # exactly factor x median is still inside the bound
 
 
 def test_a_timeout_needs_workers_and_is_not_for_flower():

@@ -35,6 +35,7 @@ REPLY = {"w/a": np.ones(2, np.float32), "num_examples": 3, "train_loss": 0.5}
     ({"dc/a": np.zeros(2, np.float32), "echo": 0.25}, "echo is 0.25, sent 0.5"),
     ({"dc/a": np.zeros(2, np.float32), "train_loss": "low"}, "train_loss is 'low', not a number"),
     ({"dc/a": np.zeros(2, np.float32), "stat/x": np.zeros(5, np.float16)}, "stat/x is float16, expected float32"),
+    ({"dc/a": np.zeros((2, 1), np.float32)}, "dc/a has shape (2, 1), expected (2,)"),  # another rank
 ])
 def test_check_reply_refuses_what_the_layout_does_not_declare(extra, why):
     beside = {"dc/a": like_slot(SENT["w/a"]), "n": number_slot(int, required=False),
@@ -118,6 +119,9 @@ def test_setup_replies_are_checked_and_open_sizes_must_agree_past_the_first_dime
     assert check_setup_replies(split, layout) == {
         0: "bank has shape (5, 2, 3): the clients' shapes differ, none shared by most",
         1: "bank has shape (5, 7, 3): the clients' shapes differ, none shared by most"}
+    # a reply already refused (NaN) has no say in which shape most clients share: one against one again
+    nan = {**good, "bank": np.full((5, 2, 3), np.nan, np.float32)}
+    assert check_setup_replies({**split, 2: nan}, layout) == {**check_setup_replies(split, layout), 2: "NaN in bank"}
 
 
 def test_a_malformed_setup_reply_stops_the_run_in_one_line_before_the_method_stacks_it(tmp_path):
