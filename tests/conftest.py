@@ -26,3 +26,13 @@ def _threads_kept() -> object:
     if left != 1:
         torch.set_num_threads(1)
         pytest.fail(f"the test left torch at {left} threads (expected 1: conftest's)")
+
+
+@pytest.fixture(autouse=True)
+def _no_exec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``os.execve`` (``reproducibility: portable``'s re-execution, reachable from a CliRunner test) would replace the
+    pytest process with the command, and pytest would end with exit 0 and no report: it fails the test instead."""
+    def refuse(path: str, argv: list[str], env: dict[str, str]) -> None:
+        pytest.fail(f"the test reached os.execve({argv}): it would replace the pytest process")
+
+    monkeypatch.setattr(os, "execve", refuse)
