@@ -182,3 +182,17 @@ def test_asking_for_cuda_without_it_is_one_line(cache_dir, monkeypatch):
     lines = res.stdout.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, res.output
     assert lines[0] == "error: device: cuda requested but torch has no CUDA; use device=cpu (or auto)"
+
+
+def test_placement_helpers_on_images_and_token_dicts():
+    from feddg.devices import autocast, batch_size, to_device
+
+    with pytest.raises(ValueError, match=r"^unknown amp 'fp8'; expected off, bf16 or fp16$"):
+        autocast("cpu", "fp8")
+    image, tokens = torch.zeros(2, 3, 4, 5), {"input_ids": torch.zeros(3, 7, dtype=torch.long),
+                                              "attention_mask": torch.ones(3, 7, dtype=torch.long)}
+    assert to_device(image, "cpu", channels_last=True).is_contiguous(memory_format=torch.channels_last)
+    moved = to_device(tokens, "cpu", channels_last=True)  # not images: left as they are
+    assert isinstance(moved, dict) and all(moved[k].is_contiguous() and torch.equal(moved[k], v)
+                                           for k, v in tokens.items())
+    assert batch_size(image) == 2 and batch_size(tokens) == 3

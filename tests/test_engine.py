@@ -198,3 +198,28 @@ def test_a_client_seed_draws_what_torch_manual_seed_draws():
     seed_torch(1234, torch.device("cpu"))
     got = torch.rand(6), torch.randn(3)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_reply_without_num_examples_fails_that_client_in_one_line():
+    from feddg.federation.client import try_client
+    from feddg.messages import weights_of
+
+    fed = toy_federation()
+    original = fed.method.client_update
+
+    def uncounted(model, msg, state, ctx):
+        reply, st = original(model, msg, state, ctx)
+        return {k: v for k, v in reply.items() if k != "num_examples"}, st
+
+    fed.method.client_update = uncounted
+    outcome = try_client(fed, 0, 1, {**weights_of(fed.model), "lr": 0.1, "round": 1}, {})
+    assert outcome.reply is None
+    assert outcome.error == "KeyError: \"fedavg: a client reply must contain 'num_examples'\""
+
+
+def test_an_exception_is_described_on_one_line_within_the_limit():
+    from feddg.federation.client import describe
+
+    assert describe(ValueError("bad\n  input\tvalue")) == "ValueError: bad input value"
+    long = describe(RuntimeError("x" * 400))
+    assert len(long) == 300 and long == "RuntimeError: " + "x" * 283 + "..."
