@@ -2,6 +2,7 @@
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -431,3 +432,15 @@ def test_a_first_round_reply_of_other_shapes_is_dropped_and_the_round_goes_on(tm
     assert {k: v.shape for k, v in server.state["broadcast"].items()} == {
         "ffa/1/gamma_mu": (4,), "ffa/1/gamma_sigma": (4,), "ffa/2/gamma_mu": (4,), "ffa/2/gamma_sigma": (4,),
         "hist/pi": (4, 8)}
+
+
+@pytest.mark.parametrize(
+    "call, arg",
+    [(client_sharing_variance, np.zeros((0, 3))), (client_sharing_variance, np.zeros(3)),
+     (t_modulation, np.array([0.5, -0.1])), (t_modulation, np.ones((2, 2)))],
+    ids=["no-clients", "1d-stats", "negative-variance", "2d-variance"],
+)
+def test_eq6_eq7_refuse_inputs_outside_their_domain(call: Callable[[np.ndarray], np.ndarray], arg: np.ndarray) -> None:
+    with pytest.raises(ValueError, match=r"^need client statistics of shape \[M, C\] with M ≥ 1|^variance must be a "
+                                         r"non-negative vector \[C\]$"):
+        call(arg)

@@ -9,6 +9,7 @@ import torch
 from feddg.aggregation import fot
 from feddg.aggregation.fot import (
     MAX_PASSES,
+    Solver,
     align_to_reference,
     assignment,
     cost_matrix,
@@ -319,3 +320,66 @@ def test_cost_before_counts_every_producer_even_those_matched_later():
     al = align_to_reference(ref, [other], spec)
     expected = np.diag(group_costs(ref, [other], stream)[0].double().numpy()).mean()
     assert al.cost_before[stream.name] == pytest.approx(expected, rel=1e-5)
+
+
+def test_eq4_sinkhorn_plan_with_underflowing_kernel_entries_keeps_the_2x2_closed_form() -> None:
+    # max C / reg = 950 > 500, but min C = 0: the plain kernel exp(−C/reg) would be [[1, 0], [0, 0]]
+    cost = np.array([[0.0, 0.9], [0.95, 0.8]])
+    reg = 0.001
+    a = 0.5 / (1.0 + np.exp(-(cost[0, 1] + cost[1, 0] - cost[0, 0] - cost[1, 1]) / (2 * reg)))
+    np.testing.assert_allclose(sinkhorn_plan(cost, reg, iters=50), [[a, 0.5 - a], [0.5 - a, a]], atol=1e-9)
+
+
+@pytest.mark.parametrize("solver", ["hungarian", "sinkhorn"])
+def test_eq3_costs_and_diagnostics_of_all_zero_filters_by_hand(solver: Solver) -> None:
+    # reference filters (1, 0) and 0; station filters 0 and (3, 4) -> unit (0.6, 0.8)
+    group = PermGroup("c", 2, ("c.weight",), (Axis("c.weight", 0),))
+    ref = {"c.weight": torch.tensor([[1.0, 0.0], [0.0, 0.0]])}
+    other = {"c.weight": torch.tensor([[0.0, 0.0], [3.0, 4.0]])}
+    # C_ij = ‖ŵ_ref,i − ŵ_other,j‖²: ‖e0 − 0‖² = 1, ‖e0 − (.6, .8)‖² = 0.8, ‖0 − 0‖² = 0, ‖0 − (.6, .8)‖² = 1
+    expected = torch.tensor([[1.0, 0.8], [0.0, 1.0]])
+    torch.testing.assert_close(group_costs(ref, [other], group)[0], expected)
+    al = align_to_reference(ref, [other], PermutationSpec((group,)), solver=solver)
+    assert al.perms[0]["c"].tolist() == [1, 0]  # 0.8 + 0 beats 1 + 1
+    assert al.cost_before["c"] == pytest.approx(1.0, abs=1e-6)  # (1 + 1) / 2
+    assert al.cost_after["c"] == pytest.approx(0.4, abs=1e-6)  # (0.8 + 0) / 2
+
+
+@pytest.mark.parametrize("solver", ["hungarian", "sinkhorn"])
+def test_a_blocked_producer_with_moved_input_channels_is_realigned_exactly(solver: Solver) -> None:
+    # a linear head whose channels are blocks of 2 rows, fed by a layer whose 4 channels are permuted too
+    ga = PermGroup("a", 4, ("a.weight",), (Axis("a.weight", 0), Axis("h.weight", 1)))
+    gh = PermGroup("h", 3, ("h.weight",), (Axis("h.weight", 0, 0, 2),))
+    spec = PermutationSpec((ga, gh))
+    g = torch.Generator().manual_seed(0)
+    ref = {"a.weight": torch.randn(4, 3, generator=g), "h.weight": torch.randn(6, 4, generator=g)}
+    q = {"a": np.array([1, 3, 0, 2]), "h": np.array([2, 0, 1])}
+    al = align_to_reference(ref, [apply_permutations(ref, spec, q)], spec, solver=solver)
+    assert all(np.array_equal(al.perms[0][k], np.argsort(p)) for k, p in q.items())  # the inverse of q
+    assert max(al.cost_after.values()) < 1e-6  # an exact copy: zero transport cost
+    assert all(torch.equal(al.states[0][k], v) for k, v in ref.items())
+
+
+def test_a_stream_rematched_in_later_sweeps_composes_its_permutations_and_reports_its_final_cost() -> None:
+    # stream s (producers stem and blk) -> inner conv i -> blk. The station is the reference permuted by q, except
+    # its stem, whose near-identical rows say "swap the first two": sweep 1 matches s on the stem alone (blk's
+    # inputs are not aligned yet), then i; later sweeps correct s and i relative to the orders found so far
+    gs = PermGroup("s", 3, ("stem.weight", "blk.weight"),
+                   (Axis("stem.weight", 0), Axis("blk.weight", 0), Axis("inner.weight", 1)))
+    gi = PermGroup("i", 3, ("inner.weight",), (Axis("inner.weight", 0), Axis("blk.weight", 1)))
+    spec = PermutationSpec((gs, gi))
+    g = torch.Generator().manual_seed(3)
+    ref = {"stem.weight": torch.tensor([[1.0, 0.0], [1.0, 0.1], [1.0, 0.2]]),
+           "inner.weight": torch.randn(3, 3, generator=g), "blk.weight": torch.randn(3, 3, generator=g)}
+    q = {"s": np.array([2, 0, 1]), "i": np.array([1, 2, 0])}
+    other = apply_permutations(ref, spec, q)
+    other["stem.weight"] = ref["stem.weight"][[1, 0, 2]]
+    al = align_to_reference(ref, [other], spec, solver="hungarian")
+    assert all(np.array_equal(al.perms[0][k], np.argsort(p)) for k, p in q.items())  # the inverse of q
+    aligned = al.states[0]
+    assert torch.equal(aligned["blk.weight"], ref["blk.weight"]) and torch.equal(aligned["inner.weight"], ref["inner.weight"])
+    # eq. 3's diagonal at the final order, by hand: blk matches exactly, the stem rows differ
+    unit = torch.nn.functional.normalize
+    stem = (unit(ref["stem.weight"].double(), dim=1) - unit(aligned["stem.weight"].double(), dim=1)).pow(2).sum(1)
+    assert al.cost_after["s"] == pytest.approx(float((stem / 2).mean()), rel=1e-4) and al.cost_after["i"] < 1e-6
+    assert al.passes == 3  # s waits for i in sweep 1, is corrected in sweep 2 and rematched after i moved
