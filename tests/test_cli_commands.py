@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,8 +12,7 @@ from typing import Any
 
 import pytest
 import typer
-from rich.console import Console
-from rich.table import Table
+from support.tables import rendered, text_rows
 from typer.testing import CliRunner, Result
 
 from feddg import cli
@@ -27,18 +25,6 @@ DICE = {"name": "segmentation", "metric": "dice", "label": "Dice", "unit": "%", 
         "higher_is_better": True}
 ACC = {"name": "classification", "metric": "acc", "label": "accuracy", "unit": "%", "bounds": [0, 100],
        "higher_is_better": True, "chance": 10.0}
-
-
-def _rows(text: str) -> list[list[str]]:
-    """The cells of each row of the rich tables in ``text`` (header rows included)."""
-    lines = text.replace("┃", "│").splitlines()
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.count("│") >= 2]
-
-
-def _render(table: Table) -> str:
-    buf = io.StringIO()
-    Console(file=buf, width=200).print(table)
-    return buf.getvalue()
 
 
 def _feddg(*args: str) -> Result:
@@ -73,15 +59,16 @@ def test_results_table_reads_the_results_task_block_and_lists_domains_then_means
            "task": {**DICE, "extra_metrics": ["slice_dice"]}, "final": final}
     table = results_table(res)
     assert table.title == "FedAvg (lr 0.1) on digits-dg (held out: c)"
-    assert _rows(_render(table)) == [["domain", "role", "Dice (%)"], ["a", "id", "81.23"], ["c", "ood", "70.00"],
-                           ["b", "id", "60.00"], ["mean", "id", "70.62"], ["mean", "ood", "70.00"]]
+    assert text_rows(rendered(table)) == [["domain", "role", "Dice (%)"], ["a", "id", "81.23"], ["c", "ood", "70.00"],
+                                          ["b", "id", "60.00"], ["mean", "id", "70.62"], ["mean", "ood", "70.00"]]
 
 
 def test_results_table_without_a_task_block_takes_the_datasets_task() -> None:
     res = {"dataset": "digits-dg", "method": "fedavg", "target": [], "final": {"id_acc/mnist": 50.0, "id_acc": 50.0}}
     table = results_table(res)
     assert table.title == "fedavg on digits-dg (every domain trains)"
-    assert _rows(_render(table)) == [["domain", "role", "accuracy (%)"], ["mnist", "id", "50.00"], ["mean", "id", "50.00"]]
+    assert text_rows(rendered(table)) == [["domain", "role", "accuracy (%)"], ["mnist", "id", "50.00"],
+                                          ["mean", "id", "50.00"]]
 
 
 def test_results_table_of_an_unknown_dataset_without_a_task_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,9 +80,9 @@ def test_results_table_of_an_unknown_dataset_without_a_task_is_one_line(capsys: 
 def test_communication_table_gives_kib_per_key() -> None:
     table = communication_table({"bytes_per_round": {"bytes_up": 2048.0, "hfl/bytes_station_down": 1536.0,
                                                      "bytes_down": 3 * 1024 * 1024.0}})
-    assert _rows(_render(table)) == [["what", "KiB"], ["bytes_up", "2.00"], ["hfl/bytes_station_down", "1.50"],
-                                     ["bytes_down", "3,072.00"]]
-    assert _rows(_render(communication_table({}))) == [["what", "KiB"]]
+    assert text_rows(rendered(table)) == [["what", "KiB"], ["bytes_up", "2.00"], ["hfl/bytes_station_down", "1.50"],
+                                          ["bytes_down", "3,072.00"]]
+    assert text_rows(rendered(communication_table({}))) == [["what", "KiB"]]
 
 
 def test_privacy_line_puts_each_field_of_the_record_in_its_place() -> None:
@@ -111,23 +98,23 @@ def test_privacy_line_puts_each_field_of_the_record_in_its_place() -> None:
 
 def test_counts_table_has_a_column_per_domain_and_a_total_row_for_classes() -> None:
     counts = {"a": {"cat": 3, "dog": 5}, "b": {"cat": 0, "dog": 7}}
-    assert _rows(_render(_counts_table(counts, ["b", "a"], "images"))) == [
+    assert text_rows(rendered(_counts_table(counts, ["b", "a"], "images"))) == [
         ["class", "b", "a"], ["cat", "0", "3"], ["dog", "7", "5"], ["total", "7", "8"]]
     slices = {"A": {"Case00": 20, "Case01": 24}}  # cases and their slices: no total row, no "class" header
-    assert _rows(_render(_counts_table(slices, ["A"], "slices"))) == [["", "A"], ["Case00", "20"], ["Case01", "24"]]
+    assert text_rows(rendered(_counts_table(slices, ["A"], "slices"))) == [["", "A"], ["Case00", "20"], ["Case01", "24"]]
 
 
 def test_counts_table_of_many_domains_gives_total_min_median_max_per_row() -> None:
     domains = [f"d{k}" for k in range(13)]  # one past MAX_DOMAIN_COLUMNS (12)
     counts = {d: {"x": k + 1, "y": 2 * k} for k, d in enumerate(domains)}
     # x: 1..13, sum 91, median 7; y: 0,2,..,24, sum 156, median 12; total per domain 3k+1: 1..37, sum 247, median 19
-    assert _rows(_render(_counts_table(counts, domains, "images"))) == [
+    assert text_rows(rendered(_counts_table(counts, domains, "images"))) == [
         ["class", "total (13 domains)", "min", "median", "max"], ["x", "91", "1", "7", "13"],
         ["y", "156", "0", "12", "24"], ["total", "247", "1", "19", "37"]]
     even = {d: {"x": k} for k, d in enumerate(domains[:12])}  # 12 domains still get a column each
-    assert _rows(_render(_counts_table(even, domains[:12], "images")))[0] == ["class", *domains[:12]]
+    assert text_rows(rendered(_counts_table(even, domains[:12], "images")))[0] == ["class", *domains[:12]]
     many = {d: {"x": k} for k, d in enumerate(domains + ["d13"])}  # 14: median of 0..13 is 6.5
-    assert _rows(_render(_counts_table(many, [*domains, "d13"], "images")))[1] == ["x", "91", "0", "6.5", "13"]
+    assert text_rows(rendered(_counts_table(many, [*domains, "d13"], "images")))[1] == ["x", "91", "0", "6.5", "13"]
 
 
 # _run_dir_mode / _pin_kernels
@@ -195,7 +182,7 @@ def test_run_hands_the_config_and_flags_on_and_prints_figures_bytes_and_each_eps
     assert cfg.federation.rounds == 2 and cfg.federation.engine == "inprocess" and cfg.model.weights == str(weights)
     assert training["pin"] == [(("portable",), {})]
     assert training["figures"] == [((str(tmp_path / "r"),), {})] and training["audit"] == []  # no audit: section
-    assert ["uci", "ood", "41.50"] in _rows(res.output) and ["bytes_up", "4.00"] in _rows(res.output)
+    assert ["uci", "ood", "41.50"] in text_rows(res.output) and ["bytes_up", "4.00"] in text_rows(res.output)
     lines = res.output.splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("privacy of")] == [
         "privacy of the shared statistics", "privacy of the Gram matrices"]  # the weights' ε is null: no line
@@ -245,11 +232,11 @@ def test_report_prints_the_results_table_and_every_file_but_the_page(tmp_path: P
     asked: list[Any] = []
     monkeypatch.setattr("feddg.reports.run.report", _record(asked, [page, figure]))
     res = _feddg("report", str(tmp_path))  # no results.json: no table
-    assert res.exit_code == 0 and asked == [((tmp_path,), {})] and _rows(res.output) == []
+    assert res.exit_code == 0 and asked == [((tmp_path,), {})] and text_rows(res.output) == []
     assert f"wrote {figure}" in res.output and f"wrote {page}" not in res.output
     assert res.output.splitlines()[-1] == f"report: {page.resolve().as_uri()}"
     (tmp_path / "results.json").write_text(json.dumps(_results(tmp_path)))
-    assert ["uci", "ood", "41.50"] in _rows(_feddg("report", str(tmp_path)).output)
+    assert ["uci", "ood", "41.50"] in text_rows(_feddg("report", str(tmp_path)).output)
 
 
 def test_eval_hands_its_options_on_and_tables_each_domain_with_the_global_model(
@@ -268,11 +255,11 @@ def test_eval_hands_its_options_on_and_tables_each_domain_with_the_global_model(
     [((run_dir, spec, device), _)] = asked
     assert run_dir == tmp_path and device == "cpu" and pinned == [(("portable",), {})]
     assert (spec.dataset, spec.domains, spec.max_per_domain, spec.root) == ("digits-dg", ["a", "b", "c"], 7, "/data")
-    assert _rows(res.output)[1:] == [["a", "10.00", "11.00"], ["b", "30.00", "33.00"], ["mean", "20.00", "22.00"]]
+    assert text_rows(res.output)[1:] == [["a", "10.00", "11.00"], ["b", "30.00", "33.00"], ["mean", "20.00", "22.00"]]
     shared = {k: v for k, v in metrics.items() if "_global" not in k}  # a shared model: one column
     monkeypatch.setattr("feddg.federation.extra_eval.evaluate_run", _record(asked, (shared, target, 4, TaskInfo.of(ACC))))
     res = _feddg("eval", str(tmp_path), "--dataset", "digits-dg")
-    assert _rows(res.output) == [["domain", "accuracy (%)"], ["a", "10.00"], ["b", "30.00"], ["mean", "20.00"]]
+    assert text_rows(res.output) == [["domain", "accuracy (%)"], ["a", "10.00"], ["b", "30.00"], ["mean", "20.00"]]
     assert asked[1][0][1].domains is None and asked[1][0][2] is None
 
 
@@ -281,7 +268,7 @@ def test_eval_hands_its_options_on_and_tables_each_domain_with_the_global_model(
 
 def test_datasets_lists_which_need_a_root() -> None:
     res = CliRunner().invoke(app, ["datasets"], env={"COLUMNS": "250"})
-    needs = {row[0]: row[-1] for row in _rows(res.output)}
+    needs = {row[0]: row[-1] for row in text_rows(res.output)}
     assert needs["pacs"] == "yes" and needs["folder"] == "yes" and needs["digits-dg"] == "no"
 
 

@@ -1,4 +1,4 @@
-"""Reading a rich table back as text, cell by cell."""
+"""Reading rich tables back as text, cell by cell."""
 
 import io
 
@@ -6,8 +6,19 @@ from rich.console import Console
 from rich.table import Table
 
 
-def table_cells(table: Table) -> list[list[str]]:
-    """The rendered rows of ``table``, one list of cell texts each."""
+def rendered(table: Table) -> str:
+    """``table`` as a wide terminal would print it, without colour."""
     out = io.StringIO()
     Console(file=out, width=400, color_system=None).print(table)
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in out.getvalue().splitlines() if line.startswith("│")]
+    return out.getvalue()
+
+
+def text_rows(text: str) -> list[list[str]]:
+    """The cells of each row, header rows included, of every rich table printed in ``text``."""
+    lines = text.replace("┃", "│").splitlines()
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.count("│") >= 2]
+
+
+def table_cells(table: Table) -> list[list[str]]:
+    """The rendered body rows of ``table``, one list of cell texts each."""
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in rendered(table).splitlines() if line.startswith("│")]
