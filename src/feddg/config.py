@@ -785,6 +785,7 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Exp
     tree = copy.deepcopy(raw)  # overrides must not leak into ``raw`` (a sweep reuses it per variant)
     given: dict[str, Any] = {}
     pairs = parse_overrides(overrides or [])
+    keys = {k for k, _ in pairs}
     for key, value in pairs:
         for leaf in _leaves(key, value):
             if leaf in given:
@@ -792,7 +793,7 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Exp
                               stacklevel=2)
         old = _get_dotted(tree, key)
         # the component itself switched (method.name, partition.kind): its old params are no longer its defaults
-        renamed = any(key.removesuffix("params") + selector in {k for k, _ in pairs} for selector in ("name", "kind"))
+        renamed = any(key.removesuffix("params") + selector in keys for selector in ("name", "kind"))
         if key.endswith(".params") and isinstance(old, dict) and isinstance(value, dict) and not renamed:
             if dropped := sorted(set(old) - set(value)):
                 warnings.warn(f"{key} is replaced whole: {', '.join(map(str, dropped))} go back to their defaults "
