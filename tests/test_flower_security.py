@@ -27,6 +27,7 @@ from toy import toy_federation_of
 
 from feddg.config import ConfigError, build_config, dump_config
 from feddg.engines.flower import client as flower_client
+from feddg.engines.flower import server as flower_server
 from feddg.engines.flower.app import mark
 from feddg.engines.flower.client import IDENTIFY, ROUTE, make_client_app
 from feddg.engines.flower.executor import INSECURE_WARNING, tls_args
@@ -43,7 +44,7 @@ from feddg.engines.flower.security import (
     public_key_text,
     sign,
 )
-from feddg.engines.flower.server import Refused, collect, roster_identity
+from feddg.engines.flower.server import Refused, collect, discover_clients, roster_identity
 
 
 def test_the_server_certificate_is_issued_by_the_ca_for_the_given_hosts(tmp_path):
@@ -225,6 +226,38 @@ def test_the_roster_refuses_unknown_forged_duplicate_and_unproven_nodes(tmp_path
     no_route = SimpleNamespace(metadata=SimpleNamespace(src_node_id=12), has_error=lambda: False, content=RecordDict())
     with pytest.raises(Refused, match="no identity proof"):
         roster_identity(roster, no_route, "c2", {})
+
+
+class RosterGrid:
+    """Nodes that answer a roster's challenge with ``signers[node]``'s key; ``late`` join on the second poll."""
+
+    def __init__(self, signers: dict[int, ec.EllipticCurvePrivateKey], late: set[int]) -> None:
+        self.signers, self.late, self.polls = signers, late, 0
+        self.challenged: list[int] = []
+
+    def get_node_ids(self) -> list[int]:
+        self.polls += 1
+        return [n for n in self.signers if self.polls > 1 or n not in self.late]
+
+    def send_and_receive(self, messages: list[Message], *, timeout: float) -> list[SimpleNamespace]:
+        route = [(m.metadata.dst_node_id, m.content.config_records[ROUTE]["challenge"]) for m in messages]
+        self.challenged += [n for n, _ in route]
+        return [reply(n, proof(self.signers[n], str(c), n)) for n, c in route]
+
+
+def test_discovery_refuses_a_rogue_node_once_and_waits_for_the_roster_clients(tmp_path, keys, monkeypatch):
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    monkeypatch.setattr(flower_server, "fingerprint", lambda fed: "fed")
+    monkeypatch.setattr(flower_server.time, "sleep", lambda s: None)
+    roster = write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")])
+    fed = SimpleNamespace(clients=[0, 1], cfg=SimpleNamespace(flower=SimpleNamespace(roster=str(roster))))
+    grid = RosterGrid({10: keys["rogue"][0], 11: keys["node1"][0], 12: keys["node0"][0]}, late={11, 12})
+    assert discover_clients(grid, SimpleNamespace(fed=fed), 60.0) == {0: 12, 1: 11}
+    assert grid.challenged == [10, 11, 12]  # the refused node is not challenged again on the next poll
+    with pytest.raises(TimeoutError, match=r"clients \[0\] did not connect .*; refused 1 node\(s\): node 10: key "):
+        discover_clients(RosterGrid({10: keys["rogue"][0], 11: keys["node1"][0]}, late=set()),
+                         SimpleNamespace(fed=fed), 0.0)
 
 
 def test_a_reply_whose_records_do_not_decode_is_that_clients_failure_not_the_runs():
