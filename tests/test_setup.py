@@ -2,14 +2,22 @@
 samples, the LTDO roles of the domains, the method's and model's options, and the workers' devices."""
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from toy import ToyDomains
+from toy import ToyDomains, ToyNet
 
 from feddg.config import build_config
-from feddg.federation.setup import build_federation, make_clients, make_split, text_options, worker_device
+from feddg.federation.setup import (
+    build_federation,
+    make_clients,
+    make_split,
+    make_topology,
+    text_options,
+    worker_device,
+)
 
 # ToyDomains: 3 domains (a, b, c) x 4 classes x 30 = 120 samples a domain
 TOY = {"partition": {"kind": "by_domain", "num_clients": 4}, "split": {"target": "c"}, "device": "cpu"}
@@ -93,3 +101,61 @@ def test_a_token_datasets_tokenizer_is_data_tokenizer_else_the_models_directory(
     own = build_config({}, [*text, "model.name=transformer", "model.path=/model", "data.tokenizer=/tok"])
     assert text_options(own) == {"tokenizer": "/tok", "max_length": 24, "vocab_size": 4000}
     assert text_options(build_config({}, [*text, "model.name=transformer", "model.path=/model"]))["tokenizer"] == "/model"
+
+
+def test_lodo_holds_out_the_first_domain_when_no_target_is_named() -> None:
+    ds = ToyDomains()
+    split = make_split(ds, build_config({"partition": {"kind": "by_domain", "num_clients": 4}}))
+    assert split.test_domains == [0] and split.source_domains == [1, 2]  # domain a
+    assert np.array_equal(split.test_idx, np.arange(0, 120))
+
+
+@pytest.mark.parametrize(("split", "match"), [
+    ({"target_fraction": 0.9}, "holds out all 3 domains"),  # round(0.9 · 3) = 3 of 3
+    ({"protocol": "ltdo", "target": "c", "val_domain": "c"}, "must differ from split.target"),
+    ({"protocol": "ltdo", "target": ["b", "c"], "val_domain": "a"}, "holds out one test domain"),
+    ({"protocol": "lodo", "target": "c", "val_domain": "a"}, "only used with split.protocol=ltdo"),
+])
+def test_splits_that_would_leave_no_source_or_mix_the_roles_of_domains_are_refused(split: dict[str, Any],
+                                                                                   match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_split(ToyDomains(), build_config({**TOY, "split": split}))
+
+
+def test_train_fraction_keeps_the_rounded_share_and_leaves_the_holdouts_as_without_it() -> None:
+    ds = ToyDomains()
+    full = make_clients(ds, make_split(ds, cfg := build_config(TOY)), cfg)
+    kept = make_clients(ds, make_split(ds, cfg := build_config(TOY, ["partition.train_fraction=0.35"])), cfg)
+    # 54 training samples a client: round(0.35 * 54) = round(18.9) = 19 kept, drawn from its own training samples
+    assert [len(c.train_idx) for c in kept] == [19] * 4
+    for f, k in zip(full, kept, strict=True):
+        assert np.array_equal(f.holdout_idx, k.holdout_idx)  # its own random stream: the holdouts do not move
+        assert np.isin(k.train_idx, f.train_idx).all()
+
+
+class _ToyVolumes(ToyDomains):
+    """ToyDomains whose samples come in the given cases (volumes of slices)."""
+
+    def __init__(self, cases: np.ndarray) -> None:
+        super().__init__()
+        self.cases = cases
+
+
+def test_a_clients_holdout_is_made_of_whole_cases() -> None:
+    cases = np.arange(360) // 5  # cases of 5 consecutive slices, 24 a domain
+    ds = _ToyVolumes(cases)
+    cfg = build_config(TOY, ["partition.holdout=0.25"])
+    clients = make_clients(ds, make_split(ds, cfg), cfg)
+    for c in clients:  # by_domain: 12 cases a client, floor(0.25 · 12) = 3 held out with their 5 slices each
+        assert (len(c.train_idx), len(c.holdout_idx)) == (45, 15)
+        assert not np.intersect1d(cases[c.train_idx], cases[c.holdout_idx]).size
+
+
+def test_the_hierarchy_section_reaches_the_station_topology() -> None:
+    ds = ToyDomains()
+    cfg = build_config(TOY, ["hierarchy.stations=2", "hierarchy.assignment=round_robin",
+                             "hierarchy.station_fraction=0.5"])
+    topo = make_topology(cfg, make_clients(ds, make_split(ds, cfg), cfg), ToyNet())
+    assert [topo.station_of(c) for c in range(4)] == [0, 1, 0, 1]
+    draws = {tuple(topo.sample(t, 1.0, seed=0)) for t in range(1, 9)}
+    assert draws <= {(0, 2), (1, 3)}  # round(0.5 · 2) = 1 station a server round, with all its clients

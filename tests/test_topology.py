@@ -3,18 +3,24 @@ clients go where, and what the Gram exchange leaves to the client method."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pytest
+from torch import nn
 
 from feddg.aggregation.mean import weighted_mean
 from feddg.aggregation.merges import HFedATMParams
-from feddg.algorithms.base import Reply
+from feddg.algorithms.base import Reply, ServerState
 from feddg.algorithms.fedavg import FedAvg
-from feddg.federation.topology import StationFold, StationTopology
-from feddg.messages import Message, message_nbytes
+from feddg.federation.topology import StationFold, StationTopology, Topology, assign_stations, station_summary
+from feddg.messages import Message, message_nbytes, weights_of
+from feddg.models.permutation import sequential_spec
 
 
-def topology(station_of: list[int], station_rounds: int = 1, merge: str = "avg") -> StationTopology:
-    return StationTopology(np.asarray(station_of), station_rounds, 1.0, merge, HFedATMParams(), None)
+def topology(station_of: list[int], station_rounds: int = 1, merge: str = "avg",
+             params: HFedATMParams | None = None, spec: Any = None) -> StationTopology:
+    return StationTopology(np.asarray(station_of), station_rounds, 1.0, merge, params or HFedATMParams(), spec)
 
 
 def station_round(topo: StationTopology, sampled: dict[int, int], replies: list[Reply]) -> StationFold:
@@ -63,3 +69,79 @@ def test_a_stations_grams_are_kept_by_layer_out_of_the_client_methods_fold() -> 
     acc = topo.accumulate(_KeepingFedAvg(), acc, Reply(0, {**weights(np.ones(2)), "gram/fc": gram, "num_examples": 4}))
     assert set(acc.stations[0].kept[0].message) == {"w/p", "num_examples"}
     assert [list(g) for g in acc.grams[0]] == [["fc"]] and np.array_equal(acc.grams[0][0]["fc"], gram)  # by layer
+
+
+def test_a_flat_federation_draws_a_new_sample_of_the_rounded_fraction_every_round() -> None:
+    draws = [Topology(10).sample(t, 0.3, seed=0) for t in range(1, 11)]
+    assert all(len(set(d)) == 3 and d == sorted(d) and set(d) <= set(range(10)) for d in draws)  # round(0.3 · 10)
+    assert len({tuple(d) for d in draws}) > 1  # not one fixed subset for the whole run
+
+
+def test_a_station_resamples_its_clients_every_station_round_independently_of_the_others() -> None:
+    topo = topology([0] * 6 + [1] * 6, station_rounds=8)
+    draws = [topo.sample(t, 0.5, seed=0) for t in range(1, 9)]  # the 8 station rounds of server round 1
+    assert all(len([c for c in d if c < 6]) == 3 and len([c for c in d if c >= 6]) == 3 for d in draws)
+    assert len({tuple(d) for d in draws}) > 1  # Algorithm 1, line 5: every station round, not once a server round
+    # each station has its own stream: station 1 does not pick the same positions among its members as station 0
+    assert any([c for c in d if c < 6] != [c - 6 for c in d if c >= 6] for d in draws)
+
+
+def test_clients_evaluate_their_stations_model_and_the_global_one_is_the_merged_model() -> None:
+    topo = topology([0, 1, 1])
+    merged, own = weights(np.zeros(2)), [weights(np.full(2, e + 1.0)) for e in range(2)]
+    state = {"weights": merged, "round": 2, "stations": [{"weights": w} for w in own]}
+    assert topo.eval_weights(FedAvg(), state, None) is merged
+    assert [topo.eval_weights(FedAvg(), state, c) for c in range(3)] == [own[0], own[1], own[1]]
+
+
+class _SetupCounting(FedAvg):
+    """FedAvg whose one-time setup records how many replies it saw, to show which stations were set up."""
+
+    def server_setup(self, state: ServerState, replies: list[Reply]) -> ServerState:
+        return {**state, "setup": len(replies)}
+
+
+def test_the_one_time_setup_is_applied_to_every_station() -> None:
+    topo = topology([0, 1, 2])
+    state = {"weights": weights(np.zeros(1)), "stations": [{"weights": weights(np.zeros(1))} for _ in range(3)]}
+    new = topo.server_setup(_SetupCounting(), state, [Reply(c, {"num_examples": 1}) for c in range(3)])
+    assert [s.get("setup") for s in new["stations"]] == [3, 3, 3]
+
+
+def test_aligned_merge_sends_every_station_the_model_and_every_aligned_station_its_permutations() -> None:
+    model = nn.Sequential(nn.Conv2d(1, 3, 1), nn.Flatten(), nn.Linear(3, 2))  # one group of 3 channels
+    topo = topology([0, 1, 2], merge="hfedatm-no-regmean", spec=sequential_spec(model))
+    w = weights_of(model)
+    state = {"weights": w, "round": 0, "stations": [{"weights": w} for _ in range(3)]}
+    acc = station_round(topo, {0: 1, 1: 1}, [Reply(c, {**w, "num_examples": 1}) for c in (0, 1)])
+    _, metrics = topo.finish(FedAvg(), state, acc, 1)
+    # all 3 stations get the model; the 1 station aligned to the reference gets 3 int64 indices
+    assert metrics["hfl/bytes_station_down"] == 3 * message_nbytes(w) + 8 * 3 * 1
+
+
+def test_summary_counts_only_complete_server_rounds_and_their_time_without_evaluation() -> None:
+    topo = topology([0, 1], station_rounds=2, merge="hfedatm-no-fot",
+                    params=HFedATMParams(gram_pass="after", dp_epsilon=1.0))
+    # engine rounds 1..5: server rounds 1 and 2 are complete, 3 has only its first station round
+    rows = [{"round": t, "time_round_s": float(t), "time_eval_s": 0.5 * (t % 2 == 0)} for t in range(1, 6)]
+    rows[-1].update({"regmean/fc1/cond": 1.0, "regmean/fc2/cond": 1.0})  # two Gram layers
+    out = station_summary(topo, rows)
+    assert out["server_rounds"] == 2
+    assert out["per_server_round"]["time_s"] == pytest.approx(((1 + 1.5) + (3 + 3.5)) / 2)  # rounds (1, 2), (3, 4)
+    assert out["dp_gram_releases"] == 2 * 2  # per complete server round, every Gram layer
+    assert out["dp_epsilon_total_basic"] == pytest.approx(4 * 1.0)
+
+
+def test_contiguous_stations_are_blocks_of_floor_k_s_over_k_when_clients_do_not_divide() -> None:
+    doms: list[tuple[int, ...]] = [(0,)] * 7
+    assert assign_stations("contiguous", 3, doms).tolist() == [0, 0, 0, 1, 1, 2, 2]  # ⌊3k/7⌋
+    assert assign_stations("contiguous", 2, doms[:5]).tolist() == [0, 0, 0, 1, 1]
+    assert assign_stations("round_robin", 3, doms[:3]).tolist() == [0, 1, 2]  # as many stations as clients
+
+
+def test_domain_stations_order_clients_by_their_first_domain_then_by_id() -> None:
+    # first (lowest) domains 1, 0, 0, 2 -> order 1, 2, 0, 3 -> stations 1, 0, 0, 1
+    assert assign_stations("domain", 2, [(1, 2), (0, 2), (0, 1), (2,)]).tolist() == [1, 0, 0, 1]
+    # a tie across the block boundary goes by client id; a client without domains comes first
+    assert assign_stations("domain", 2, [(0,), (0,), (0,), (1,)]).tolist() == [0, 0, 1, 1]
+    assert assign_stations("domain", 2, [(0,), (), (1,), (1,)]).tolist() == [0, 0, 1, 1]
