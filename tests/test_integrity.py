@@ -359,9 +359,10 @@ def test_the_norm_reference_is_the_median_of_the_accepted_replies_and_survives_a
         reply = {k: v for k, v in sent[cid].items() if k.startswith("w/")}
         reply["w/classifier.bias"] = reply["w/classifier.bias"] + np.eye(1, reply["w/classifier.bias"].size,
                                                                          dtype=np.float32)[0] * step
-        server.receive(fold, Reply(cid, {**reply, "num_examples": 10}))
+        server.receive(fold, Reply(cid, {**reply, "num_examples": 10}), {"client": np.array(cid)})
     row = server.finish_round(1, fold, {})
     assert list(row["clients_failed_reasons"]) == ["3"]
+    assert sorted(server.client_states) == [0, 1, 2]  # the rejected outlier's new client state is not kept
     assert server.norm_bound is not None and server.norm_bound.reference == pytest.approx(2.0, rel=1e-5)  # not 2.5
     resumed = Server(toy_federation_of(cfg), server.run_dir, resume=True)  # the checkpoint carries the reference
     assert resumed.norm_bound is not None and resumed.norm_bound.reference == pytest.approx(2.0, rel=1e-5)

@@ -72,6 +72,19 @@ def test_an_aggregate_is_folded_as_the_round_mean_of_its_clients(tmp_path):
     assert "clients_failed" not in row and fold.accepted == [0, 1, 2, 3]
 
 
+def test_a_secure_aggregates_update_norm_becomes_the_next_rounds_norm_reference(tmp_path):
+    # the aggregate's norm stands for each of its clients: the median of the accepted norms is that norm
+    server = Server(toy_federation_of(toy_config(*SECURE, "federation.update_norm_factor=100")), tmp_path / "run")
+    sent = server.configure(1)
+    fold = server.start_round(sent)
+    mean = {k: (v + 0.5 if v.dtype.kind == "f" else v) for k, v in sent[0].items() if k.startswith("w/")}
+    server.receive_aggregate(fold, mean, {0: 54, 1: 54, 2: 27, 3: 54}, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
+    server.finish_round(1, fold, {})
+    floats = sum(v.size for v in mean.values() if v.dtype.kind == "f")
+    assert fold.norms == dict.fromkeys([0, 1, 2, 3], fold.norms[0])
+    assert server.norm_bound is not None and server.norm_bound.reference == pytest.approx(0.5 * floats**0.5, rel=1e-5)
+
+
 @pytest.mark.parametrize(("counts", "losses", "why"), [
     ({0: 54, 1: -1}, {0: 1.0, 1: 1.0}, "client 1 claimed num_examples=-1, not a positive int"),
     ({0: 54, 1: 0}, {0: 1.0, 1: 1.0}, "client 1 claimed num_examples=0, not a positive int"),
