@@ -57,6 +57,11 @@ def test_mixstyle_statistics_are_detached_so_the_gradient_is_the_style_ratio():
     x = torch.tensor([[[[1.0, 3.0]]], [[[2.0, 10.0]]]], requires_grad=True)
     mixstyle(x, torch.tensor([1, 0]), torch.tensor([0.5, 1.0])).sum().backward()
     assert torch.allclose(x.grad, torch.tensor([[[[2.5, 2.5]]], [[[1.0, 1.0]]]]), **TOL)
+    # a loss on the first pixel only: nothing flows to the other pixel or the partner through μ or σ
+    # (the full sum above hides a gradient through σ, as Σ_HW (x − μ) = 0)
+    x.grad = None
+    mixstyle(x, torch.tensor([1, 0]), torch.tensor([0.5, 1.0]))[..., 0].sum().backward()
+    assert torch.allclose(x.grad, torch.tensor([[[[2.5, 0.0]]], [[[1.0, 0.0]]]]), **TOL)
 
 
 # --- the hooks --------------------------------------------------------------------------------------
@@ -93,12 +98,13 @@ def test_manifold_mixup_mixes_the_chosen_stage_output_and_the_hooks_go_away():
     assert sum(len(m._forward_hooks) for m in model.modules()) == 1  # only the test's own hook is left
 
 
-def _stage_io(model: torch.nn.Module, spec: dict, seed: int, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _stage_io(model: torch.nn.Module, spec: dict | list[dict], seed: int, x: Tensor, y: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor]:
     """Stage 1's output without and with the Augmenter (as stage 2's input), and the step's target."""
     seen: list[Tensor] = []
-    model.blocks[1].register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
+    model.get_submodule("blocks.1").register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
     model(x)
-    with Augmenter(model, parse_augment([spec]), seed=seed, num_classes=4) as aug:
+    with Augmenter(model, parse_augment(spec if isinstance(spec, list) else [spec]), seed=seed, num_classes=4) as aug:
         _, target = aug.step(x, y)
         model(x)
     return seen[0], seen[1], target
@@ -132,6 +138,36 @@ def test_mixstyle_step_applies_with_probability_p_using_the_drawn_lambdas():
     assert torch.equal(target, y)  # labels unchanged
     before, after, _ = _stage_io(_cnn().train(), {**spec, "p": 0.0}, 2, x, y)  # seed 2 draws 0.26 first
     assert torch.equal(after, before)
+
+
+def test_mixstyle_draws_p_separately_at_each_stage() -> None:
+    model, x, y = _cnn().train(), torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        before = model.get_submodule("blocks.1")(model.get_submodule("blocks.0")(x))  # stage 2's output, stage 1 untouched
+    seen: list[Tensor] = []
+    model.get_submodule("blocks.2").register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
+    spec = parse_augment([{"name": "mixstyle", "alpha": 0.1, "p": 0.5, "stages": [1, 2]}])
+    with Augmenter(model, spec, seed=0, num_classes=4) as aug:
+        aug.step(x, y)
+        model(x)
+    rng = np.random.default_rng(0)  # stage 1: 0.64 ≥ p, skipped; stage 2: 0.27 < p, then λ [B], permutation
+    assert rng.random() >= 0.5 and rng.random() < 0.5
+    lams, perm = torch.as_tensor(rng.beta(0.1, 0.1, 4)), torch.as_tensor(rng.permutation(4))
+    assert torch.allclose(seen[0], mixstyle(before, perm, lams), rtol=1e-5, atol=1e-5)
+
+
+def test_two_augmentations_at_one_stage_apply_in_list_order() -> None:
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    specs = [{"name": "mixstyle", "alpha": 0.1, "p": 1.0, "stages": [1]},
+             {"name": "manifold_mixup", "alpha": 1.0, "stages": [1]}]
+    before, after, target = _stage_io(_cnn().train(), specs, 6, x, y)
+    rng = np.random.default_rng(6)  # MixStyle: p draw, λ [B], permutation; Manifold Mixup: λ, stage, permutation
+    rng.random()
+    lams, perm_s = torch.as_tensor(rng.beta(0.1, 0.1, 4)), torch.as_tensor(rng.permutation(4))
+    lam, _, perm_m = float(rng.beta(1.0, 1.0)), rng.choice([1]), torch.as_tensor(rng.permutation(4))
+    styled = mixstyle(before, perm_s, lams)
+    assert torch.allclose(after, mix(styled, styled[perm_m], lam), rtol=1e-5, atol=1e-5)  # Manifold Mixup of the MixStyle output
+    assert torch.allclose(target, soft_targets(y, perm_m, lam, 4))
 
 
 def test_hooks_leave_training_forwards_of_another_batch_size_alone():

@@ -8,6 +8,7 @@ import torch
 
 from feddg.algorithms.components.ffa import (
     FFALayer,
+    Variant,
     attach_ffa,
     batch_variance,
     channel_stats,
@@ -82,13 +83,15 @@ def test_layer_is_identity_in_eval_mode_and_with_p_zero():
     assert not torch.equal(FFALayer("full", p=1.0).train()(x), x)
 
 
-def test_momentum_statistics_follow_eq5_over_steps():
+@pytest.mark.parametrize("variant", ["full", "direct"])
+def test_momentum_statistics_follow_eq5_over_steps(variant: Variant) -> None:
     x, alpha = _x(), 0.9
-    layer = FFALayer("full", p=1.0, momentum=alpha).train()
+    layer = FFALayer(variant, p=1.0, momentum=alpha).train()
     for _ in range(3):
         layer(x)
     mu, sigma = channel_stats(x)
     m, s = mu.mean(0), sigma.mean(0)
+    assert layer.mu_bar is not None and layer.sigma_bar is not None  # both variants track μ̄, σ̄
     # μ̄_0 = 0, σ̄_0 = 1  ->  μ̄_n = (1 − αⁿ) m,  σ̄_n = αⁿ + (1 − αⁿ) s
     assert torch.allclose(layer.mu_bar, (1 - alpha**3) * m, atol=1e-6)
     assert torch.allclose(layer.sigma_bar, alpha**3 + (1 - alpha**3) * s, atol=1e-6)
@@ -102,6 +105,25 @@ def test_momentum_is_updated_only_when_the_layer_is_active():
     assert 0 < active < 20
     m = channel_stats(x)[0].mean(0)
     assert torch.allclose(layer.mu_bar, (1 - alpha**active) * m, atol=1e-5)
+
+
+@pytest.mark.parametrize(("variant", "random_std"), [("full", 0.5), ("random", 0.25)])
+def test_forward_draws_independent_noises_for_mean_and_std(variant: Variant, random_std: float) -> None:
+    # the layer's own draws, replayed: the p draw, then ε_μ, then ε_σ (eq. 10), each [B, C] from N(0, 1)
+    x = _x()
+    torch.manual_seed(11)
+    out = FFALayer(variant, p=1.0, random_std=random_std).train()(x)
+    torch.manual_seed(11)
+    torch.rand(())
+    e_mu, e_sigma = torch.randn(6, 3), torch.randn(6, 3)
+    mu, sigma = channel_stats(x)
+    if variant == "full":  # no γ received yet: Σ̂² = (1 + 1) Σ² (eqs. 4, 8)
+        std_mu, std_sigma = (2 * batch_variance(mu)).sqrt(), (2 * batch_variance(sigma)).sqrt()
+    else:  # FedFA-R: the configured constant for every channel
+        std_mu = std_sigma = torch.full((3,), random_std)
+    xbar = (x - mu[..., None, None]) / sigma[..., None, None]
+    expected = x + (e_sigma * std_sigma)[..., None, None] * xbar + (e_mu * std_mu)[..., None, None]  # Lemma 4.1
+    assert torch.allclose(out, expected, atol=1e-5)
 
 
 def test_variant_perturbation_stds():
@@ -208,6 +230,17 @@ def test_only_the_chosen_stages_get_ffa_and_the_tap_sees_the_last_stage():
     assert clone.fedfa.layers["1"].mu_bar is not None and clone.fedfa.layers["1"] is not att.layers["1"]
     with pytest.raises(ValueError, match="out of range"):
         attach_ffa(_cnn(), conv_stages(model), {5: FFALayer()}, tap_stage=4)
+
+
+def test_attaching_twice_to_a_missing_module_or_with_the_tap_out_of_range_is_refused() -> None:
+    model = _cnn()
+    attach_ffa(model, conv_stages(model), {1: FFALayer()}, tap_stage=1)
+    with pytest.raises(ValueError, match="already has FFA layers"):
+        attach_ffa(model, conv_stages(model), {2: FFALayer()}, tap_stage=2)
+    with pytest.raises(ValueError, match=r"FFA stages \[5\] out of range"):
+        attach_ffa(_cnn(), conv_stages(model), {1: FFALayer()}, tap_stage=5)  # the tap's stage is checked too
+    with pytest.raises(ValueError, match="stage module 'blocks.9' not found in SmallCNN"):
+        attach_ffa(_cnn(), ["blocks.0", "blocks.9"], {1: FFALayer()}, tap_stage=2)
 
 
 def test_the_tap_records_the_ffa_augmented_stage_output_only_while_recording():

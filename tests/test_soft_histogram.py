@@ -26,6 +26,22 @@ def test_paper_cut_points_and_constants_for_eight_bins():
     assert torch.allclose(cut_points(4, "interior"), torch.tensor([0.25, 0.5, 0.75]))
 
 
+def test_cut_points_refuse_too_few_bins_and_unknown_kinds() -> None:
+    assert torch.allclose(cut_points(3), torch.tensor([0.0, 1.0]))  # L − 2 = 1: the smallest paper layout
+    with pytest.raises(ValueError, match="at least 3 bins"):
+        cut_points(2)  # ρ / (L − 2) would divide by zero
+    assert torch.allclose(cut_points(2, "interior"), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="at least 2 bins"):
+        cut_points(1, "interior")
+    with pytest.raises(ValueError, match="unknown cut points 'uniform'"):
+        cut_points(8, "uniform")  # type: ignore[arg-type]
+
+
+def test_soft_histogram_refuses_features_that_are_not_samples_by_channels() -> None:
+    with pytest.raises(ValueError, match=r"features must be \[N, C\], got shape \(4, 3, 2\)"):
+        soft_histogram(torch.rand(4, 3, 2))
+
+
 def test_soft_bin_matches_a_hand_computed_softmax():
     # L = 3, paper cut points ρ = [0, 1]: w = [1, 2, 3], b = [0, 0, -1]; ẑ = 0.25, τ = 1
     phi = soft_bin(torch.tensor([[0.25]]), num_bins=3, tau=1.0)[0, 0]
