@@ -83,3 +83,16 @@ def test_the_aggregate_keys_are_the_means_over_domains_extra_targets_included() 
     assert evaluator.aggregate_keys() == {"id_acc", "ood_acc", "extra/fresh_acc"}
     counts = evaluator.counts()
     assert counts["extra/fresh_acc"] == 24 and [counts[f"extra/fresh_acc/{d}"] for d in "abc"] == [8, 8, 8]
+
+
+def test_eval_per_domain_false_keeps_the_means_each_round_and_results_still_have_every_domain(tmp_path: Path) -> None:
+    # two runs on the same seed: the same model, so the same figures; per_domain false only thins metrics.jsonl
+    full = Server(toy_federation("federation.rounds=2"), tmp_path / "full")
+    full_results = run_inprocess(full)
+    means = Server(toy_federation("federation.rounds=2", "eval.per_domain=false"), tmp_path / "means")
+    results = run_inprocess(means)
+    for row, whole in zip(means.metrics, full.metrics, strict=True):
+        assert {k for k in row if k.endswith("_acc") or "_acc/" in k} == {"id_acc", "ood_acc"}
+        assert (row["id_acc"], row["ood_acc"]) == (whole["id_acc"], whole["ood_acc"])
+    assert "id_acc/a" in full.metrics[-1]
+    assert results["final"] == full_results["final"] and {"id_acc/a", "id_acc/b", "ood_acc/c"} <= set(results["final"])
