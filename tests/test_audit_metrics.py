@@ -19,7 +19,7 @@ from feddg.audit.gradient import TinyNet, dp_update, update_norm
 from feddg.audit.gram import best_row_cosine, gram_audit, gram_root, procrustes_error, random_rotation
 from feddg.audit.grids import draw_grid
 from feddg.audit.inversion import Victims, noised, scores, vector_inversion
-from feddg.audit.metrics import effnet_features
+from feddg.audit.metrics import PSNR_CAP, denormalise, effnet_features, frechet_distance, psnr, reidentification, to_unit
 from feddg.audit.shares import moments_share, style_share
 from feddg.models.efficientnet import efficientnet_lite0
 
@@ -37,12 +37,52 @@ def test_effnet_features_are_the_pretrained_nets_pooled_features_of_resized_imag
     np.testing.assert_allclose(out, ref.double().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_frechet_distance_of_a_set_with_itself_is_zero_never_a_rounding_negative() -> None:
+    for seed in range(10):  # Tr Σ₁ + Tr Σ₂ − 2 Tr(Σ₁Σ₂)^{1/2} cancels to ±1e-15: clamped at 0
+        f = np.random.default_rng(seed).standard_normal((10, 6))
+        assert 0.0 <= frechet_distance(f, f) < 1e-9, seed
+
+
+def test_frechet_distance_needs_two_samples_in_either_set() -> None:
+    f = np.random.default_rng(0).standard_normal((5, 3))
+    for f1, f2 in ((f[:1], f), (f, f[:1])):
+        with pytest.raises(ValueError, match="at least 2 samples per set"):
+            frechet_distance(f1, f2)
+
+
+# --------------------------------------------------------------------------- image scores
+
+
+def test_psnr_of_images_a_millionth_apart_is_capped() -> None:
+    x = np.full((1, 7, 7), 0.5)
+    assert psnr(x, x + 1e-6) == PSNR_CAP == 100.0  # 10 log10(1 / 1e-12) = 120 dB uncapped
+
+
+def test_denormalised_values_outside_the_image_range_are_clipped_to_0_1() -> None:
+    x = np.array([-3.0, 0.0, 3.0]).reshape(1, 3, 1, 1)  # one value per channel: 0.25 x + 0.5 = −0.25, 0.5, 1.25
+    assert denormalise(x, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)).ravel().tolist() == [0.0, 0.5, 1.0]
+
+
+def test_an_empty_value_range_and_no_reconstructions_are_errors() -> None:
+    with pytest.raises(ValueError, match="need hi > lo"):
+        to_unit(np.zeros(3), 1.0, 1.0)
+    pool = np.zeros((2, 1, 2, 2))
+    with pytest.raises(ValueError, match="no reconstructions"):
+        reidentification(pool[:0], np.zeros(0, int), pool, np.array([0, 1]))
+
+
 # --------------------------------------------------------------------------- Gram
 
 
 def test_gram_root_floors_the_negative_eigenvalues_of_a_noised_gram_at_zero() -> None:
     r = gram_root(np.diag([-1.0, 4.0]))  # the nearest PSD Gram: diag(0, 4)
     np.testing.assert_allclose(r.T @ r, np.diag([0.0, 4.0]), atol=1e-12)
+
+
+def test_gram_root_takes_the_symmetric_part_of_an_asymmetric_gram() -> None:
+    g = np.array([[2.0, 1.0], [0.0, 2.0]])  # only one triangle noised: the root of (G + Gᵀ) / 2, not of a triangle
+    r = gram_root(g)
+    np.testing.assert_allclose(r.T @ r, [[2.0, 0.5], [0.5, 2.0]], atol=1e-12)
 
 
 def test_procrustes_error_is_relative_to_the_activations_after_the_best_rotation() -> None:
@@ -60,6 +100,16 @@ def test_best_row_cosine_is_the_mean_over_activation_rows_of_the_largest_absolut
 def test_row_cosine_top_is_the_grams_top_eigenvector() -> None:
     a = np.array([[3.0, 0.0], [0.0, 1.0], [3.0, 0.0]])  # G = diag(18, 1): the top eigenvector is e₁
     assert gram_audit(a)["row_cosine_top"] == pytest.approx(2 / 3)  # rows 1 and 3 lie on it, row 2 is orthogonal
+
+
+def test_row_cosine_random_takes_as_many_gaussian_directions_as_the_gram_has_rows() -> None:
+    a = np.eye(8)[:5]  # 5 activations, the basis vectors e₁…e₅ of R⁸; the Gram's root recovers them exactly
+    outs = [gram_audit(a, seed=s) for s in range(100)]
+    assert outs[0]["n"] == 5 and outs[0]["d"] == 8 and outs[0]["row_cosine"] == pytest.approx(1.0)
+    # E max_{j ≤ 8} |cos(e₁, u_j)| over 8 Gaussian directions u_j, by Monte Carlo (≈ 0.60; one direction: ≈ 0.29)
+    u = np.random.default_rng(123).standard_normal((20_000, 8, 8))
+    expected = (np.abs(u[..., 0]) / np.linalg.norm(u, axis=2)).max(axis=1).mean()
+    assert np.mean([o["row_cosine_random"] for o in outs]) == pytest.approx(expected, abs=0.03)
 
 
 # --------------------------------------------------------------------------- vector inversion
@@ -98,6 +148,15 @@ def test_fedfa_moments_are_per_image_channel_styles_and_the_release_pools_every_
     np.testing.assert_allclose(per_sample(x), [[1.0, math.sqrt(1.0 + eps)], [4.0, math.sqrt(eps)]], rtol=1e-5)
     # pooled over the 8 pixels: mean 2.5, E[F²] = 72 / 8 = 9
     np.testing.assert_allclose(release(x, np.zeros(2)), [[2.5, math.sqrt(9.0 - 2.5**2 + eps)]], rtol=1e-6)
+
+
+def test_ccst_sample_styles_are_each_images_channel_mean_and_std_and_are_released_as_they_are() -> None:
+    checker = torch.tensor([[0.0, 1.0], [1.0, 0.0]]).repeat(2, 2)
+    x = torch.stack([torch.full((1, 4, 4), 0.8), 0.2 + 0.6 * checker[None]])
+    per_sample, release = style_share(make_codec(StyleParams(style_path="pixel"), ToyNet()), "sample")
+    eps = 1e-5  # checkered: mean 0.5, E[x²] = (0.04 + 0.64) / 2 = 0.34, so σ² = 0.09
+    np.testing.assert_allclose(per_sample(x), [[0.8, math.sqrt(eps)], [0.5, math.sqrt(0.09 + eps)]], rtol=1e-5)
+    np.testing.assert_array_equal(release(x, np.zeros(2)), per_sample(x))
 
 
 def test_pardons_client_style_averages_the_cluster_styles_or_under_moments_their_moments() -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from feddg.aggregation.accounting import gaussian_epsilon, privacy_record, statistic_privacy
 from feddg.aggregation.dp import (
+    Mechanism,
     StatisticDP,
     analytic_delta,
     analytic_sigma,
@@ -102,8 +103,20 @@ def test_analytic_sigma_is_the_tightest_sigma_of_balle_and_wang_theorem_8():
     assert analytic_sigma(1.0, 1e-5, 1.0) < classic_sigma(1.0, 1e-5, 1.0)
     assert analytic_sigma(10.0, 1e-5, 1.0) < analytic_sigma(5.0, 1e-5, 1.0) < analytic_sigma(1.0, 1e-5, 1.0)
     assert gaussian_sigma(1.0, 1e-5, 1.0, "classic") == classic_sigma(1.0, 1e-5, 1.0)
-    with pytest.raises(ValueError):
-        gaussian_sigma(0.0, 1e-5, 1.0)
+
+
+@pytest.mark.parametrize(("eps", "delta", "sens"), [(0.0, 1e-5, 1.0), (1.0, 0.0, 1.0), (1.0, 1.0, 1.0), (1.0, 1e-5, 0.0),
+                                                    (1.0, 1e-5, -1.0)])
+@pytest.mark.parametrize("mechanism", ["analytic", "classic"])
+def test_gaussian_sigma_refuses_parameters_outside_its_domain(eps: float, delta: float, sens: float,
+                                                              mechanism: Mechanism) -> None:
+    with pytest.raises(ValueError, match="need epsilon > 0, 0 < delta < 1, sensitivity > 0"):
+        gaussian_sigma(eps, delta, sens, mechanism)
+
+
+def test_an_unknown_mechanism_is_an_error_not_a_default() -> None:
+    with pytest.raises(ValueError, match="unknown DP mechanism 'laplace'"):
+        gaussian_sigma(1.0, 1e-5, 1.0, "laplace")  # type: ignore[arg-type]
 
 
 def test_classic_mechanism_is_refused_where_its_sigma_gives_no_dp():
@@ -174,6 +187,13 @@ def test_privatize_clips_all_arrays_as_one_vector_and_adds_the_generators_noise(
     z = torch.randn(3, generator=torch.Generator().manual_seed(7), dtype=torch.float64).numpy() * 2.0
     assert np.allclose(noisy["a"], [0.6 + z[0], z[1]], atol=1e-6) and np.allclose(noisy["b"], [[0.8 + z[2]]], atol=1e-6)
     assert noisy["a"].dtype == np.float32
+
+
+def test_privatize_of_an_all_zero_statistic_is_the_noise_alone() -> None:
+    # ‖s‖ = 0: nothing to clip and no division by the norm
+    out = privatize({"p": np.zeros((2, 2))}, 1.0, 0.5, torch.Generator().manual_seed(3))["p"]
+    z = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64).numpy() * 0.5
+    np.testing.assert_allclose(out, z.reshape(2, 2), atol=1e-6)
 
 
 def test_privatize_noise_has_std_sigma_and_two_clipped_statistics_are_at_most_2c_apart():
