@@ -388,3 +388,16 @@ def test_a_reply_within_the_norm_bound_that_explodes_the_loss_is_rolled_back(tmp
         np.testing.assert_array_equal(server.state["weights"][k], v, err_msg=k)
         np.testing.assert_array_equal(ckpt["server_state"]["weights"][k], v, err_msg=k)
     assert [r["ood_acc"] for r in got[:2]] == [r["ood_acc"] for r in rows(unguarded)[:2]]
+
+
+def test_a_round_with_too_few_usable_replies_names_three_reasons_and_counts_the_rest(tmp_path: Path) -> None:
+    server = Server(toy_federation_of(build_config(BASE, [])), tmp_path / "run")
+    fold = server.start_round(server.configure(1))
+    for cid in fold.sent:
+        server.fail(fold, cid, f"why {cid}")
+    with pytest.raises(RunStopped) as err:
+        server.finish_round(1, fold, {})
+    assert str(err.value) == (f"round 1: 0 of 4 clients replied usably, fewer than federation.min_clients=1 (client 0: "
+                              f"why 0; client 1: why 1; client 2: why 2; 1 more in the log); stopped, nothing was "
+                              f"checkpointed yet: feddg run --resume {server.run_dir} continues from it")
+    assert server.metrics == [] and not (server.run_dir / "checkpoint.pt").exists()  # nothing of the round recorded

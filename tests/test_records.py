@@ -19,13 +19,14 @@ import pytest
 import yaml
 from toy import toy_federation
 
+from feddg.algorithms.base import Reply
 from feddg.config import ConfigError, build_config, load_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.evaluation.plots import draw_metric
 from feddg.evaluation.tables import DEGRADED, csv_table, markdown_table
 from feddg.experiment import RunDirError, clear_run_dir, resume_experiment, run_experiment
 from feddg.federation import checkpoint
-from feddg.federation.server import Server
+from feddg.federation.server import Server, failure_record
 from feddg.reports import figures
 from feddg.reports.run import report
 from feddg.sweep import run_sweep
@@ -304,3 +305,24 @@ def test_the_cli_refuses_contradicting_flags_and_overrides_and_says_kib(tmp_path
     assert communication_table({"bytes_per_round": {"bytes_up": 2048.0}}).columns[1].header == "KiB"
     listing = CliRunner().invoke(app, ["methods"], terminal_width=300).output
     assert "local augmentations" in listing and "manifold_mixup" in listing and "lam=0.9" in listing
+
+
+def test_the_failure_record_counts_every_lost_client_round_and_lists_each_clients_rounds() -> None:
+    rows = [{"round": 1}, {"round": 2, "clients_failed_reasons": {"0": "timeout", "3": "NaN"}},
+            {"round": 3, "clients_failed_reasons": {"0": "raised"}}]
+    assert failure_record(rows) == {
+        "rounds": [2, 3],
+        "clients": {"0": [{"round": 2, "reason": "timeout"}, {"round": 3, "reason": "raised"}],
+                    "3": [{"round": 2, "reason": "NaN"}]},
+        "client_rounds_lost": 3,  # client 0 twice, client 3 once
+    }
+
+
+def test_a_rounds_time_is_the_engines_phases_plus_aggregation_and_evaluation(tmp_path) -> None:
+    server = Server(toy_federation("federation.rounds=1"), tmp_path / "run")
+    sent = server.configure(1)
+    fold = server.start_round(sent)
+    server.receive(fold, Reply(0, {**{k: v for k, v in sent[0].items() if k.startswith("w/")}, "num_examples": 5}))
+    row = server.finish_round(1, fold, {"time_train_s": 2.0, "time_wait_s": 0.25})
+    assert row["time_eval_s"] > 0  # round 1 of 1 is evaluated
+    assert row["time_round_s"] == pytest.approx(2.25 + row["time_aggregate_s"] + row["time_eval_s"], rel=1e-12)
