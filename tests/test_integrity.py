@@ -401,3 +401,19 @@ def test_a_round_with_too_few_usable_replies_names_three_reasons_and_counts_the_
                               f"why 0; client 1: why 1; client 2: why 2; 1 more in the log); stopped, nothing was "
                               f"checkpointed yet: feddg run --resume {server.run_dir} continues from it")
     assert server.metrics == [] and not (server.run_dir / "checkpoint.pt").exists()  # nothing of the round recorded
+
+
+def test_reject_outliers_alone_measures_the_update_norms_it_compares(tmp_path: Path) -> None:
+    # with federation.update_norm_factor off: the norms of the held replies are still measured, so the outlier goes
+    server = Server(toy_federation_of(build_config({**BASE, "method": {"name": "malicious"}},
+                                                   ["federation.reject_outliers=3", "federation.update_norm_factor=null"])),
+                    tmp_path / "run")
+    sent = server.configure(1)
+    fold = server.start_round(sent)
+    for cid, step in zip(sent, (1.0, 2.0, 3.0, 100.0)):  # update norms 1, 2, 3 and 100 > 3 x median 2.5
+        reply = {k: v for k, v in sent[cid].items() if k.startswith("w/")}
+        reply["w/classifier.bias"] = reply["w/classifier.bias"] + np.eye(1, reply["w/classifier.bias"].size,
+                                                                         dtype=np.float32)[0] * step
+        server.receive(fold, Reply(cid, {**reply, "num_examples": 10}))
+    row = server.finish_round(1, fold, {})
+    assert row["clients_failed_reasons"] == {"3": "update norm 100 > 3 x median 2.5"} and row["clients"] == 3
