@@ -43,6 +43,29 @@ def test_architecture_is_table_8():
     assert len(theta_ids) == len(list(h.parameters())) - 1
 
 
+def test_theta_names_name_theta_in_order() -> None:
+    h = _tiny()
+    trunk = [f"trunk.{i}.{k}" for i in (0, 2, 4, 6) for k in ("weight", "bias")]  # the Linears between LeakyReLUs
+    heads = [f"heads.{i}.{k}" for i in range(len(SHAPES)) for k in ("weight", "bias")]
+    assert h.theta_names() == trunk + heads  # ν (embeddings.weight) is not in θ
+    named = dict(h.named_parameters())
+    assert all(named[n] is p for n, p in zip(h.theta_names(), h.theta(), strict=True))
+
+
+def test_forward_is_table_8_rebuilt_from_the_layers_weights() -> None:
+    """φ_k = W_k z + b_k with z the trunk of ν[i]: three Linear + LeakyReLU, then a Linear with no activation (the
+    paper's Table 8 names LeakyReLU without a slope; PyTorch's default 0.01, as pFedHN's nn.LeakyReLU())."""
+    h = _tiny(init="model")
+    z = h.embeddings.weight[2].detach()
+    for i, linear in enumerate(m for m in h.trunk if isinstance(m, nn.Linear)):
+        z = torch.nn.functional.linear(z, linear.weight.detach(), linear.bias.detach())
+        z = torch.nn.functional.leaky_relu(z, 0.01) if i < 3 else z
+    phi = h.for_client(2)
+    for (name, shape), head in zip(SHAPES, h.heads, strict=True):
+        want = torch.nn.functional.linear(z, head.weight.detach(), head.bias.detach()).view(shape)
+        assert torch.allclose(phi[name].detach(), want, atol=1e-6), name
+
+
 def test_generates_every_parameter_of_a_client_model_with_its_shape():
     model = ToyNet()
     shapes = [(n, p.shape) for n, p in model.named_parameters()]
@@ -110,6 +133,13 @@ def test_vjp_equals_gradient_of_sum_phi_dot_v_and_the_materialised_jacobian():
     assert torch.allclose(g_nu, jtv["embeddings.weight"].flatten(), atol=1e-5)
 
 
+def test_an_unknown_init_or_a_model_init_without_the_models_tensors_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown hypernetwork init"):
+        HyperNetwork(SHAPES, 3, init="xavier")
+    with pytest.raises(ValueError, match="needs the client model's initial parameters"):
+        HyperNetwork(SHAPES, 3, init="model")
+
+
 def test_vjp_without_embeddings_returns_none_for_nu():
     h = _tiny()
     v = {n: torch.ones(s) for n, s in SHAPES}
@@ -153,17 +183,18 @@ def test_autoencoder_training_lowers_reconstruction_and_returns_the_mean_latent(
 
 
 def test_autoencoder_training_is_adam_on_the_mse_to_unit_range_targets_in_shuffled_batches():
-    # rebuild C.2's loop by hand: per epoch a permutation from the generator, Adam steps on MSE(ae(x), unit_range(x))
+    # rebuild C.2's loop by hand: per epoch a permutation from the generator, Adam steps on MSE(ae(x), unit_range(x)),
+    # the last batch short (10 images in batches of 4, 4, 2)
     torch.manual_seed(0)
-    images = torch.randn(8, 1, 4, 4) * 3 + 1  # normalised-looking inputs: the targets are their [0, 1] rescaling
+    images = torch.randn(10, 1, 4, 4) * 3 + 1  # normalised-looking inputs: the targets are their [0, 1] rescaling
     ae = EmbeddingAutoencoder(1, 4, 2)
     ref = EmbeddingAutoencoder(1, 4, 2)
     ref.load_state_dict(ae.state_dict())
     train_and_embed(ae, images, epochs=2, lr=1e-2, batch_size=4, generator=torch.Generator().manual_seed(3))
     opt, g = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.Generator().manual_seed(3)
     for _ in range(2):
-        order = torch.randperm(8, generator=g)
-        for b in (order[:4], order[4:]):
+        order = torch.randperm(10, generator=g)
+        for b in (order[:4], order[4:8], order[8:]):
             opt.zero_grad()
             x = images[b]
             lo, hi = x.amin((1, 2, 3), keepdim=True), x.amax((1, 2, 3), keepdim=True)
