@@ -3,9 +3,10 @@ with a known source image is scored against it, FID against the victims' own ima
 chance level; the Gram's ε counts training's releases; DLG's ε is local DP's; σ is clamped as CCST and PARDON send it;
 FPL under DP releases all K rows. Constant 1×7×7 images make every score a closed form."""
 
+import csv
 import math
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -15,13 +16,14 @@ from toy import ToyNet, toy_federation
 
 from feddg.aggregation.accounting import gaussian_epsilon
 from feddg.aggregation.dp import symmetric_noise
-from feddg.audit import inversion
+from feddg.audit import inversion, privacy
 from feddg.audit.gradient import TinyNet
 from feddg.audit.gram import gram_audit
 from feddg.audit.inversion import Victims, noised, scores, vector_inversion
 from feddg.audit.metrics import FID_NAME, PSNR_CAP
-from feddg.audit.privacy import Replay, gram_attack, gram_releases, update_attack
+from feddg.audit.privacy import Replay, gram_attack, gram_releases, update_attack, vector_attack
 from feddg.audit.shares import prototype_share
+from feddg.audit.sweep import METRICS, markdown, summarise, write_tables
 from feddg.config import AuditConfig
 from feddg.devices import images
 from feddg.engines.inprocess import run_inprocess
@@ -182,3 +184,100 @@ def test_the_gram_attack_is_the_clipped_rows_gram_plus_symmetric_noise_of_std_z_
             per_client.append(gram_audit(ac, ac.T @ ac + noise, seed=2 + c))
         for key in ("procrustes_rel_err", "row_cosine", "row_cosine_top"):
             assert row[key] == pytest.approx(np.mean([p[key] for p in per_client]), rel=1e-6), (z, key)
+
+
+def test_dlg_inverts_each_clients_exact_update_without_dp_and_its_own_noise_draw_under_dp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the server hands DLG: at z = 0 the reply's update itself (even one above the clip), at z > 0 the update
+    clipped to C plus C·z·N(0, 1) from the client's own stream (seed + c); both at the run's learning rate."""
+    seen: list[tuple[list[torch.Tensor], float]] = []
+
+    def spy(net: torch.nn.Module, update: list[torch.Tensor], lr: float, shape: tuple[int, ...],
+            **_: int) -> tuple[torch.Tensor, int]:
+        seen.append(([u.clone() for u in update], lr))
+        return torch.zeros((1, *shape)), 0
+
+    monkeypatch.setattr(privacy, "dlg", spy)
+    fed = toy_federation("optim.lr=0.05")
+    xs = [torch.full((1, 1, 8, 8), v) for v in (0.1, 0.5, 0.9)]
+    ys = [np.array([c]) for c in (3, 1, 0)]
+    rp = Replay(fed.cfg, fed, cast(FedModel, fed.model), "initial", xs, ys, xs[0], 0.0, 1.0)
+    update_attack(rp, AuditConfig(noise_multipliers=[0.0, 2.0], dlg_victims=3, fid=False), 5, tmp_path)
+    torch.manual_seed(5)  # the attack's network, rebuilt: Δ = −η ∇CE of each victim's image
+    net = TinyNet(1, 8, 8, 4)
+    clean = [[-0.05 * g for g in torch.autograd.grad(F.cross_entropy(net(x), torch.as_tensor(y)), list(net.parameters()))]
+             for x, y in zip(xs, ys, strict=True)]
+    norms = [float(torch.cat([u.flatten() for u in up]).norm()) for up in clean]
+    clip = sorted(norms)[1]
+    assert max(norms) > clip  # one reply above the clip: clipping at z = 0 would show
+    assert [lr for _, lr in seen] == [0.05] * 6
+    for c, (up, (got, _)) in enumerate(zip(clean, seen[:3], strict=True)):  # z = 0: the reply as sent, unclipped
+        for u, g in zip(up, got, strict=True):
+            torch.testing.assert_close(g, u, rtol=1e-5, atol=1e-8, msg=f"client {c} at z = 0")
+    for c, (up, (got, _)) in enumerate(zip(clean, seen[3:], strict=True)):  # z = 2: clipped, then its own noise
+        gen = torch.Generator().manual_seed(5 + c)
+        for u, g in zip(up, got, strict=True):
+            want = u * min(1.0, clip / norms[c]) + 2.0 * clip * torch.randn(u.shape, generator=gen)
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=f"client {c} at z = 2")
+
+
+def test_the_vector_attackers_train_on_their_own_images_and_only_style_sigma_halves_are_clamped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Third party: the held-out public images; inter-client: client 0's own, attacking clients 1.. with a pool
+    that leaves client 0 out; the style shares ([μ ‖ σ]) clamp their σ half, FedFA's moments do not."""
+    calls: list[dict[str, Any]] = []
+    real = privacy.vector_inversion
+
+    def spy(attacker_images: np.ndarray, attacker_vectors: np.ndarray, victims: Victims,
+            **kw: Any) -> tuple[list[dict[str, Any]], dict[float, np.ndarray]]:
+        calls.append({"images": attacker_images, "vectors": attacker_vectors, "victims": victims, **kw})
+        return real(attacker_images, attacker_vectors, victims, **kw)
+
+    def pixel_style(x: torch.Tensor) -> np.ndarray:  # per image [μ ‖ σ] of its one channel
+        return torch.cat([x.mean((2, 3)), x.std((2, 3))], 1).numpy()
+
+    monkeypatch.setattr(privacy, "vector_inversion", spy)
+    monkeypatch.setattr(privacy, "_share", lambda *_: (pixel_style, lambda x, y: pixel_style(x)))
+    fed = toy_federation()
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand((2, 1, 7, 7), generator=g) for _ in range(3)]
+    public = torch.rand((3, 1, 7, 7), generator=g)
+    rp = Replay(fed.cfg, fed, cast(FedModel, fed.model), "initial", xs, [np.zeros(2, int)] * 3, public, 0.0, 1.0)
+    s = AuditConfig(noise_multipliers=[0.0, 1.0], generator_steps=1, fid=False)
+    for attack in ("sample-style", "client-style", "fedfa-moments"):
+        for attacker in ("third-party", "inter-client"):
+            vector_attack(rp, attack, attacker, s, 0, tmp_path)
+    for call, attack, attacker in zip(calls, np.repeat(["sample-style", "client-style", "fedfa-moments"], 2),
+                                      ["third-party", "inter-client"] * 3, strict=True):
+        own = public if attacker == "third-party" else xs[0]
+        np.testing.assert_allclose(call["images"], own.numpy(), err_msg=f"{attack} {attacker}")
+        np.testing.assert_allclose(call["vectors"], pixel_style(own), err_msg=f"{attack} {attacker}")
+        victims = call["victims"]
+        assert set(victims.row_owner) == set(victims.pool_owner) == ({0, 1, 2} if attacker == "third-party" else {1, 2})
+        assert call["sigma_from"] == (None if attack == "fedfa-moments" else 1), (attack, attacker)  # d = 2: [μ ‖ σ]
+
+
+def test_the_sweeps_audit_table_is_each_metrics_mean_and_sample_std_over_the_seeds_that_have_it(tmp_path: Path) -> None:
+    def cell(seed: int, z: float, eps: float | None, **metrics: float) -> dict[str, Any]:
+        return {"variant": "A", "target": "t", "seed": seed, "attack": "gram", "attacker": "station", "z": z,
+                "epsilon": eps, **dict.fromkeys(key for _, key in METRICS), **metrics}
+
+    cells = [cell(0, 1.0, 2.5, psnr=10.0, reid=0.2), cell(0, 0.0, None, psnr=20.0),
+             cell(1, 1.0, 2.5, psnr=12.0, reid=0.4), cell(2, 1.0, 2.5, reid=0.9)]  # seed 2 has no PSNR, z = 0 no re-id
+    noisy, clean = summarise(cells)  # first-seen order
+    assert (noisy["z"], noisy["seeds"], noisy["epsilon"], clean["z"], clean["seeds"], clean["epsilon"]) == (
+        1.0, 3, 2.5, 0.0, 1, None)
+    # PSNR over seeds 0 and 1: mean 11, sample variance (1 + 1) / 1; re-id: deviations −.3, −.1, .4, variance .26 / 2
+    assert noisy["psnr"] == pytest.approx((11.0, math.sqrt(2.0)))
+    assert noisy["reid"] == pytest.approx((0.5, math.sqrt(0.13)))
+    assert clean["psnr"] == (20.0, 0.0) and clean["reid"] is None  # one seed: no spread
+    assert noisy[FID_NAME] is None and noisy["row_cosine"] is None
+    table = markdown([noisy, clean])
+    assert "| A | t | gram | station | 1 | 2.5 | 3 | 11.0 ± 1.4 | 0.50 ± 0.36 |" in table
+    assert "| A | t | gram | station | 0 | — | 1 | 20.0 ± 0.0 | — |" in table and FID_NAME not in table
+    write_tables(tmp_path, [noisy, clean], "t")
+    with (tmp_path / "audit.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["epsilon"], r["seeds"], float(r["psnr_mean"]), float(r["psnr_std"])) for r in rows] == [
+        ("2.5", "3", 11.0, pytest.approx(math.sqrt(2.0))), ("", "1", 20.0, 0.0)]
+    assert rows[0][f"{FID_NAME}_mean"] == rows[0][f"{FID_NAME}_std"] == ""
