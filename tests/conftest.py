@@ -36,3 +36,12 @@ def _no_exec(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.fail(f"the test reached os.execve({argv}): it would replace the pytest process")
 
     monkeypatch.setattr(os, "execve", refuse)
+
+
+@pytest.fixture
+def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower Messages need the identity of the task that creates them (the runtimes set it)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from dp_accounting import GaussianDpEvent, NeighboringRelation, SampledWithoutReplacementDpEvent
 from dp_accounting.rdp import RdpAccountant
-from test_flower import LoopbackGrid, server_config_text, task_identity, toy_config, toy_federation_of  # noqa: F401
+from test_flower import LoopbackGrid, server_config_text, toy_config, toy_federation_of
 from toy import toy_federation
 
 from feddg.aggregation.accounting import dp_fedavg_epsilon, gaussian_epsilon
@@ -217,7 +217,7 @@ def test_dp_on_weights_is_refused_in_one_line_where_it_is_not_dp_fedavg(override
     assert "\n" not in str(err.value)
 
 
-def test_flower_engine_gives_the_same_noised_adaptive_run(tmp_path, task_identity):  # noqa: F811
+def test_flower_engine_gives_the_same_noised_adaptive_run(tmp_path, task_identity):
     cfg = toy_config("federation.rounds=2", "dp_weights.noise_multiplier=0.5", "dp_weights.clip=0.3",
                      "dp_weights.adaptive.count_std=1.0", "federation.client_fraction=0.5",
                      "dp_noise=seeded")  # the same noise on both engines (a secret key is drawn per federation)

@@ -24,7 +24,6 @@ from flwr.common.serde import (
     recorddict_to_proto,
 )
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 from thread_counts import blas_threads
 from toy import ToyDomains, ToyNet
 from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
@@ -166,13 +165,6 @@ class LoopbackGrid(Grid):
         raise NotImplementedError
 
     run = create_message = get_nodes = push_messages = pull_messages = set_run
-
-
-@pytest.fixture
-def task_identity(monkeypatch):
-    """Flower Messages need the identity of the task that creates them (the runtimes set it)."""
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
 
 
 def server_config_text(server):

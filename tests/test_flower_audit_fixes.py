@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ConfigRecord, Message, RecordDict
 from flwr.common.serde import context_from_proto
-from test_flower import LoopbackGrid, server_config_text, task_identity, toy_config, toy_federation_of  # noqa: F401
+from test_flower import LoopbackGrid, server_config_text, toy_config, toy_federation_of
 
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.registry import METHODS

@@ -25,7 +25,6 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 from support.flower_local import LocalDeployment
 from toy import toy_federation_of
 
@@ -115,12 +114,10 @@ def counted_toy_federation(cfg) -> Federation:
 
 
 @pytest.fixture
-def fresh_cache(monkeypatch):
+def fresh_cache(monkeypatch, task_identity):
     """An empty federation cache and build log, and the task identity Flower Messages need."""
     monkeypatch.setattr(flower_client, "_FEDERATIONS", OrderedDict())
     BUILT.clear()
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
 
 
 def toy_text(seed: int = 0) -> str:

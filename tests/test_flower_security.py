@@ -21,7 +21,6 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.cli.supernode.register import try_load_public_key
-from flwr.supercore.task_identity import TaskIdentity
 from support.flower_local import LocalDeployment
 from toy import toy_federation_of
 
@@ -245,9 +244,8 @@ class RosterGrid:
         return [reply(n, proof(self.signers[n], str(c), n)) for n, c in route]
 
 
+@pytest.mark.usefixtures("task_identity")
 def test_discovery_refuses_a_rogue_node_once_and_waits_for_the_roster_clients(tmp_path, keys, monkeypatch):
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
     monkeypatch.setattr(flower_server, "fingerprint", lambda fed: "fed")
     monkeypatch.setattr(flower_server.time, "sleep", lambda s: None)
     roster = write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")])
@@ -270,10 +268,9 @@ def test_a_reply_whose_records_do_not_decode_is_that_clients_failure_not_the_run
     assert replies == [] and failed[4].startswith("node 9: unreadable reply (KeyError")
 
 
+@pytest.mark.usefixtures("task_identity")
 def test_a_node_with_its_key_answers_the_challenge_through_the_client_app(tmp_path, keys, monkeypatch):
     monkeypatch.setattr(flower_client, "_FEDERATIONS", OrderedDict())
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
     text = dump_config(build_config({"partition": {"kind": "by_domain", "num_clients": 2}, "split": {"target": "c"},
                                      "device": "cpu"}))
     app = make_client_app(text, factory=toy_federation_of)

@@ -20,7 +20,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp.client_app import LoadClientAppError
 from flwr.common.constant import ErrorCode, SubStatus
-from test_flower import LoopbackGrid, probe_federation, server_config_text, task_identity, toy_config  # noqa: F401
+from test_flower import LoopbackGrid, probe_federation, server_config_text, toy_config
 from toy import toy_federation_of
 
 from feddg.config import build_config, dump_config

@@ -15,7 +15,7 @@ from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.serverapp import Grid
-from test_flower import LoopbackGrid, server_config_text, task_identity, toy_config, toy_federation_of  # noqa: F401
+from test_flower import LoopbackGrid, server_config_text, toy_config, toy_federation_of
 
 from feddg.config import ConfigError, SecAggPlusConfig, build_config
 from feddg.engines.flower import secagg_server
