@@ -292,8 +292,6 @@ def test_batchnorm_running_statistics_are_warned_about_and_cnn_gn_has_none(tmp_p
         assert ("BatchNorm running statistics" in caplog.text) == (name == "cnn"), name
 
 
-
-
 def test_the_unclipped_count_starts_afresh_each_round(tmp_path):
     # noise 0, a clip no update reaches, a count with next to no noise: every round releases 4 of 4 sampled (1.0),
     # not the run's total so far (2.0, 3.0)

@@ -349,18 +349,24 @@ def test_a_rolled_back_round_keeps_the_previous_client_states(tmp_path: Path) ->
     assert {c: int(server.client_states[c]["round"]) for c in server.client_states} == {0: 1, 1: 1, 2: 1, 3: 1}
 
 
-def test_the_norm_reference_is_the_median_of_the_accepted_replies_and_survives_a_resume(tmp_path: Path) -> None:
-    cfg = build_config({**BASE, "method": {"name": "malicious"}},
-                       ["federation.reject_outliers=3", "federation.update_norm_factor=1000000"])
-    server = Server(toy_federation_of(cfg), tmp_path / "run")
+def round_of_bias_steps(server: Server, steps: tuple[float, ...]) -> dict:
+    """Round 1 where client k echoes the weights sent with its first classifier bias moved by ``steps[k]`` (its update
+    norm), each reply with 10 examples and a new client state ``{"client": k}``; the round's metrics row."""
     sent = server.configure(1)
     fold = server.start_round(sent)
-    for cid, step in zip(sent, (1.0, 2.0, 3.0, 100.0)):  # update norms 1, 2, 3 and an outlier 100 > 3 x 2.5
+    for cid, step in zip(sent, steps, strict=True):
         reply = {k: v for k, v in sent[cid].items() if k.startswith("w/")}
         reply["w/classifier.bias"] = reply["w/classifier.bias"] + np.eye(1, reply["w/classifier.bias"].size,
                                                                          dtype=np.float32)[0] * step
         server.receive(fold, Reply(cid, {**reply, "num_examples": 10}), {"client": np.array(cid)})
-    row = server.finish_round(1, fold, {})
+    return server.finish_round(1, fold, {})
+
+
+def test_the_norm_reference_is_the_median_of_the_accepted_replies_and_survives_a_resume(tmp_path: Path) -> None:
+    cfg = build_config({**BASE, "method": {"name": "malicious"}},
+                       ["federation.reject_outliers=3", "federation.update_norm_factor=1000000"])
+    server = Server(toy_federation_of(cfg), tmp_path / "run")
+    row = round_of_bias_steps(server, (1.0, 2.0, 3.0, 100.0))  # update norms 1, 2, 3 and an outlier 100 > 3 x 2.5
     assert list(row["clients_failed_reasons"]) == ["3"]
     assert sorted(server.client_states) == [0, 1, 2]  # the rejected outlier's new client state is not kept
     assert server.norm_bound is not None and server.norm_bound.reference == pytest.approx(2.0, rel=1e-5)  # not 2.5
@@ -408,12 +414,5 @@ def test_reject_outliers_alone_measures_the_update_norms_it_compares(tmp_path: P
     server = Server(toy_federation_of(build_config({**BASE, "method": {"name": "malicious"}},
                                                    ["federation.reject_outliers=3", "federation.update_norm_factor=null"])),
                     tmp_path / "run")
-    sent = server.configure(1)
-    fold = server.start_round(sent)
-    for cid, step in zip(sent, (1.0, 2.0, 3.0, 100.0)):  # update norms 1, 2, 3 and 100 > 3 x median 2.5
-        reply = {k: v for k, v in sent[cid].items() if k.startswith("w/")}
-        reply["w/classifier.bias"] = reply["w/classifier.bias"] + np.eye(1, reply["w/classifier.bias"].size,
-                                                                         dtype=np.float32)[0] * step
-        server.receive(fold, Reply(cid, {**reply, "num_examples": 10}))
-    row = server.finish_round(1, fold, {})
+    row = round_of_bias_steps(server, (1.0, 2.0, 3.0, 100.0))  # update norms 1, 2, 3 and 100 > 3 x median 2.5
     assert row["clients_failed_reasons"] == {"3": "update norm 100 > 3 x median 2.5"} and row["clients"] == 3

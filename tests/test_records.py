@@ -27,6 +27,7 @@ from feddg.evaluation.tables import DEGRADED, csv_table, markdown_table
 from feddg.experiment import RunDirError, clear_run_dir, resume_experiment, run_experiment
 from feddg.federation import checkpoint
 from feddg.federation.server import Server, failure_record
+from feddg.messages import WEIGHT_PREFIX, entries
 from feddg.reports import figures
 from feddg.reports.run import report
 from feddg.sweep import run_sweep
@@ -322,7 +323,7 @@ def test_a_rounds_time_is_the_engines_phases_plus_aggregation_and_evaluation(tmp
     server = Server(toy_federation("federation.rounds=1"), tmp_path / "run")
     sent = server.configure(1)
     fold = server.start_round(sent)
-    server.receive(fold, Reply(0, {**{k: v for k, v in sent[0].items() if k.startswith("w/")}, "num_examples": 5}))
+    server.receive(fold, Reply(0, {**entries(sent[0], WEIGHT_PREFIX), "num_examples": 5}))
     row = server.finish_round(1, fold, {"time_train_s": 2.0, "time_wait_s": 0.25})
     assert row["time_eval_s"] > 0  # round 1 of 1 is evaluated
     assert row["time_round_s"] == pytest.approx(2.25 + row["time_aggregate_s"] + row["time_eval_s"], rel=1e-12)

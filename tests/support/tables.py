@@ -15,10 +15,14 @@ def rendered(table: Table) -> str:
 
 def text_rows(text: str) -> list[list[str]]:
     """The cells of each row, header rows included, of every rich table printed in ``text``."""
-    lines = text.replace("┃", "│").splitlines()
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.count("│") >= 2]
+    return [_cells(line) for line in text.replace("┃", "│").splitlines() if line.count("│") >= 2]
 
 
 def table_cells(table: Table) -> list[list[str]]:
     """The rendered body rows of ``table``, one list of cell texts each."""
-    return [[c.strip() for c in line.split("│")[1:-1]] for line in rendered(table).splitlines() if line.startswith("│")]
+    return [_cells(line) for line in rendered(table).splitlines() if line.startswith("│")]
+
+
+def _cells(line: str) -> list[str]:
+    """The cell texts of one printed row (between its outer borders)."""
+    return [c.strip() for c in line.split("│")[1:-1]]
