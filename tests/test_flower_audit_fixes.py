@@ -1,24 +1,31 @@
 """Flower engine fixes from a deployment audit: a rolled-back round on Flower (it crashed the run; its nodes kept the
 discarded client states), a reply whose .npy header claims more than it carries, SecAgg+ on a deployment's config,
-and one-line refusals of the run-config writer, the executor and the ServerApp."""
+one-line refusals of the run-config writer, the executor and the ServerApp, and (from a test audit) the executor's
+restarts and shutdown, the worker's polling and task handling, and the launcher's and run marks' edge cases."""
 
 import io
+import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Array, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ConfigRecord, Context, Message, RecordDict
+from flwr.common.constant import SubStatus
 from flwr.common.serde import context_from_proto
+from flwr.supercore.task_identity import TaskIdentity
 from test_flower import LoopbackGrid, server_config_text, toy_config, toy_federation_of
+from test_flower_units import FakeChild, TaskRuntime, sent_message
 
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.registry import METHODS
 from feddg.config import SECAGG_NEEDS_FLOWER, build_config, load_config
-from feddg.engines.flower import app, executor
+from feddg.engines.flower import app, executor, launch, worker
 from feddg.engines.flower.client import committed_state, make_client_app
 from feddg.engines.flower.records import put_message
 from feddg.engines.flower.server import collect, round_metrics, run_on_grid
@@ -153,3 +160,178 @@ def test_the_server_app_refuses_an_empty_config_in_one_line(tmp_path):
     context = SimpleNamespace(run_config={"config": " \n", "run-dir": str(used), "resume": False})
     with pytest.raises(ValueError, match=r"^no experiment config: pass the YAML text as run config 'config'"):
         app.main(None, context)
+
+
+def test_a_process_of_another_user_is_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    def kill(pid: int, signal: int) -> None:
+        raise PermissionError(1, "Operation not permitted")  # it runs, but is not ours to signal
+
+    monkeypatch.setattr(executor.os, "kill", kill)
+    assert executor.alive(1)
+
+
+class KillableChild(FakeChild):
+    """A fake worker that records whether it was terminated."""
+
+    terminated = False
+
+    def terminate(self) -> None:
+        self.terminated, self.returncode = True, -15
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+
+def fake_supervise(monkeypatch: pytest.MonkeyPatch, lives: list[float], parent_ends: float) -> tuple[list[float],
+                                                                                                  list[KillableChild]]:
+    """Run ``executor.supervise`` on a fake clock, with workers living ``lives`` and the SuperNode ending at
+    ``parent_ends`` s; the clock where it returned and the workers it started."""
+    clock: list[float] = [0.0]
+    children: list[KillableChild] = []
+
+    def popen(argv: list[str]) -> KillableChild:
+        children.append(KillableChild(clock, lives[len(children)]))
+        return children[-1]
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+
+    monkeypatch.setattr(executor.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(executor.subprocess, "Popen", popen)
+    monkeypatch.setattr(executor.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(executor.time, "sleep", sleep)
+    monkeypatch.setattr(executor, "alive", lambda pid: clock[0] < parent_ends)
+    executor.supervise(["--insecure"], 42)
+    return clock, children
+
+
+def test_the_executor_s_pause_doubles_up_to_a_minute(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    fake_supervise(monkeypatch, 8 * [0.0], 2 + 4 + 8 + 16 + 32 + 60 + 1)  # dies at once, 7 times
+    pauses = [line.split("starts in ")[1] for line in capsys.readouterr().err.splitlines()]
+    assert pauses == ["2 s", "4 s", "8 s", "16 s", "32 s", "60 s", "60 s"]
+
+
+def test_the_executor_ends_its_worker_when_the_supernode_ends(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    clock, children = fake_supervise(monkeypatch, [100.0], 5.2)  # the SuperNode ends while the worker runs
+    assert clock == [5.5] and [c.terminated for c in children] == [True]  # polled every 0.5 s
+    assert capsys.readouterr().err == ""  # not restarted
+
+
+def test_the_executor_ends_during_a_pause_when_the_supernode_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, children = fake_supervise(monkeypatch, [0.0, 0.0, 100.0], 3.2)  # pauses 2 s, then 4 s: it ends in that one
+    assert clock == [3.5] and len(children) == 2 and not any(c.terminated for c in children)
+
+
+@pytest.mark.parametrize(("status", "why"), [("failed", "run failed: ValueError: x"), ("stopped", "run stopped: by flwr stop"),
+                                             ("completed", "run completed")])  # completed, but no results.json
+def test_the_launcher_reports_a_settled_mark_without_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            status: str, why: str) -> None:
+    app.mark(tmp_path, status, {"failed": "ValueError: x", "stopped": "by flwr stop"}.get(status, ""))
+    monkeypatch.setattr(launch.time, "sleep", lambda s: pytest.fail("waited for a mark that had settled"))
+    assert launch.settled_outcome(tmp_path, wait_s=30) == f"{tmp_path}: {why}"
+
+
+def test_only_an_insecure_true_connection_is_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    (tmp_path / "config.toml").write_text('[superlink.off]\naddress = "h:9093"\ninsecure = false\n'
+                                          '[superlink.on]\naddress = "h:9093"\ninsecure = true\n')
+    assert launch.insecure_warning("off") is None
+    assert launch.insecure_warning("on") is not None
+
+
+def test_a_run_mark_keeps_the_first_500_characters_of_the_error_on_one_line(tmp_path: Path) -> None:
+    app.mark(tmp_path, "failed", "E" * 300 + "\n\n" + "F" * 300)
+    assert json.loads((tmp_path / app.STATUS).read_text())["error"] == "E" * 300 + " " + "F" * 199
+
+
+def test_the_run_config_carries_a_run_directory_with_characters_beyond_the_basic_plane(tmp_path: Path) -> None:
+    run_dir = tmp_path / "Zürich 😀"  # JSON's ASCII escape of 😀 is a surrogate pair, which TOML refuses
+    assert tomllib.loads(app.run_config_toml(build_config({}), run_dir))["run-dir"] == str(run_dir.resolve())
+
+
+@pytest.mark.parametrize("code", [-2, 1])  # -2: flwr killed by SIGINT
+def test_the_launcher_warns_of_an_insecure_connection_and_reports_flwr_s_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], code: int) -> None:
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "pyproject.toml").write_text("")
+    (tmp_path / "config.toml").write_text('[superlink.lab]\naddress = "h:9093"\ninsecure = true\n')
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    monkeypatch.setattr(launch, "flwr_command", lambda: "/opt/flwr")
+    monkeypatch.setattr(launch.subprocess, "run", lambda argv: SimpleNamespace(returncode=code))
+    assert launch.submit(build_config({}), tmp_path / "run", "lab", tmp_path / "app") == f"`flwr run` exited with {code}"
+    assert capsys.readouterr().err.startswith("feddg: warning: connection 'lab' is insecure (no TLS)")
+
+
+def test_the_worker_polls_at_its_interval_and_runs_only_tasks_with_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    responses = [SimpleNamespace(HasField=lambda f: has, token=token) for has, token in
+                 ((False, ""), (True, "t1"), (True, ""), (True, "t2"))]
+    events: list[Any] = []
+
+    def acquire(request: Any) -> SimpleNamespace:
+        if not responses:
+            raise InterruptedError  # ends serve's loop
+        return responses.pop(0)
+
+    monkeypatch.setattr(worker, "runtime_client", lambda address, ca: SimpleNamespace(AcquireTask=acquire))
+    monkeypatch.setattr(worker, "run_task", lambda address, ca, token, apps: events.append((address, ca, token)))
+    monkeypatch.setattr(worker.time, "sleep", events.append)
+    with pytest.raises(InterruptedError):
+        worker.serve("127.0.0.1:9", b"CA", 0.25)
+    assert events == [0.25, ("127.0.0.1:9", b"CA", "t1"), 0.25, ("127.0.0.1:9", b"CA", "t2")]
+
+
+def test_the_worker_ends_with_its_executor(monkeypatch: pytest.MonkeyPatch) -> None:
+    watched: list[int] = []
+    monkeypatch.setattr(worker, "start_parent_process_monitor", watched.append)
+    monkeypatch.setattr(worker, "warm_up", lambda: None)
+    monkeypatch.setattr(worker, "serve", lambda *args: None)
+    monkeypatch.setattr(sys, "argv", ["worker", "--runtime-api-address", "127.0.0.1:9", "--insecure", "--parent-pid", "42"])
+    worker.main()
+    assert watched == [42]
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_worker_task_stops_its_heartbeat_before_it_reports_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    message = sent_message(0, 1000)
+    TaskRuntime(monkeypatch, message, "h1")
+    events: list[str] = []
+    monkeypatch.setattr(worker, "HeartbeatSender", lambda fn: SimpleNamespace(
+        start=lambda: events.append("start"), stop=lambda: events.append("stop"), is_running=True))
+    monkeypatch.setattr(worker, "push_task_output", lambda client, context, sub_status, details: events.append(sub_status))
+
+    def ok(message: Message, context: Context) -> Message:
+        return Message(RecordDict(), reply_to=message)
+
+    worker.run_task("127.0.0.1:9", None, "token", {"h1": ok})  # type: ignore[dict-item]
+    assert events == ["start", "stop", SubStatus.COMPLETED]  # a beat after the end would SIGINT the worker
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_pulled_task_s_message_gets_its_object_id_and_one_without_a_message_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    res = SimpleNamespace(task_id=5, run=SimpleNamespace(run_id=2), context=SimpleNamespace(node_id=1000), fab="fab")
+    trees = [SimpleNamespace(object_id="obj-7")]
+    client = SimpleNamespace(PullTaskInput=lambda request: res, PullObject=None, ConfirmMessageReceived=None,
+                             PullMessages=lambda request: SimpleNamespace(messages_list=trees, message_object_trees=trees))
+    pulls: list[dict[str, Any]] = []
+
+    def inflate(tree: Any, pull: Any, confirm: Any, **kwargs: Any) -> Message:
+        pulls.append(kwargs)
+        return Message(RecordDict(), 1000, "train")  # as deflated: no message id
+
+    monkeypatch.setattr(worker, "context_from_proto", lambda c: Context(run_id=2, node_id=c.node_id, node_config={},
+                                                                         state=RecordDict(), run_config={}))
+    monkeypatch.setattr(worker, "run_from_proto", lambda run: run)
+    monkeypatch.setattr(worker, "fab_from_proto", lambda fab: fab)
+    monkeypatch.setattr(worker, "make_pull_object_fn_protobuf", lambda *args: None)
+    monkeypatch.setattr(worker, "make_confirm_message_received_fn_protobuf", lambda *args: None)
+    monkeypatch.setattr(worker, "pull_and_inflate_object_from_tree", inflate)
+    message, context, run, fab = worker.pull_task_input(client)  # type: ignore[arg-type]
+    assert message.metadata.message_id == "obj-7" and (context.node_id, run, fab) == (1000, res.run, "fab")
+    assert (TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id) == (5, 2, 1000)
+    assert pulls == [{"return_type": Message, "initial_backoff": 0.05, "backoff_cap": 0.5, "max_tries_per_object": None}]
+    trees.clear()
+    with pytest.raises(RuntimeError, match="^No messages received from Runtime API$"):
+        worker.pull_task_input(client)  # type: ignore[arg-type]

@@ -66,7 +66,9 @@ def test_the_server_certificate_is_issued_by_the_ca_for_the_given_hosts(tmp_path
 
 
 def test_the_server_key_pairs_with_its_certificate_for_tls_serving_for_the_given_days(tmp_path: Path) -> None:
+    before = datetime.datetime.now(datetime.UTC).replace(microsecond=0)  # a certificate's times are in whole seconds
     paths = make_certificates(tmp_path, ["127.0.0.1"], days=30)
+    after = datetime.datetime.now(datetime.UTC)
     ca = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
     server = x509.load_pem_x509_certificate(paths["server"].read_bytes())
     key = serialization.load_pem_private_key(paths["server-key"].read_bytes(), None)
@@ -76,6 +78,7 @@ def test_the_server_key_pairs_with_its_certificate_for_tls_serving_for_the_given
         [ExtendedKeyUsageOID.SERVER_AUTH])  # a TLS client refuses a server certificate without serverAuth
     assert ca.extensions.get_extension_for_class(x509.KeyUsage).value.key_cert_sign is True
     for cert in (ca, server):
+        assert before <= cert.not_valid_before_utc <= after  # valid from its making, not hours later
         assert cert.not_valid_after_utc - cert.not_valid_before_utc == datetime.timedelta(days=30)
 
 
@@ -138,6 +141,18 @@ def test_keys_and_certificates_are_never_written_over_and_private_keys_are_never
         make_certificates(tmp_path / "blank", [" "])
 
 
+def test_a_link_where_a_key_would_be_written_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # a dangling link (it could lead anywhere) counts as a file already there: refused in one line, nothing written
+    for folder, link, make in (("pki", "server.key", lambda: make_certificates(tmp_path / "pki", ["127.0.0.1"])),
+                               ("keys", "node0.pub", lambda: make_node_keys(tmp_path / "keys", ["node0"]))):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / link).symlink_to(tmp_path / "elsewhere")
+        with pytest.raises(FileExistsError, match=f"already holds {link}: writing"):
+            make()
+        assert [p.name for p in (tmp_path / folder).iterdir()] == [link]
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_a_relative_roster_path_is_refused_when_the_config_loads(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^flower.roster: give an absolute path \(the ServerApp reads it from its "
                                           r"own working directory\), got 'keys/roster.yaml'$"):
@@ -181,10 +196,14 @@ def test_a_roster_lists_each_client_once_with_distinct_keys(tmp_path, keys):
     roster = Roster.load(write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")]), 2)
     assert sorted(e.name for e in roster.by_fingerprint.values()) == ["Guy's", "St Mary's"]
     for entries, why in (([(0, "a", "node0")], "want 0..1"), ([(0, "a", "node0"), (0, "b", "node1")], "want 0..1"),
+                         ([(0, "a", "node0"), (1, "b", "node1"), (1, "c", "rogue")], "want 0..1, each once"),
                          ([(0, "a", "node0"), (1, "b", "node0")], "share a public key"),
                          ([(0, "a", "node0"), (1, "a", "node1")], "share a name")):
         with pytest.raises(ValueError, match=why):
             Roster.load(write_roster(tmp_path, keys, entries), 2)
+    (tmp_path / "roster.yaml").write_text("client: 0\nname: a\npublic_key: node0.pub\n")  # one entry, not a list
+    with pytest.raises(ValueError, match="want a YAML list of {client, name, public_key} entries"):
+        Roster.load(tmp_path / "roster.yaml", 1)
 
 
 def reply(node_id: int, info: dict) -> SimpleNamespace:

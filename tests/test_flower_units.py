@@ -17,7 +17,8 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp.client_app import LoadClientAppError
 from flwr.common.constant import ErrorCode, SubStatus
 from test_flower import LoopbackGrid, probe_federation, server_config_text, toy_config
@@ -26,6 +27,7 @@ from toy import toy_federation_of
 from feddg.config import build_config, dump_config
 from feddg.engines.flower import app, executor, launch, worker
 from feddg.engines.flower import client as flower_client
+from feddg.engines.flower import server as flower_server
 from feddg.engines.flower.client import (
     ROUTE,
     SETUP,
@@ -38,7 +40,16 @@ from feddg.engines.flower.client import (
     state_prefix,
 )
 from feddg.engines.flower.records import get_message, put_message
-from feddg.engines.flower.server import PollingGrid, collect, declared_partition, outgoing, run_on_grid, run_setup
+from feddg.engines.flower.server import (
+    FeddgStrategy,
+    PollingGrid,
+    collect,
+    declared_partition,
+    discover_clients,
+    outgoing,
+    run_on_grid,
+    run_setup,
+)
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
 
@@ -61,9 +72,18 @@ def test_collect_returns_replies_in_the_order_sent_and_says_why_each_other_clien
     sent = {cid: sent_message(cid, 1000 + cid) for cid in range(4)}
     replies = [answer(sent[2], 2.0), Message(Error(code=0, reason="ValueError: boom"), reply_to=sent[1]),
                answer(sent[0], 0.0)]  # arrival order 2, 1, 0; client 3 never answers
-    got, failed = collect(sent, replies, 7)
+    got, failed = collect(sent, replies, 7.0)  # flower.round_timeout_s is a float: 7.0 s reads "7 s"
     assert [(r.client_id, r.message["x"]) for r in got] == [(0, 0.0), (2, 2.0)]
     assert failed == {1: "node 1001: ValueError: boom", 3: "no reply within 7 s (flower.round_timeout_s)"}
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_an_error_reason_loses_its_colour_codes_and_line_breaks_and_is_cut_at_300_characters() -> None:
+    sent = {5: sent_message(5, 1005)}
+    reason = "\x1b[31mValueError\x1b[0m: bad\n  batch " + 400 * "x"  # as Ray writes it
+    _, failed = collect(sent, [Message(Error(code=0, reason=reason), reply_to=sent[5])], 60.0)
+    expected = "node 1005: ValueError: bad batch " + 400 * "x"
+    assert failed == {5: expected[:300]} and len(failed[5]) == 300
 
 
 @pytest.mark.usefixtures("task_identity")
@@ -86,6 +106,46 @@ def test_a_declared_partition_out_of_range_or_taken_is_refused() -> None:
         declared_partition(declares(4, 4), 4, {})
     with pytest.raises(RuntimeError, match=r"node 1009 is partition 1 of 4"):
         declared_partition(declares(1, 4), 4, {1: 1001})  # partition 1 has its node already
+    with pytest.raises(RuntimeError, match=r"node 1009 is partition -1 of 4"):
+        declared_partition(declares(-1, 4), 4, {})
+    with pytest.raises(RuntimeError, match=r"node 1009 is partition 1 of 3"):  # a node of another federation's size
+        declared_partition(declares(1, 3), 4, {})
+    assert declared_partition(declares(0, 4), 4, {}) == 0
+
+
+class IdentifyGrid:
+    """Nodes without a roster key: node ``n`` declares partition ``declared[n]`` of 2 and federation ``prints[n]``."""
+
+    def __init__(self, declared: dict[int, int], prints: dict[int, str]) -> None:
+        self.declared, self.prints = declared, prints
+        self.timeouts: list[float | None] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.declared)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        self.timeouts.append(timeout)
+        out = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = uuid4().hex
+            n = m.metadata.dst_node_id
+            route = ConfigRecord({"partition-id": self.declared[n], "num-partitions": 2, "fingerprint": self.prints[n]})
+            out.append(Message(RecordDict({ROUTE: route}), reply_to=m))
+        return out
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_discovery_maps_declared_partitions_waits_at_least_1_s_and_refuses_another_federation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flower_server, "fingerprint", lambda fed: "fed")
+    server = SimpleNamespace(fed=SimpleNamespace(clients=[0, 1], cfg=SimpleNamespace(flower=SimpleNamespace(roster=None))))
+    grid = IdentifyGrid({1000: 1, 1001: 0}, {1000: "fed", 1001: "fed"})
+    assert discover_clients(grid, server, 30.0) == {0: 1001, 1: 1000}  # type: ignore[arg-type]
+    grid0 = IdentifyGrid({1000: 1, 1001: 0}, {1000: "fed", 1001: "fed"})
+    discover_clients(grid0, server, 0.0)  # type: ignore[arg-type]
+    assert 29.0 < grid.timeouts[0] <= 30.0 and grid0.timeouts == [1.0]  # type: ignore[operator]  # what is left, >= 1 s
+    with pytest.raises(RuntimeError, match=r"^node 1001 \(client 0\) built a different federation"):
+        discover_clients(IdentifyGrid({1000: 1, 1001: 0}, {1000: "fed", 1001: "other"}), server, 30.0)  # type: ignore[arg-type]
 
 
 def test_the_polling_grid_gives_up_at_the_timeout_and_returns_what_arrived() -> None:
@@ -134,6 +194,22 @@ def test_a_setup_exchange_that_one_client_fails_stops_the_run_within_the_round_t
     assert grid.timeouts == [9.0]
 
 
+@pytest.mark.usefixtures("task_identity")
+def test_a_setup_exchange_hands_every_reply_to_the_server_and_one_without_a_request_sends_nothing() -> None:
+    done: list[Any] = []
+    server = SimpleNamespace(setup_request=lambda: {"ask": "labels"}, finish_setup=done.append,
+                             mark_setup_done=lambda: done.append("marked"))
+    grid = SetupGrid()
+    run_setup(server, grid, {2: 1002, 0: 1000}, 9.0)  # type: ignore[arg-type]  # client 1 (whose node fails) is not in
+    [replies] = done
+    assert [(r.client_id, r.message) for r in replies] == [(2, {"x": 1.0, "num_examples": 1}),
+                                                             (0, {"x": 1.0, "num_examples": 1})]
+    done.clear()
+    server.setup_request = lambda: None  # the method has no setup exchange, or it was done before a resume
+    run_setup(server, grid, {0: 1000}, 9.0)  # type: ignore[arg-type]
+    assert done == ["marked"] and grid.timeouts == [9.0]  # nothing sent the second time
+
+
 class RecordingGrid(LoopbackGrid):
     """A LoopbackGrid that records each non-empty send: its message type, timeout and messages."""
 
@@ -162,6 +238,72 @@ def test_the_server_sends_each_round_once_with_its_number_commit_and_the_round_t
         routes = [(m.metadata.dst_node_id, dict(m.content.config_records[ROUTE]), get_message(m.content)["round"])
                   for m in msgs]  # round r tells each node that its round r-1 reply was folded in
         assert routes == [(1000 + c, {"client-id": c, "commit-round": r - 1}, r) for c in range(4)]
+
+
+class ScriptedServer:
+    """A feddg Server resumed after round 2 of 5 that sends clients 0 and 1 each round, accepts every reply it
+    receives and rolls back round 4; it records the rounds it configures and finishes and each round's fold."""
+
+    def __init__(self) -> None:
+        self.round, self.rounds = 2, 5
+        self.fed = SimpleNamespace(cfg=SimpleNamespace(flower=SimpleNamespace(round_timeout_s=5.0)))
+        self.configured: list[int] = []
+        self.finished: list[int] = []
+        self.folds: list[SimpleNamespace] = []
+
+    def configure(self, round: int) -> dict[int, dict[str, int]]:
+        self.configured.append(round)
+        return {0: {"round": round}, 1: {"round": round}}
+
+    def start_round(self, sent: dict[int, Any]) -> SimpleNamespace:
+        fold = SimpleNamespace(accepted=[], failed={})
+        self.folds.append(fold)
+        return fold
+
+    def fail(self, fold: SimpleNamespace, cid: int, why: str) -> None:
+        fold.failed[cid] = why
+
+    def receive(self, fold: SimpleNamespace, reply: Any) -> None:
+        fold.accepted.append(reply.client_id)
+
+    def finish_round(self, round: int, fold: SimpleNamespace, timings: dict[str, float]) -> dict[str, Any]:
+        self.finished.append(round)
+        return {"round": round, "rolled_back": round == 4}
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_strategy_numbers_resumed_rounds_and_commits_only_accepted_replies_of_kept_rounds() -> None:
+    server = ScriptedServer()
+    strategy = FeddgStrategy(server, {0: 1000, 1: 1001})  # type: ignore[arg-type]
+    commits, metrics = [], []
+    for flower_round in (1, 2, 3):  # feddg rounds 3, 4 (rolled back), 5
+        out = list(strategy.configure_train(flower_round, ArrayRecord(), ConfigRecord(), None))  # type: ignore[arg-type]
+        commits.append([m.content.config_records[ROUTE]["commit-round"] for m in out])
+        for m in out:
+            m.metadata.__dict__["_message_id"] = uuid4().hex
+        replies = [answer(out[0], 0.0), Message(Error(code=0, reason="died"), reply_to=out[1]) if flower_round == 1
+                   else answer(out[1], 1.0)]  # client 1's round-3 reply is an error
+        metrics.append(dict(strategy.aggregate_train(flower_round, replies)[1]))  # type: ignore[arg-type]
+    assert server.configured == server.finished == [3, 4, 5]
+    assert [(f.accepted, f.failed) for f in server.folds] == [([0], {1: "node 1001: died"}), ([0, 1], {}), ([0, 1], {})]
+    assert commits == [[0, 0], [3, 0], [3, 0]]  # round 4 was rolled back: round 5 still commits round 3 only
+    assert metrics == [{"round": 3, "rolled_back": 0}, {"round": 4, "rolled_back": 1}, {"round": 5, "rolled_back": 0}]
+
+
+@pytest.mark.parametrize(("done", "starts"), [(2, [(3, 7.0)]), (5, [])])
+def test_a_resumed_run_on_a_grid_starts_only_its_remaining_rounds(monkeypatch: pytest.MonkeyPatch, done: int,
+                                                                  starts: list[tuple[int, float]]) -> None:
+    flower = SimpleNamespace(node_wait_s=30.0, round_timeout_s=7.0, secure_aggregation=None)
+    cfg = SimpleNamespace(flower=flower, federation=SimpleNamespace(threads="auto"))
+    server = SimpleNamespace(fed=SimpleNamespace(cfg=cfg, device=torch.device("cpu")), round=done, rounds=5,
+                             write_results=lambda: {"done": True})
+    started: list[tuple[int, float]] = []
+    monkeypatch.setattr(flower_server, "discover_clients", lambda grid, server, wait_s: {0: 1000})
+    monkeypatch.setattr(flower_server, "run_setup", lambda server, grid, nodes, timeout: None)
+    monkeypatch.setattr(FeddgStrategy, "start", lambda self, grid, arrays, num_rounds, timeout:
+                        started.append((num_rounds, timeout)))
+    assert run_on_grid(server, None) == {"done": True}  # type: ignore[arg-type]
+    assert started == starts  # rounds 3..5 of 5 after round 2; nothing once round 5 is done
 
 
 # --- the ClientApp -----------------------------------------------------------------------------

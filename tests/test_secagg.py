@@ -14,6 +14,7 @@ from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, Key
 from flwr.serverapp import Grid
 from test_flower import LoopbackGrid, server_config_text, toy_config, toy_federation_of
 
@@ -229,10 +230,11 @@ def test_a_secure_round_folds_the_workflows_mean_and_fails_the_client_without_a_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a stand-in for Flower's workflow: it sends FitIns through the strategy and returns the mean (half the sent
     # weights) for clients 0, 1, 2 only, with their counts and losses in the clear
-    server = Server(toy_federation_of(toy_config(*SECURE, "federation.rounds=1")), tmp_path / "run")
+    server = Server(toy_federation_of(toy_config(*SECURE, "federation.rounds=1", "flower.round_timeout_s=7")),
+                    tmp_path / "run")
     clients = server.fed.clients
     clients[1] = replace(clients[1], train_idx=clients[1].train_idx[:20])  # the largest client holds 54, not all
-    max_weights: list[float] = []
+    settings: list[tuple[SecAggPlusConfig, float, float]] = []
 
     def fake_workflow(grid: Grid, context: LegacyContext) -> None:
         strategy = cast(secagg_server.SecureRound, context.strategy)
@@ -244,14 +246,15 @@ def test_a_secure_round_folds_the_workflows_mean_and_fails_the_client_without_a_
         strategy.aggregate_fit(1, results, [])
 
     def workflow(cfg: SecAggPlusConfig, max_weight: float, timeout: float) -> Callable[[Grid, LegacyContext], None]:
-        max_weights.append(max_weight)
+        settings.append((cfg, max_weight, timeout))
         return fake_workflow
 
     monkeypatch.setattr(secagg_server, "workflow", workflow)
     sent = {k: v.copy() for k, v in server.state["weights"].items()}
     rows: list[dict] = []
     secagg_server.run_secure_rounds(server, cast(Grid, None), NODES, rows.append)
-    assert max_weights == [54.0]
+    (cfg, max_weight, timeout), = settings  # one workflow for the run: the run's flower.* settings
+    assert cfg is server.fed.cfg.flower.secaggplus and (max_weight, timeout) == (54.0, 7.0)
     assert rows[0]["clients"] == 3 and rows[0]["clients_failed_reasons"] == {
         "3": "no masked reply (secure aggregation)"}
     assert rows[0]["train_loss"] == pytest.approx((10 * 1.0 + 20 * 2.0 + 30 * 3.0) / 60)
@@ -259,9 +262,68 @@ def test_a_secure_round_folds_the_workflows_mean_and_fails_the_client_without_a_
         np.testing.assert_array_equal(server.state["weights"][k], v * 0.5 if v.dtype.kind == "f" else v, err_msg=k)
 
 
+def scaled_workflow(scales: dict[int, float], replied: dict[int, int], seen: list[tuple[int, dict[int, int]]]
+                    ) -> Callable[[Grid, LegacyContext], None]:
+    """A stand-in for Flower's workflow: in round r, the mean ``scales[r]`` x the sent weights for the first
+    ``replied[r]`` clients (10 examples, loss 1 each; none: the workflow halted); ``seen`` gets each round's number
+    and the commit round each client's FitIns routes."""
+
+    def fake_workflow(grid: Grid, context: LegacyContext) -> None:
+        strategy = cast(secagg_server.SecureRound, context.strategy)
+        round = int(cast(int, context.state.config_records[MAIN_CONFIGS_RECORD][Key.CURRENT_ROUND]))
+        fitins = strategy.configure_fit(round, Parameters([], ""), SimpleClientManager())
+        routes = [from_fitins(compat.fitins_to_recorddict(ins, True))[1] for _, ins in fitins]
+        seen.append((round, {r["client-id"]: r["commit-round"] for r in routes}))
+        if replied.get(round, 0) == 0:
+            return
+        sent = strategy.sent[0]
+        mean = ndarrays_to_parameters([np.asarray(sent[k]) * scales[round] for k in summed_keys(sent)])
+        strategy.aggregate_fit(round, [(proxy, FitRes(Status(Code.OK, ""), mean, 10, {"train_loss": 1.0}))
+                                       for proxy, _ in fitins[:replied[round]]], [])
+
+    return fake_workflow
+
+
+def test_a_secure_round_routes_each_client_the_last_round_it_committed(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # round 1: client 3 sends no masked reply; round 2: the mean x 8 explodes the holdout loss (within the update
+    # norm bound, 10 x round 1's), so the round is rolled back; round 3: all four reply
+    server = Server(toy_federation_of(toy_config(*SECURE, "federation.rollback_loss_factor=2")), tmp_path / "run")
+    seen: list[tuple[int, dict[int, int]]] = []
+    fake = scaled_workflow({1: 0.5, 2: 8.0, 3: 0.5}, {1: 3, 2: 4, 3: 4}, seen)
+    monkeypatch.setattr(secagg_server, "workflow", lambda cfg, max_weight, timeout: fake)
+    rows: list[dict] = []
+    secagg_server.run_secure_rounds(server, cast(Grid, None), NODES, rows.append)
+    assert [r.get("rolled_back", False) for r in rows] == [False, True, False]
+    # nothing committed before round 1; client 3's dropped round-1 reply and round 2's rolled-back replies never are
+    assert seen == [(1, {0: 0, 1: 0, 2: 0, 3: 0}), (2, {0: 1, 1: 1, 2: 1, 3: 0}), (3, {0: 1, 1: 1, 2: 1, 3: 0})]
+
+
+def test_a_resumed_secure_run_goes_on_from_the_round_after_its_checkpoint(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = toy_config(*SECURE, "federation.checkpoint_every=1")
+    seen: list[tuple[int, dict[int, int]]] = []
+    fake = scaled_workflow(dict.fromkeys([1, 2, 3], 0.5), dict.fromkeys([1, 2, 3], 4), seen)
+    monkeypatch.setattr(secagg_server, "workflow", lambda cfg, max_weight, timeout: fake)
+
+    def stop_after_1(row: dict) -> None:
+        if row["round"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        secagg_server.run_secure_rounds(Server(toy_federation_of(cfg), tmp_path / "run"), cast(Grid, None), NODES,
+                                        stop_after_1)
+    resumed = Server(toy_federation_of(cfg), tmp_path / "run", resume=True)
+    secagg_server.run_secure_rounds(resumed, cast(Grid, None), NODES)
+    assert [r for r, _ in seen] == [1, 2, 3] and [r["round"] for r in resumed.metrics] == [1, 2, 3]
+
+
 def test_a_secure_round_whose_workflow_halts_stops_the_run_in_one_line(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # round 1 aggregates; round 2's workflow halts: round 1's results do not stand for round 2's
     server = Server(toy_federation_of(toy_config(*SECURE, "flower.round_timeout_s=5")), tmp_path / "run")
-    monkeypatch.setattr(secagg_server, "workflow", lambda cfg, max_weight, timeout: lambda grid, context: None)
-    with pytest.raises(RunStopped, match=r"^round 1: secure aggregation halted \(fewer than 2 clients, .* within 5 s\)"):
+    fake = scaled_workflow({1: 0.5}, {1: 4}, [])
+    monkeypatch.setattr(secagg_server, "workflow", lambda cfg, max_weight, timeout: fake)
+    with pytest.raises(RunStopped, match=r"^round 2: secure aggregation halted \(fewer than 2 clients, .* within 5 s\)"):
         secagg_server.run_secure_rounds(server, cast(Grid, None), NODES)
+    assert server.round == 1
