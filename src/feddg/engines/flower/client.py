@@ -82,12 +82,15 @@ def required_config(text: str) -> str:
 
 
 def fingerprint(fed: Federation) -> str:
-    """Hash of the config and every client's index arrays: equal iff two processes built the same federation."""
+    """Hash of the config, the dataset's size and every client's index arrays, each array's dtype and length before
+    its bytes (a sample moved from one array to the next changes it): equal iff two processes built the same
+    federation."""
     h = hashlib.sha256(dump_config(fed.cfg).encode())
     h.update(str(len(fed.dataset)).encode())
     for c in fed.clients:
-        h.update(c.train_idx.tobytes())
-        h.update(c.holdout_idx.tobytes())
+        for idx in (c.train_idx, c.holdout_idx):
+            h.update(f"{idx.dtype.str}{len(idx)}:".encode())
+            h.update(idx.tobytes())
     return h.hexdigest()
 
 
