@@ -93,8 +93,9 @@ def test_server_sends_per_layer_gamma_over_every_client_seen():
 
 def test_direct_fusion_sends_the_raw_variance():
     m = create_method("fedfa", {"variant": "direct", "lambda_h": 0.0})
-    s, _ = m.aggregate(_state(), [Reply(0, _reply([0, 0], [1, 1])), Reply(1, _reply([0, 2], [1, 1]))])
-    np.testing.assert_allclose(s["broadcast"]["ffa/1/var_mu"], [0.0, 1.0])
+    s, _ = m.aggregate(_state(), [Reply(0, _reply([0, 0], [1, 1])), Reply(1, _reply([0, 3], [2, 1]))])
+    np.testing.assert_allclose(s["broadcast"]["ffa/1/var_mu"], [0.0, 2.25])  # ((0 − 1.5)² + (3 − 1.5)²) / 2
+    np.testing.assert_allclose(s["broadcast"]["ffa/1/var_sigma"], [0.25, 0.0])
     assert "ffa/1/gamma_mu" not in s["broadcast"]
 
 
@@ -104,6 +105,20 @@ def test_global_histogram_is_the_average_of_the_client_histograms(weighting, exp
     replies = [Reply(0, _reply([0], [1], [[1.0, 0.0]], n=10)), Reply(1, _reply([0], [1], [[0.0, 1.0]], n=30))]
     s, _ = m.aggregate(_state(), replies)
     np.testing.assert_allclose(s["broadcast"]["hist/pi"], [expected], rtol=1e-6)
+
+
+def test_global_histogram_averages_the_latest_histogram_of_every_client_seen() -> None:
+    # docs/methods/fedfa.md item 14: round 2 hears clients 0 (new π) and 2; client 1 keeps its round-1 π
+    m = create_method("fedfa")
+    s, _ = m.aggregate(_state(), [Reply(0, _reply([0], [1], [[1.0, 0.0]])), Reply(1, _reply([0], [1], [[0.0, 1.0]]))])
+    s, _ = m.aggregate(s, [Reply(0, _reply([0], [1], [[0.0, 1.0]])), Reply(2, _reply([0], [1], [[1.0, 0.0]]))])
+    np.testing.assert_allclose(s["broadcast"]["hist/pi"], [[1 / 3, 2 / 3]], rtol=1e-6)
+
+
+def test_defaults_are_the_papers_values() -> None:
+    # FedFA §3.2 and Algorithm 2: p = 0.5, α = 0.99; §3.3 / §5: λ = 0.1, τ = 0.01, L = 8
+    p = create_method("fedfa").params
+    assert (p.variant, p.p, p.momentum, p.lambda_h, p.tau, p.bins) == ("full", 0.5, 0.99, 0.1, 0.01, 8)
 
 
 # --- the client half and the message contract ------------------------------------------------
@@ -254,7 +269,7 @@ def test_uploaded_histogram_is_eq11_over_all_of_the_clients_batches() -> None:
 def test_eq15_adds_lambda_times_the_alignment_loss_to_the_task_loss() -> None:
     """One plain SGD step on the client's data in one batch, FFA off (p=0): the reply's weights are
     ``w − η ∇(CE + λ·symKL(π_b, π))`` with π_b rebuilt by ``soft_histogram`` on the pooled ``bn`` features."""
-    lam, lr = 1.0, 0.1
+    lam, lr = 0.5, 0.1
     fed = _fed("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000", "method.params.p=0",
                f"method.params.lambda_h={lam}")
     torch.manual_seed(0)
@@ -275,6 +290,49 @@ def test_eq15_adds_lambda_times_the_alignment_loss_to_the_task_loss() -> None:
     for (name, p), gc, ga in zip(params.items(), g_ce, g_align, strict=True):
         np.testing.assert_allclose(reply["w/" + name], (p - lr * (gc + lam * ga)).detach().numpy(),
                                    rtol=1e-4, atol=2e-5)
+
+
+def test_prepare_model_gives_every_ffa_layer_the_configured_hyperparameters() -> None:
+    att = _fed("method.params.p=0.3", "method.params.momentum=0.7", "method.params.random_std=0.2",
+               "method.params.variant=random").model.fedfa
+    assert [(k, layer.variant, layer.p, layer.momentum, layer.random_std) for k, layer in att.items()] == [
+        (1, "random", 0.3, 0.7, 0.2), (2, "random", 0.3, 0.7, 0.2)]
+
+
+def test_client_update_continues_eq5_from_its_state_with_the_configured_momentum() -> None:
+    """lr 0, p 1, one batch of all 54 samples, one FFA layer after ``conv``: each statistic is
+    ``α·s̄₀ + (1 − α)·E_B[s]`` with ``s̄₀`` the client state and ``(μ, σ)`` of ``conv(x)`` by hand (eq. 2, σ² + 1e-6)."""
+    alpha = 0.7
+    fed = _fed("method.params.layers=[1]", "method.params.lambda_h=0", "method.params.p=1",
+               f"method.params.momentum={alpha}", "federation.batch_size=1000")
+    ctx = client_context(fed, 0, 1)
+    state = {"ffa/1/mu_bar": np.array([1.0, -2.0, 0.5, 3.0], np.float32),
+             "ffa/1/sigma_bar": np.array([2.0, 0.5, 4.0, 1.5], np.float32)}
+    msg = {**weights_of(fed.model), "lr": 0.0, "round": 2}
+    conv = fed.model.conv
+    with torch.no_grad():  # the functional conv: calling the module would run its FFA hook
+        h = F.conv2d(fed.dataset.x[ctx.train_idx], conv.weight, conv.bias, padding=1)
+    mu, sigma = h.mean(dim=(2, 3)), (h.var(dim=(2, 3), unbiased=False) + 1e-6).sqrt()
+    reply, new_state = fed.method.client_update(fed.model, msg, state, ctx)
+    for key, batch in (("mu_bar", mu), ("sigma_bar", sigma)):
+        expected = alpha * state[f"ffa/1/{key}"] + (1 - alpha) * batch.mean(0).numpy()
+        np.testing.assert_allclose(new_state[f"ffa/1/{key}"], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(reply[f"stat/1/{key}"], new_state[f"ffa/1/{key}"])
+
+
+@pytest.mark.parametrize("variant, tag", [("full", "gamma"), ("direct", "var")])
+def test_client_update_loads_the_servers_modulation_of_its_variant_and_forgets_it_after(variant: str, tag: str) -> None:
+    fed = _fed(f"method.params.variant={variant}", "method.params.lambda_h=0", "method.params.layers=[1]")
+    sent = {f"ffa/1/{tag}_mu": np.array([0.5, 1.0, 1.5, 1.0], np.float32),
+            f"ffa/1/{tag}_sigma": np.array([2.0, 1.0, 0.5, 0.5], np.float32)}
+    msg = {**weights_of(fed.model), **sent, "lr": 0.1, "round": 2}
+    fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 2))
+    (_, layer), = fed.model.fedfa.items()
+    np.testing.assert_array_equal(layer.modulation_mu.numpy(), sent[f"ffa/1/{tag}_mu"])
+    np.testing.assert_array_equal(layer.modulation_sigma.numpy(), sent[f"ffa/1/{tag}_sigma"])
+    # the model is shared by all clients: the next client without a modulation starts from none
+    fed.method.client_update(fed.model, {**weights_of(fed.model), "lr": 0.1, "round": 1}, {}, client_context(fed, 1, 1))
+    assert layer.modulation_mu is None and layer.modulation_sigma is None
 
 
 def test_bad_configs_fail_early():

@@ -2,17 +2,20 @@
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import finch
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from toy import toy_federation
 
-from feddg.algorithms import create_method, pardon
+from feddg.algorithms import Reply, create_method, pardon
 from feddg.algorithms.components.style import channel_moments, channel_stats
 from feddg.algorithms.pardon import (
+    PardonParams,
     client_style,
     interpolation_style,
     representation_reg,
@@ -23,6 +26,7 @@ from feddg.config import build_config
 from feddg.engines.inprocess import run_inprocess, run_round, run_setup
 from feddg.federation.client import client_context
 from feddg.federation.server import Server
+from feddg.messages import weights_of
 from feddg.sweep import _cells, load_sweep
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "pardon").glob("*.yaml"))
@@ -53,6 +57,38 @@ def test_global_style_is_the_elementwise_median_of_the_cluster_styles():
         cluster_means = [means[c[:, col] == k].mean(0) for k in np.unique(c[:, col])]
         got, _, n_clusters = interpolation_style(means, stds, "finch-median", level)
         assert n_clusters == num[col] and np.allclose(got, np.median(cluster_means, axis=0))
+
+
+def test_server_setup_takes_every_replys_style_through_eqs_3_to_5() -> None:
+    """40 random client styles with two FINCH levels: ``S_g`` is the median of the finest-partition cluster means
+    of μ and of σ (rebuilt from ``finch.FINCH``); v2 (``global_style=average``) is the plain mean of the replies."""
+    rng = np.random.default_rng(1)
+    means, stds = rng.normal(size=(40, 2)), rng.random((40, 2)) + 0.5
+    replies = [Reply(k, {"style/mean": means[k].astype(np.float32), "style/std": stds[k].astype(np.float32)})
+               for k in range(40)]
+    c, num, _ = finch.FINCH(np.concatenate([means, stds], 1).astype(np.float32), distance="cosine",
+                            ensure_early_exit=False)
+    assert num[0] > num[-1]
+    finest = c[:, 0]
+
+    def median_of_cluster_means(v: np.ndarray) -> np.ndarray:
+        return np.median([v[finest == k].mean(0) for k in np.unique(finest)], axis=0)
+
+    state = create_method("pardon").server_setup({"weights": {}}, replies)  # the defaults: finch-median, finest
+    assert state["style_clusters"] == num[0]
+    np.testing.assert_allclose(state["style"][0], median_of_cluster_means(means), rtol=1e-5)
+    np.testing.assert_allclose(state["style"][1], median_of_cluster_means(stds), rtol=1e-5)
+    v2 = create_method("pardon", {"global_style": "average"}).server_setup({"weights": {}}, replies)
+    np.testing.assert_allclose(v2["style"][0], means.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(v2["style"][1], stds.mean(0), rtol=1e-5)
+
+
+def test_defaults_are_the_authors_values() -> None:
+    # docs/methods/pardon.md: α = 0.5, λ_t = 0.75, m = 0.3, λ_r = 0.2, FINCH coarsest (eq. 1) / finest (eq. 3), v5
+    p = PardonParams()
+    assert (p.alpha, p.triplet_weight, p.margin, p.reg_weight) == (0.5, 0.75, 0.3, 0.2)
+    assert (p.local_style, p.global_style, p.global_partition, p.objective) == (
+        "finch", "finch-median", "finest", "triplet")
 
 
 def test_client_style_averages_cluster_styles():
@@ -145,6 +181,43 @@ def test_loss_weights_come_from_the_config(monkeypatch):
     assert mean_loss("method.params.triplet_weight=0.5", "method.params.reg_weight=0.01") - base == pytest.approx(
         0.5 + 0.1, abs=1e-5)
     assert build_config({}, ["method.name=pardon", "method.params.margin=0.7"]).method.params == {"margin": 0.7}
+
+
+def test_client_loss_is_eq9_on_the_stylised_batch_value_and_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss that client training minimises against eq. 9 rebuilt from torch primitives: ``x̃ = α·AdaIN(x, S_g)
+    + (1 − α)·x`` per sample and channel, ``CE(h(f)) + λ_t·mean_i(‖a_i − p_i‖ − ‖a_i − n_i‖ + m) + λ_r·mean(f² + f̃²)``
+    with ``a = f``, ``p = f̃``, ``n = f̃_j``. Batch ``(x₀, x₀, x₁)`` of classes ``(0, 0, 1)``: every anchor's negative
+    is determined (2, 2, and 0 or its copy 1); a margin above √2 keeps every hinge open. The gradient flows through
+    both ``f`` and ``f̃``."""
+    captured: dict[str, Callable[..., torch.Tensor]] = {}
+
+    def capture(model: torch.nn.Module, ctx: object, lr: float, loss_fn: Callable[..., torch.Tensor]) -> float:
+        captured["loss_fn"] = loss_fn
+        return 0.0
+
+    monkeypatch.setattr(pardon, "train_local", capture)
+    lam_t, lam_r, margin, alpha, s_mean, s_std = 2.0, 0.3, 1.5, 0.75, 0.7, 3.0
+    fed = toy_federation("method.name=pardon", "method.params.style_path=pixel", f"method.params.alpha={alpha}",
+                         f"method.params.triplet_weight={lam_t}", f"method.params.reg_weight={lam_r}",
+                         f"method.params.margin={margin}")
+    msg = {**weights_of(fed.model), "style/mean": np.array([s_mean], np.float32),
+           "style/std": np.array([s_std], np.float32), "lr": 0.1, "round": 1}
+    fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    model = fed.model.eval()
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 1, 6, 6)[[0, 0, 1]], torch.tensor([0, 0, 1])
+    loss = captured["loss_fn"](model, x, y)
+    mu = x.mean(dim=(2, 3), keepdim=True)
+    sd = (x.var(dim=(2, 3), unbiased=False, keepdim=True) + 1e-5).sqrt()
+    x_tilde = alpha * ((x - mu) / sd * s_std + s_mean) + (1 - alpha) * x
+    f, f_tilde = model.features(x), model.features(x_tilde)
+    a, p = F.normalize(f, dim=1), F.normalize(f_tilde, dim=1)
+    triplet = ((a - p).norm(dim=1) - (a - p[[2, 2, 0]]).norm(dim=1) + margin).mean()
+    expected = F.cross_entropy(model.classifier(f), y) + lam_t * triplet + lam_r * (f.pow(2) + f_tilde.pow(2)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    params = list(model.parameters())
+    for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(expected, params), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- engine
