@@ -113,20 +113,31 @@ def test_ema_embeddings_false_smooths_theta_only():
 
 
 def test_polyak_ema_trains_raw_theta_and_evaluates_the_smoothed_one():
-    fed, state, replies = _state_and_replies("method.params.ema_mode=polyak", "method.params.ema_warmup=1")
-    raw = create_method("hfedf", {"ema": False})
+    over = ("method.params.ema_mode=polyak", "method.params.ema_warmup=1", "method.params.ema_alpha=0.8",
+            "method.params.server_lr=0.1")  # large steps: ν_EMA and ν differ visibly in the generated weights
+    fed, state, replies = _state_and_replies(*over)
+    raw = create_method("hfedf", {"ema": False, "server_lr": 0.1})
     s_poly, s_raw = copy.deepcopy(state), copy.deepcopy(state)
+    raw_thetas = []  # θ after the steps of rounds t = 0, 1, 2
     for _ in range(3):
         s_poly, _ = fed.method.aggregate(s_poly, replies)
         s_raw, _ = raw.aggregate(s_raw, replies)
+        raw_thetas.append(_theta(s_raw))
     assert torch.equal(_theta(s_poly), _theta(s_raw))  # the optimiser's θ is not overwritten
     shadow = s_poly["ema_shadow"]
     assert set(shadow) == {n for n, _ in s_poly["hnet"].named_parameters()}  # θ and ν, by name
     theta_ema = torch.cat([shadow[n].flatten() for n in s_poly["hnet"].theta_names()])
     assert not torch.allclose(theta_ema, _theta(s_raw))
-    ev = fed.method.eval_weights(s_poly, 0)
-    gen = raw.eval_weights(s_raw, 0)
-    assert any(not np.allclose(ev[k], gen[k]) for k in ev)
+    # Alg. 4 by hand: t = w = 1 sets θ_EMA ← θ^(1); t = 2: θ_EMA ← α θ^(2) + (1 − α) θ_EMA
+    assert torch.allclose(theta_ema, 0.8 * raw_thetas[2] + 0.2 * raw_thetas[1], atol=1e-7)
+    # evaluation generates from θ_EMA and ν_EMA: client 0 from ν_EMA[0], the global model from their mean
+    nu_ema = shadow["embeddings.weight"]
+    for cid, emb in ((0, nu_ema[0]), (None, nu_ema.mean(0))):
+        with torch.no_grad():
+            phi = torch.func.functional_call(s_poly["hnet"], shadow, (emb,))
+        ev = fed.method.eval_weights(s_poly, cid)
+        assert all(np.allclose(ev[f"w/{n}"], t.numpy(), rtol=0, atol=1e-7) for n, t in phi.items())
+        assert not np.allclose(ev["w/fc.weight"], raw.eval_weights(s_raw, cid)["w/fc.weight"])
 
 
 # --------------------------------------------------------- the round: VJP, sign, GradAlign
@@ -175,19 +186,27 @@ def test_the_server_step_descends_and_the_literal_box_sign_would_ascend():
     assert _client_loss(fed, method, up, 0) > base + 0.01
 
 
-@pytest.mark.parametrize("align", [True, False])
-def test_aggregate_is_one_step_along_the_gradalign_weighted_vjps(align):
+def _softmax_of_cosines_to_the_mean(grads: list[torch.Tensor], sign: float) -> torch.Tensor:
+    """Algorithm 3 rebuilt from primitives: softmax(sign · cos(g_avg, g_i))."""
+    mean = torch.stack(grads).mean(0)
+    cos = torch.stack([F.cosine_similarity(g.double(), mean.double(), dim=0) for g in grads])
+    return torch.softmax(sign * cos, 0)
+
+
+@pytest.mark.parametrize(("align", "sign"), [(True, "box"), (True, "main_text"), (False, "box")])
+def test_aggregate_is_one_step_along_the_gradalign_weighted_vjps(align: bool, sign: str) -> None:
     lr = 0.05
     fed, state, replies = _state_and_replies(*SGD, f"method.params.server_lr={lr}", f"method.params.gradalign={align}",
-                                             "method.params.ema=false", clients=3)
+                                             "method.params.ema=false", f"method.params.gradalign_sign={sign}",
+                                             clients=3)
     hnet = state["hnet"]
     vjps = [hypernetwork_vjp(hnet, r.client_id, {n: -torch.from_numpy(r.message[DELTA_PREFIX + n])
                                                    for n in hnet.names}) for r in replies]
     g_theta = [torch.cat([g.flatten() for g in v[0]]) for v in vjps]
     g_nu = [v[1].flatten() for v in vjps]
-    if align:
-        w_theta, _ = gradalign(g_theta)
-        w_nu, _ = gradalign(g_nu)
+    if align:  # box: softmax(+cos) (Alg. 3); main_text: softmax(−cos) (§4.2)
+        w_theta = _softmax_of_cosines_to_the_mean(g_theta, 1.0 if sign == "box" else -1.0)
+        w_nu = _softmax_of_cosines_to_the_mean(g_nu, 1.0 if sign == "box" else -1.0)
         assert not np.allclose(w_theta.numpy(), 1 / 3)
     else:
         w_theta = w_nu = torch.full((3,), 1 / 3, dtype=torch.float64)
@@ -199,6 +218,24 @@ def test_aggregate_is_one_step_along_the_gradalign_weighted_vjps(align):
     assert torch.allclose(new["hnet"].embeddings.weight.detach().flatten(), expect_nu, atol=1e-6)
     if align:
         assert np.allclose([metrics[f"gradalign_theta/{c}"] for c in range(3)], w_theta.numpy())
+
+
+@pytest.mark.parametrize(("optimizer", "lr", "wd"), [("adam", 0.01, 1e-3), ("sgd", 0.1, 0.5)])
+def test_the_server_step_adds_the_weight_decay_to_the_gradient(optimizer: str, lr: float, wd: float) -> None:
+    """Table 10's weight decay reaches the server optimiser (coupled, L2): ĝ = g + λθ; Adam's first step is
+    θ − lr·ĝ/(|ĝ| + ε), SGD's θ − lr·ĝ."""
+    fed, state, replies = _state_and_replies("method.params.gradalign=false", "method.params.ema=false",
+                                             f"method.params.server_optimizer={optimizer}",
+                                             f"method.params.server_lr={lr}", f"method.params.server_weight_decay={wd}")
+    hnet = state["hnet"]
+    vjps = [hypernetwork_vjp(hnet, r.client_id, {n: -torch.from_numpy(r.message[DELTA_PREFIX + n])
+                                                   for n in hnet.names})[0] for r in replies]
+    g = sum(torch.cat([t.flatten() for t in v]) for v in vjps) / len(vjps)  # no GradAlign: the plain mean
+    theta = _theta(state)
+    g_hat = g + wd * theta
+    new, _ = fed.method.aggregate(copy.deepcopy(state), replies)
+    step = g_hat / (g_hat.abs() + 1e-8) if optimizer == "adam" else g_hat
+    assert torch.allclose(_theta(new), theta - lr * step, atol=1e-6)
 
 
 def test_pfedhn_is_the_same_hypernetwork_without_gradalign_and_ema():

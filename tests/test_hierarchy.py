@@ -14,7 +14,7 @@ from feddg.algorithms.base import ClientContext, OptimSettings, Reply
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.feddg_ga import WEIGHT as GA_WEIGHT
 from feddg.algorithms.feddg_ga import FedDGGA
-from feddg.algorithms.hfedatm import GRAM_FLAG, GramRecorder, HFedATMParams, update_with_grams
+from feddg.algorithms.hfedatm import GRAM_FLAG, GramRecorder, HFedATMParams, station_grams, update_with_grams
 from feddg.config import ConfigError, build_config
 from feddg.data.partition import make_partition
 from feddg.engines.inprocess import run_inprocess, run_round
@@ -233,6 +233,41 @@ def test_a_second_forward_of_the_same_batch_is_not_counted_twice():
         model(x)
         model(x)
     torch.testing.assert_close(rec.grams()["fc1"], x.double().T @ x.double())
+
+
+def test_dp_grams_are_of_each_samples_input_clipped_to_the_clip_norm() -> None:
+    """At ε = 1000 the noise is σ ≈ 0.006: the Gram is Σ_i x̂_i x̂_iᵀ with x̂_i = x_i · min(1, C/‖x_i‖), by hand."""
+    torch.manual_seed(0)
+    model, ctx = _NoBN(), _ctx(epochs=1)
+    params = HFedATMParams(dp_epsilon=1000.0, gram_pass="after", dp_clip=0.5)
+    msg = {**weights_of(model), "lr": 0.0, "round": 1, GRAM_FLAG: 1}  # lr 0: the sent weights are the initial ones
+    reply, _ = update_with_grams(FedAvg(), model, msg, {}, ctx, params)
+    x = ctx.dataset.x[torch.from_numpy(ctx.train_idx)].flatten(1).double()
+    clipped = x * (0.5 / x.norm(dim=1, keepdim=True)).clamp(max=1.0)
+    assert (x.norm(dim=1) > 0.5).all()  # every sample is clipped: without it the Gram would be far larger
+    sigma = params.dp_sigma()
+    assert sigma is not None
+    np.testing.assert_allclose(reply["gram/fc1"], (clipped.T @ clipped).numpy(), atol=8 * sigma)
+
+
+# --- station: eqs. 9–10 ---------------------------------------------------------------------
+
+
+def test_station_grams_are_the_clients_mean_shrunk_by_alpha_for_the_layers_every_client_sent() -> None:
+    a, b = np.array([[2.0, 1.0], [1.0, 4.0]]), np.array([[4.0, 3.0], [3.0, 2.0]])
+    out = station_grams([{"fc": a, "head": np.eye(2)}, {"fc": b}], HFedATMParams(alpha=0.5))
+    assert set(out) == {"fc"}  # "head" is missing at one client
+    # eq. 9: mean [[3, 2], [2, 3]]; eq. 10 with α = 0.5: off-diagonal halved
+    np.testing.assert_allclose(out["fc"], [[3.0, 1.0], [1.0, 3.0]])
+
+
+def test_station_grams_under_dp_are_projected_onto_the_psd_cone_before_shrinking() -> None:
+    q0, q1 = np.array([0.6, 0.8]), np.array([-0.8, 0.6])  # orthonormal eigenvectors
+    noisy = 2.0 * np.outer(q0, q0) - np.outer(q1, q1)  # eigenvalues 2, −1: indefinite, as noise can make it
+    params = HFedATMParams(alpha=0.5, dp_epsilon=1.0, gram_pass="after")
+    out = station_grams([{"fc": noisy}, {"fc": noisy}], params)
+    # projected: 2 q0 q0ᵀ = [[0.72, 0.96], [0.96, 1.28]]; then eq. 10 with α = 0.5
+    np.testing.assert_allclose(out["fc"], [[0.72, 0.48], [0.48, 1.28]], atol=1e-12)
 
 
 # --- privacy audit: what leaves a client ----------------------------------------------------

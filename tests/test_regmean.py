@@ -106,3 +106,18 @@ def test_the_singularity_test_ignores_how_the_inputs_are_scaled():
     assert not res.fallback and res.cond > 1e12
     expected = np.linalg.solve(sum(grams), sum(g @ w.T for g, w in zip(grams, ws))).T
     np.testing.assert_allclose(res.weight, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("margin", "falls_back"), [(0.75, True), (1.25, False)])
+def test_the_singularity_threshold_is_m_times_float32_eps_at_unit_diagonal(margin: float, falls_back: bool) -> None:
+    # m = 2 inputs, G = [[1, c], [c, 1]] has eigenvalues 1 ± c: the least is margin · 2ε₃₂ below/above the threshold
+    eps = float(np.finfo(np.float32).eps)
+    c = 1.0 - margin * 2 * eps
+    g = np.array([[1.0, c], [c, 1.0]])
+    ws = [np.array([[1.0, 2.0]]), np.array([[3.0, -1.0]])]
+    res = regmean(ws, [g, g], [1, 3])
+    assert res.fallback == falls_back
+    if falls_back:
+        np.testing.assert_allclose(res.weight, (ws[0] + 3 * ws[1]) / 4)
+    else:  # equal Grams: W = (2G)^{-1} G (W_1 + W_2)ᵀ = the plain mean
+        np.testing.assert_allclose(res.weight, (ws[0] + ws[1]) / 2, rtol=1e-6)
