@@ -73,3 +73,9 @@ def test_client_sends_its_weights_and_the_signs_of_its_update():
         assert reply[SIGN_PREFIX + n].dtype == np.int8
         np.testing.assert_array_equal(reply[SIGN_PREFIX + n], np.sign(reply["w/" + n] - msg["w/" + n]))
     assert state == {}
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    """τ = 0.4, η_s = 1 and the paper's soft mask (docs/methods/fedgma.md)."""
+    p = FedGMAParams()
+    assert (p.threshold, p.server_lr, p.mask) == (0.4, 1.0, "paper")

@@ -133,3 +133,43 @@ def test_a_client_steps_on_the_loss_plus_its_distance_to_a_nonzero_mean_gradient
         return ce + gamma * sum(((g - m) ** 2).sum() for g, m in zip(head_grads, mean.values(), strict=True))
 
     assert_reply_is_sgd_steps(reply, msg, model, loss, lr, steps=2)
+
+
+def test_a_client_sends_the_classifier_gradients_at_the_model_it_received_not_the_trained_one() -> None:
+    """The reply's ``grad/`` is Σ over the client's batches of ∇_classifier CE at the received weights (before
+    training, in order, train mode), rebuilt here with plain autograd on a copy of the received model."""
+    fed = toy_federation()
+    model, ctx = copy.deepcopy(fed.model), client_context(fed, 0, 1)
+    msg = {**weights_of(fed.model), **FedIIR().client_config(FedIIR().server_init(fed.model, None), 0, 1),
+           "lr": 0.1, "round": 1}
+    reply, _ = FedIIR(FedIIRParams(penalty=1.0)).client_update(fed.model, msg, {}, ctx)
+    assert float(np.abs(reply["w/classifier.weight"] - msg["w/classifier.weight"]).max()) > 1e-3  # it trained
+    params = list(model.classifier.parameters())
+    expected = [torch.zeros_like(p) for p in params]
+    model.train()
+    batches = 0
+    for x, y in ctx.batches(shuffle=False, train=False):
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+        expected = [e + g for e, g in zip(expected, grads, strict=True)]
+        batches += 1
+    assert reply[BATCHES] == batches > 1
+    np.testing.assert_allclose(reply[GRAD_PREFIX + "weight"], expected[0].numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(reply[GRAD_PREFIX + "bias"], expected[1].numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_round_without_any_client_batch_leaves_the_mean_gradient_unchanged() -> None:
+    """Σ_k batches_k = 0: no gradient to fold (0/0), so ``ḡ`` stays; the weights are still FedAvg's."""
+    old = {"weight": np.full((2, 3), 0.5, np.float32), "bias": np.ones(2, np.float32)}
+    state = {"weights": {"w/a": np.zeros(1, np.float32)}, "grad_mean": old}
+    replies = [Reply(k, {"w/a": np.full(1, 2.0, np.float32), "num_examples": 1, GRAD_PREFIX + "weight": np.zeros((2, 3)),
+                         GRAD_PREFIX + "bias": np.zeros(2), BATCHES: 0}) for k in range(2)]
+    new, _ = FedIIR(FedIIRParams(ema=0.9)).aggregate(state, replies)
+    np.testing.assert_array_equal(new["grad_mean"]["weight"], 0.5)
+    np.testing.assert_array_equal(new["grad_mean"]["bias"], 1.0)
+    np.testing.assert_allclose(new["weights"]["w/a"], 2.0)
+
+
+def test_defaults_are_the_official_codes() -> None:
+    """γ = 1e-3 (the code's default for PACS), β = 0.95, and the one linear classifier (docs/methods/fediir.md)."""
+    p = FedIIRParams()
+    assert (p.penalty, p.ema, p.penalised) == (1e-3, 0.95, "last_linear")

@@ -120,6 +120,23 @@ def test_without_image_weighting_at_large_temperature_it_is_hfedavg_by_volume():
             assert reply[WEIGHT] == pytest.approx(len(fed.clients[c].train_idx))
 
 
+def test_without_image_weighting_each_image_counts_one_at_the_default_temperature() -> None:
+    """``image_weighting: false``: ``ñ_i = n_i`` (at τ = 1, where image weighting gives ``ñ_i < n_i``), and the edge
+    weight is ``n_i exp(−D_B(N_i, N_j))`` with ``N_j`` the station's Gaussian sent to the client."""
+    fed = toy_federation(*HIER)
+    method = FedRC(FedRCParams(image_weighting=False))
+    state, replies, cstates = _setup(fed, method)
+    for r in replies:
+        c = r.client_id
+        n = len(fed.clients[c].train_idx)
+        assert r.message[N_EFF] == n
+        msg = {**fed.topology.client_config(method, state, c, 1), "lr": 0.0, "round": 1}
+        station = state["stations"][fed.topology.station_of(c)]
+        reply, _ = method.client_update(fed.model, msg, cstates[c], client_context(fed, c, 1))
+        distance = bhattacharyya(r.message[MEAN], r.message[VAR], station["station_mean"], station["station_var"])
+        assert distance > 0 and reply[WEIGHT] == pytest.approx(n * math.exp(-distance), rel=1e-9)
+
+
 def test_runs_end_to_end_and_refuses_a_flat_federation(tmp_path):
     from feddg.federation.setup import check_topology
 

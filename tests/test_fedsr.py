@@ -58,6 +58,11 @@ def test_features_sample_in_training_and_return_the_mean_in_eval():
     torch.testing.assert_close(net.features(x), mu)
     net.train()
     assert not torch.allclose(net.features(x), net.features(x))
+    torch.manual_seed(1)  # a draw z = μ + σ ε, with μ, σ of training mode (batch statistics in BatchNorm)
+    drawn = net.features(x)
+    mu, sigma = net.distribution(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(drawn, mu + sigma * torch.randn(mu.shape))
 
 
 def test_prediction_averages_softmax_over_monte_carlo_draws():
@@ -91,13 +96,15 @@ def test_client_update_keeps_the_reference_local_and_sends_only_declared_keys():
     assert reply["l2r"] > 0 and reply["cmi"] > 0
 
 
-@pytest.mark.parametrize(("l2r", "cmi"), [(1.0, 0.0), (0.0, 0.5), (0.3, 0.2)])
+@pytest.mark.parametrize(("l2r", "cmi", "given"), [(1.0, 0.0, False), (0.0, 0.5, False), (0.3, 0.2, False),
+                                                  (0.3, 0.2, True)])
 def test_one_local_step_descends_ce_plus_l2r_plus_cmi_rebuilt_by_hand(
-    monkeypatch: pytest.MonkeyPatch, l2r: float, cmi: float
+    monkeypatch: pytest.MonkeyPatch, l2r: float, cmi: float, given: bool
 ) -> None:
     """One SGD step on one batch, z drawn from the same seed: the model's and the reference's new values are
     w − η∇[CE(classifier(z), y) + λ_L2R mean‖z‖ + λ_CMI mean KL(N(cμ, (cσ)²) ‖ N(r_μ[y], softplus(r_σ[y])²))], the
-    loss built here from the term functions; either weight alone moves the step (a dropped term fails)."""
+    loss built here from the term functions; either weight alone moves the step (a dropped term fails). ``given``: the
+    reference starts from the client's state (a later round), not from the first round's start."""
     fed = toy_federation("method.name=fedsr", f"method.params.l2r={l2r}", f"method.params.cmi={cmi}",
                          "optim.weight_decay=0")  # the first momentum step is the plain gradient step
     model, lr = fed.model, 0.1
@@ -106,12 +113,16 @@ def test_one_local_step_descends_ce_plus_l2r_plus_cmi_rebuilt_by_hand(
     hand = copy.deepcopy(model).train()
     assert isinstance(hand, FedSRNet)
     ctx = client_context(fed, 0, 1)
+    # the reference's first-round start: r_μ = 0, r_σ = 1 (before softplus), c = 1; or a state of a later round
+    g = torch.Generator().manual_seed(1)
+    start = ({"ref/mu": torch.randn(4, 16, generator=g), "ref/sigma": torch.rand(4, 16, generator=g) - 0.5,
+              "ref/scale": torch.tensor(1.3)} if given else
+             {"ref/mu": torch.zeros(4, 16), "ref/sigma": torch.ones(4, 16), "ref/scale": torch.ones(())})
     torch.manual_seed(3)
-    reply, state = fed.method.client_update(model, {**weights_of(model), "lr": lr, "round": 1}, {}, ctx)
+    reply, state = fed.method.client_update(model, {**weights_of(model), "lr": lr, "round": 1},
+                                            {k: v.numpy() for k, v in start.items()} if given else {}, ctx)
 
-    # the reference's first-round start: r_μ = 0, r_σ = 1 (before softplus), c = 1
-    r_mu, r_sigma = torch.zeros(4, 16, requires_grad=True), torch.ones(4, 16, requires_grad=True)
-    scale = torch.ones((), requires_grad=True)
+    r_mu, r_sigma, scale = (start[k].clone().requires_grad_() for k in ("ref/mu", "ref/sigma", "ref/scale"))
     torch.manual_seed(3)
     mu, sigma = hand.distribution(x)
     z = mu + sigma * torch.randn(mu.shape)
@@ -134,3 +145,9 @@ def test_the_wrapped_models_conv_stages_are_found_inside_it():
     assert conv_stages(wrapped) == [f"net.{n}" for n in conv_stages(net)] == ["net.conv.2", "net.conv.5"]
     modules = dict(wrapped.named_modules())
     assert all(modules[n] is dict(net.named_modules())[n.removeprefix("net.")] for n in conv_stages(wrapped))
+
+
+def test_defaults_are_the_official_codes() -> None:
+    """λ_L2R = 1e-2, λ_CMI = 5e-4 (FedSR's code defaults, docs/methods/fedsr.md) and 20 test-time draws."""
+    p = FedSRParams()
+    assert (p.l2r, p.cmi, p.num_samples, p.z_dim) == (1e-2, 5e-4, 20, None)

@@ -114,6 +114,23 @@ def test_a_client_that_missed_the_last_station_round_keeps_its_correction():
             np.testing.assert_allclose(float(cstates[0][Z + "w"][0]), a[0] - a[:2].mean(), atol=1e-5)
     np.testing.assert_allclose(float(cstates[0][Z + "w"][0]), a[0] - a[:2].mean(), atol=1e-5)
     assert cstates[0]["round"] == 4
+    # the others' z_i accumulate, z_i + (x_i − x̄_j)/γ with a gap of 0 (a station's corrected clients move together):
+    # still a_i − ā_j, not reset to the last gap
+    np.testing.assert_allclose([float(cstates[k][Z + "w"][0]) for k in (1, 2, 3)],
+                               a[1:] - np.array([a[:2].mean(), a[2:].mean(), a[2:].mean()]), atol=1e-5)
+
+
+def test_a_station_that_did_not_train_this_server_round_keeps_its_y() -> None:
+    """``Σ_e Hγ = 0`` (no client of the station trained): ``y_j`` stays (no drift to read: 0/0), the station takes
+    the merged model and starts a new server round; a trained station moves ``y_j`` by ``(x̄_j − x̄)/(Σ_e Hγ)``."""
+    station = {"weights": {"w/w": np.array([1.0], np.float32)}, "y": {"w": np.array([0.5], np.float32)},
+               "h_gamma_sum": 0.0, "h_gamma_station": 0.0, "epoch": 2}
+    merged = {"w/w": np.array([3.0], np.float32)}
+    idle = MTGC().station_merged(station, merged)
+    np.testing.assert_array_equal(idle["y"]["w"], [0.5])
+    assert idle["weights"] is merged and idle["epoch"] == 3 and idle["h_gamma_sum"] == 0.0
+    trained = MTGC().station_merged({**station, "h_gamma_sum": 0.5}, merged)
+    np.testing.assert_allclose(trained["y"]["w"], [0.5 + (1.0 - 3.0) / 0.5])
 
 
 _HIER = ("method.name=mtgc", "optim.momentum=0", "hierarchy.stations=2", "hierarchy.station_rounds=2",
@@ -162,7 +179,7 @@ def test_with_unequal_step_counts_only_the_station_step_keeps_a_stations_correct
     cstates: dict[int, dict] = {}
     state, replies = _station_round(fed, topo, method, model, state, cstates, 1, lr, epochs)
     # z_i is updated at the start of station round 2, from round 1's models and steps: (x_i − x̄_j)/(Hγ)
-    state, _ = _station_round(fed, topo, method, model, state, cstates, 2, lr, epochs)
+    state, replies2 = _station_round(fed, topo, method, model, state, cstates, 2, lr, epochs)
     z = np.array([float(cstates[k][Z + "w"][0]) for k in range(4)])
     x1 = np.array([float(r.message["w/w"][0]) for r in replies])
     mine = [[k for k in range(4) if station_of[k] == station_of[i]] for i in range(4)]
@@ -174,3 +191,12 @@ def test_with_unequal_step_counts_only_the_station_step_keeps_a_stations_correct
     station1 = float(n[2] * z[2] + n[3] * z[3]) / float(np.abs(n[2:] * z[2:]).sum())
     assert abs(station1) < 1e-4  # equal steps: both readings are the gradient gap (float32 weights differenced)
     assert (abs(station0) < 1e-4) == (z_step == "station")  # own Hγ with 1 and 4 steps: they do not
+    # the server merge closes round 2: y_j = (x̄_j − x̄)/(Σ_e Hγ), each station round's Hγ the plain mean over its
+    # clients (station 0: (1 + 4)γ/2 per round), not the n-weighted one that z_step: station uses
+    x2 = np.array([float(r.message["w/w"][0]) for r in replies2])
+    x_bar2 = np.array([np.average(x2[m], weights=n[m]) for m in mine])
+    merged = x_bar2[[0, 2]].mean()  # avg merge: two active clients per station
+    np.testing.assert_allclose(state["weights"]["w/w"], [merged], rtol=1e-5)
+    h_e_gamma = 2 * np.array([steps[m].mean() for m in mine])
+    np.testing.assert_allclose([float(state["stations"][station_of[i]]["y"]["w"][0]) for i in range(4)],
+                               (x_bar2 - merged) / h_e_gamma, rtol=1e-4)

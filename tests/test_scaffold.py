@@ -230,3 +230,16 @@ def test_option1_skips_a_single_sample_batch_under_batchnorm_and_refuses_a_clien
     with pytest.raises(ValueError, match=r"^client 0 has nothing to train on: its 1 example\(s\) make only one-sample "
                                          r"batches \(batch size \d+\), which a BatchNorm model skips$"):
         method.client_update(model, msg, ci, alone)  # it reported a trained model (train_loss 0): the server drops it
+
+
+def test_option2_keeps_the_variate_when_fp16_skipped_every_step() -> None:
+    """One epoch whose only step fp16 skipped: ``K = 0``, y = x, so nothing estimates ``c_i⁺``: the client keeps its
+    ``c_i`` (0.5 here) and uploads ``Δc_i = 0`` (``(x − y)/(K η)`` would be 0/0)."""
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000", "optim.amp='fp16'")
+    method, model = Scaffold(), Point()
+    method.loss_fn = OverflowOnce()
+    msg = {**method.client_config(method.server_init(model, ServerContext(4, 2, 0)), 0, 1), "lr": 0.1, "round": 1}
+    reply, own = method.client_update(model, msg, {OWN + "w": np.array([0.5], np.float32)}, client_context(fed, 0, 1))
+    np.testing.assert_array_equal(reply["w/w"], [3.0])  # the skipped step moved nothing
+    np.testing.assert_array_equal(own[OWN + "w"], [0.5])
+    np.testing.assert_array_equal(reply[DELTA + "w"], [0.0])
