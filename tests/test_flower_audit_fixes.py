@@ -20,7 +20,7 @@ from flwr.common.constant import SubStatus
 from flwr.common.serde import context_from_proto
 from flwr.supercore.task_identity import TaskIdentity
 from test_flower import LoopbackGrid, server_config_text, toy_config, toy_federation_of
-from test_flower_units import FakeChild, TaskRuntime, sent_message
+from test_flower_units import TaskRuntime, sent_message, supervise_on_a_fake_clock
 
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.registry import METHODS
@@ -170,58 +170,25 @@ def test_a_process_of_another_user_is_alive(monkeypatch: pytest.MonkeyPatch) -> 
     assert executor.alive(1)
 
 
-class KillableChild(FakeChild):
-    """A fake worker that records whether it was terminated."""
-
-    terminated = False
-
-    def terminate(self) -> None:
-        self.terminated, self.returncode = True, -15
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        return self.returncode
-
-
-def fake_supervise(monkeypatch: pytest.MonkeyPatch, lives: list[float], parent_ends: float) -> tuple[list[float],
-                                                                                                  list[KillableChild]]:
-    """Run ``executor.supervise`` on a fake clock, with workers living ``lives`` and the SuperNode ending at
-    ``parent_ends`` s; the clock where it returned and the workers it started."""
-    clock: list[float] = [0.0]
-    children: list[KillableChild] = []
-
-    def popen(argv: list[str]) -> KillableChild:
-        children.append(KillableChild(clock, lives[len(children)]))
-        return children[-1]
-
-    def sleep(s: float) -> None:
-        clock[0] += s
-
-    monkeypatch.setattr(executor.signal, "signal", lambda *args: None)
-    monkeypatch.setattr(executor.subprocess, "Popen", popen)
-    monkeypatch.setattr(executor.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(executor.time, "sleep", sleep)
-    monkeypatch.setattr(executor, "alive", lambda pid: clock[0] < parent_ends)
-    executor.supervise(["--insecure"], 42)
-    return clock, children
-
-
 def test_the_executor_s_pause_doubles_up_to_a_minute(monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    fake_supervise(monkeypatch, 8 * [0.0], 2 + 4 + 8 + 16 + 32 + 60 + 1)  # dies at once, 7 times
+    ends = 2 + 4 + 8 + 16 + 32 + 60 + 1
+    supervise_on_a_fake_clock(monkeypatch, 8 * [0.0], lambda clock, started: clock < ends)  # dies at once, 7 times
     pauses = [line.split("starts in ")[1] for line in capsys.readouterr().err.splitlines()]
     assert pauses == ["2 s", "4 s", "8 s", "16 s", "32 s", "60 s", "60 s"]
 
 
 def test_the_executor_ends_its_worker_when_the_supernode_ends(monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    clock, children = fake_supervise(monkeypatch, [100.0], 5.2)  # the SuperNode ends while the worker runs
-    assert clock == [5.5] and [c.terminated for c in children] == [True]  # polled every 0.5 s
+    clock, _, children = supervise_on_a_fake_clock(monkeypatch, [100.0], lambda clock, started: clock < 5.2)
+    assert clock == 5.5 and [c.terminated for c in children] == [True]  # polled every 0.5 s
     assert capsys.readouterr().err == ""  # not restarted
 
 
 def test_the_executor_ends_during_a_pause_when_the_supernode_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock, children = fake_supervise(monkeypatch, [0.0, 0.0, 100.0], 3.2)  # pauses 2 s, then 4 s: it ends in that one
-    assert clock == [3.5] and len(children) == 2 and not any(c.terminated for c in children)
+    # pauses 2 s, then 4 s: the SuperNode ends in the second
+    clock, _, children = supervise_on_a_fake_clock(monkeypatch, [0.0, 0.0, 100.0], lambda clock, started: clock < 3.2)
+    assert clock == 3.5 and len(children) == 2 and not any(c.terminated for c in children)
 
 
 @pytest.mark.parametrize(("status", "why"), [("failed", "run failed: ValueError: x"), ("stopped", "run stopped: by flwr stop"),

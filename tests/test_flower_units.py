@@ -10,7 +10,7 @@ import threading
 import time
 import tomllib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -409,25 +409,39 @@ def test_the_worker_gets_the_resolved_ca_path(tmp_path: Path, monkeypatch: pytes
 
 
 class FakeChild:
-    """A worker process that lives ``life`` seconds of the fake clock and exits with 3."""
+    """A worker process that lives ``life`` seconds of the fake clock and exits with 3, or with -15 when terminated."""
 
     def __init__(self, clock: list[float], life: float) -> None:
         self.clock, self.end = clock, clock[0] + life
         self.returncode: int | None = None
+        self.terminated = False
 
     def poll(self) -> int | None:
         if self.clock[0] >= self.end:
             self.returncode = 3
         return self.returncode
 
+    def terminate(self) -> None:
+        self.terminated, self.returncode = True, -15
 
-def test_the_executor_doubles_its_pause_after_each_quick_death_and_resets_it_after_a_healthy_life(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    clock, lives, argvs = [0.0], [0.0, 0.0, 0.0, executor.HEALTHY_S + 10, 0.0], []
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+
+def supervise_on_a_fake_clock(monkeypatch: pytest.MonkeyPatch, lives: list[float],
+                              supernode_alive: Callable[[float, int], bool]) -> tuple[float, list[list[str]],
+                                                                                        list[FakeChild]]:
+    """Run ``executor.supervise`` with time on a fake clock: its n-th worker lives ``lives[n]`` s, and
+    ``supernode_alive(clock, workers started)`` says whether the SuperNode still runs. Returns the clock when it
+    returned, the workers' command lines and the workers."""
+    clock: list[float] = [0.0]
+    argvs: list[list[str]] = []
+    children: list[FakeChild] = []
 
     def popen(argv: list[str]) -> FakeChild:
         argvs.append(argv)
-        return FakeChild(clock, lives[len(argvs) - 1])
+        children.append(FakeChild(clock, lives[len(children)]))
+        return children[-1]
 
     def sleep(s: float) -> None:
         clock[0] += s
@@ -436,8 +450,15 @@ def test_the_executor_doubles_its_pause_after_each_quick_death_and_resets_it_aft
     monkeypatch.setattr(executor.subprocess, "Popen", popen)
     monkeypatch.setattr(executor.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(executor.time, "sleep", sleep)
-    monkeypatch.setattr(executor, "alive", lambda pid: len(argvs) < 5 or clock[0] < 0)  # the SuperNode ends at the 5th
+    monkeypatch.setattr(executor, "alive", lambda pid: supernode_alive(clock[0], len(children)))
     executor.supervise(["--insecure"], 42)
+    return clock[0], argvs, children
+
+
+def test_the_executor_doubles_its_pause_after_each_quick_death_and_resets_it_after_a_healthy_life(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    lives = [0.0, 0.0, 0.0, executor.HEALTHY_S + 10, 0.0]
+    _, argvs, _ = supervise_on_a_fake_clock(monkeypatch, lives, lambda clock, started: started < 5)  # ends at the 5th
     pauses = [line.split("starts in ")[1] for line in capsys.readouterr().err.splitlines()]
     assert pauses == ["2 s", "4 s", "8 s", "1 s", "2 s"]  # quick deaths: 2, 4, 8 s; after a healthy life: 1 s, 2 s
     assert argvs == 5 * [[sys.executable, "-m", executor.WORKER, "--insecure", "--parent-pid", str(os.getpid())]]
