@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from feddg.models import MODELS, FedModel, create_model, list_models, model_targets
 from feddg.models.cnn import SmallCNN
+from feddg.models.resnet import Bottleneck, ResNet
 from feddg.models.vgg import VGG
 
 # torchvision.models.resnet18(num_classes=1000).state_dict(), in order: "key dim dim ..." (no dims: a scalar).
@@ -330,6 +332,92 @@ def test_hfedf_cnn_parameter_count_follows_table_9() -> None:
     model = create_model("hfedf-cnn", num_classes=7, in_channels=3, image_size=32)
     assert sum(p.numel() for p in model.parameters()) == 928_199
     assert not list(model.buffers())  # no BatchNorm: a hypernetwork generates the whole state
+
+
+def _bn_by_hand(x: Tensor, bn: nn.Module) -> Tensor:
+    """BatchNorm in eval mode: (x − running mean) / √(running var + eps) · γ + β."""
+    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    return (x - bn.running_mean[:, None, None]) * scale[:, None, None] + bn.bias[:, None, None]
+
+
+def _randomize_batchnorm(model: nn.Module) -> None:
+    """Non-trivial BatchNorm parameters and statistics, so a dropped or misplaced norm is visible."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.normal_(0.0, 0.1)
+            m.running_mean.normal_(0.0, 0.1)
+            m.running_var.uniform_(0.5, 2.0)
+
+
+def _resnet_by_hand(model: ResNet, x: Tensor, small: bool) -> Tensor:
+    """He et al.'s ResNet as torchvision builds it: stem (3×3/1 for small inputs, else 7×7/2 + 3×3/2 max-pool), four
+    stages whose first block strides by 2 (but stage 1's) on its 3×3 conv (v1.5) and, when its shape changes, has a
+    1×1 conv + BN shortcut; out = relu(residual + shortcut); global average pool; ``fc``."""
+    conv = model.conv1.weight
+    h = F.conv2d(x, conv, padding=1) if small else F.conv2d(x, conv, stride=2, padding=3)
+    h = _bn_by_hand(h, model.bn1).clamp(min=0)
+    if not small:
+        h = F.max_pool2d(h, kernel_size=3, stride=2, padding=1)
+    for k, layer in enumerate((model.layer1, model.layer2, model.layer3, model.layer4)):
+        for i, block in enumerate(layer):
+            stride = 2 if k > 0 and i == 0 else 1
+            bottleneck = isinstance(block, Bottleneck)
+            assert (block.downsample is not None) == (i == 0 and (k > 0 or bottleneck)), (k, i)
+            if bottleneck:
+                out = _bn_by_hand(F.conv2d(h, block.conv1.weight), block.bn1).clamp(min=0)
+                out = _bn_by_hand(F.conv2d(out, block.conv2.weight, stride=stride, padding=1), block.bn2).clamp(min=0)
+                out = _bn_by_hand(F.conv2d(out, block.conv3.weight), block.bn3)
+            else:
+                out = _bn_by_hand(F.conv2d(h, block.conv1.weight, stride=stride, padding=1), block.bn1).clamp(min=0)
+                out = _bn_by_hand(F.conv2d(out, block.conv2.weight, padding=1), block.bn2)
+            shortcut = h
+            if block.downsample is not None:
+                shortcut = _bn_by_hand(F.conv2d(h, block.downsample[0].weight, stride=stride), block.downsample[1])
+            h = (out + shortcut).clamp(min=0)
+    return h.mean(dim=(2, 3)) @ model.fc.weight.T + model.fc.bias
+
+
+@pytest.mark.parametrize(("name", "size", "small"), [("resnet18", 16, True), ("resnet18", 32, False),
+                                                     ("resnet50", 16, True)])
+def test_resnet_forward_is_rebuilt_from_its_weights(name: str, size: int, small: bool) -> None:
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=3, image_size=size, small_input=small)
+    assert isinstance(model, ResNet)
+    _randomize_batchnorm(model)
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), _resnet_by_hand(model, x, small), rtol=1e-4, atol=1e-4)
+
+
+def test_hfedf_cnn_forward_follows_table_9_by_hand() -> None:
+    """Table 9 at 24 px (so the adaptive pool is an exact 2×2 mean): conv 3×3 → max-pool → ReLU → conv 1×1 → conv
+    3×3 → max-pool → ReLU → two naïve Inception modules, ReLU([1×1, 3×3, 5×5, 3×3/1 max-pool]) → 3×3 average pool →
+    dropout 0.2 → Linear → Linear."""
+    torch.manual_seed(0)
+    model = create_model("hfedf-cnn", num_classes=4, in_channels=3, image_size=24).eval()
+    x = torch.randn(2, 3, 24, 24)
+    conv0, _, _, conv1, conv2, _, _, inc1, inc2, *_, linear = model.trunk
+    with torch.no_grad():
+        h = F.max_pool2d(F.conv2d(x, conv0.weight, conv0.bias, padding=1), 2).clamp(min=0)
+        h = F.conv2d(F.conv2d(h, conv1.weight, conv1.bias), conv2.weight, conv2.bias, padding=1)
+        h = F.max_pool2d(h, 2).clamp(min=0)
+        for inc in (inc1, inc2):
+            h = torch.cat((F.conv2d(h, inc.branch1.weight, inc.branch1.bias),
+                           F.conv2d(h, inc.branch3.weight, inc.branch3.bias, padding=1),
+                           F.conv2d(h, inc.branch5.weight, inc.branch5.bias, padding=2),
+                           F.max_pool2d(h, 3, stride=1, padding=1)), dim=1).clamp(min=0)
+        n, c = h.shape[:2]
+        h = h.reshape(n, c, 3, 2, 3, 2).mean(dim=(3, 5)).flatten(1)  # 6×6 → 3×3
+        feats = h @ linear.weight.T + linear.bias
+        torch.testing.assert_close(model.features(x), feats, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), feats @ model.classifier.weight.T + model.classifier.bias,
+                                   rtol=1e-5, atol=1e-5)
+        torch.manual_seed(3)  # training: the same dropout draws as F.dropout(p = 0.2) on the pooled features
+        trained = model.train().features(x)
+        torch.manual_seed(3)
+        dropped = F.dropout(h, p=0.2, training=True) @ linear.weight.T + linear.bias
+        torch.testing.assert_close(trained, dropped, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["lenet", "cnn", "hfedf-cnn", "alexnet", "resnet18", "efficientnet_lite0"])

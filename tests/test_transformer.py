@@ -52,6 +52,22 @@ def test_tiny_models_compute_the_hugging_face_logits_from_their_pooled_features(
 
 
 @pytest.mark.parametrize("name", ["tiny-roberta", "tiny-deberta"])
+def test_in_training_the_logits_are_the_hugging_face_ones_with_the_same_dropout_draws(name: str) -> None:
+    """Train mode, full-length sequences: the head's dropouts sit where the Hugging Face model has them (the same
+    draws from the same seed give the same logits), and ``max_length`` tokens fit the position embeddings."""
+    model = _tiny(name, classes=3).train()
+    x = token_batch([MAX_LENGTH, 5, MAX_LENGTH])
+    torch.manual_seed(1)
+    out = model(x)
+    torch.manual_seed(1)
+    ref = model.hf(**x).logits
+    torch.manual_seed(2)
+    other = model(x)
+    assert not torch.allclose(out, other)  # dropout is on: other draws, other logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny-roberta", "tiny-deberta"])
 def test_model_params_override_the_tiny_sizes(name: str) -> None:
     model = _tiny(name, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48)
     encoder = model.hf.base_model.encoder
