@@ -9,7 +9,6 @@ Flower's Simulation Runtime (Ray on 127.0.0.1).
 import json
 import logging
 from types import SimpleNamespace
-from uuid import uuid4
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from flwr.common.serde import (
     recorddict_to_proto,
 )
 from flwr.serverapp import Grid
+from support.flower_messages import pushed
 from thread_counts import blas_threads
 from toy import ToyDomains, ToyNet
 from toy_pixels import needs_masks, pixel_config, pixel_federation, registered
@@ -150,8 +150,7 @@ class LoopbackGrid(Grid):
     def send_and_receive(self, messages, *, timeout=None):
         replies = []
         for msg in messages:
-            msg.metadata.__dict__["_message_id"] = uuid4().hex  # as Grid.push_messages does
-            node = msg.metadata.dst_node_id
+            node = pushed(msg).metadata.dst_node_id
             ctx = context_from_proto(self.contexts[node])
             try:
                 reply = self.app(message_from_proto(message_to_proto(msg)), ctx)

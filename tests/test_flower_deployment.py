@@ -18,7 +18,6 @@ from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import create_autospec
-from uuid import uuid4
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 from support.flower_local import LocalDeployment
+from support.flower_messages import pushed
 from toy import toy_federation_of
 
 from feddg.config import build_config, dump_config
@@ -132,8 +132,7 @@ def test_one_process_builds_the_client_federation_once_for_all_its_messages(tmp_
     node = {"partition-id": 1, "num-partitions": 2}
 
     def deliver(msg: Message) -> Message:  # each message comes with its own copy of the node's Context
-        msg.metadata.__dict__["_message_id"] = uuid4().hex
-        return app(msg, Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={}))
+        return app(pushed(msg), Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={}))
 
     hello = deliver(Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7})}), 7, IDENTIFY))
     assert len(BUILT) == 1 and hello.content.config_records[ROUTE]["fingerprint"] == fingerprint(BUILT[0])

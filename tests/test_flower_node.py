@@ -8,7 +8,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
-from uuid import uuid4
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.compat.common import recorddict_compat as compat
+from support.flower_messages import pushed
 from test_flower import toy_config
 from toy import toy_federation_of
 
@@ -44,10 +44,8 @@ def node_context(partition: int = 0, **node_config: Any) -> Context:
 
 
 def to_node(content: RecordDict, node: int, message_type: str) -> Message:
-    """A message to ``node`` with the id Grid.push_messages gives it."""
-    msg = Message(content, node, message_type)
-    msg.metadata.__dict__["_message_id"] = uuid4().hex
-    return msg
+    """A message to ``node`` as a Grid pushes it."""
+    return pushed(Message(content, node, message_type))
 
 
 def train_message(cid: int, round: int, commit: int) -> Message:

@@ -10,7 +10,6 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
-from uuid import uuid4
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.cli.supernode.register import try_load_public_key
 from support.flower_local import LocalDeployment
+from support.flower_messages import pushed
 from toy import toy_federation_of
 
 from feddg.config import ConfigError, build_config, dump_config
@@ -294,16 +294,14 @@ def test_a_node_with_its_key_answers_the_challenge_through_the_client_app(tmp_pa
                                      "device": "cpu"}))
     app = make_client_app(text, factory=toy_federation_of)
     roster = Roster.load(write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")]), 2)
-    msg = Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7, "challenge": "abc"})}), 7, IDENTIFY)
-    msg.metadata.__dict__["_message_id"] = uuid4().hex
+    msg = pushed(Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7, "challenge": "abc"})}), 7, IDENTIFY))
     node = {"auth-key": str(tmp_path / "node1"), "partition-id": 0, "num-partitions": 2}  # declares 0, is 1
     answer = app(msg, Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={}))
     answer.metadata.__dict__["_src_node_id"] = 7
     assert roster_identity(roster, answer, "abc", {}).client == 1
     assert "partition-id" not in answer.content.config_records[ROUTE]
     # a ServerApp without a roster sends no challenge: the node refuses rather than serve its declared partition
-    plain = Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7})}), 7, IDENTIFY)
-    plain.metadata.__dict__["_message_id"] = uuid4().hex
+    plain = pushed(Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7})}), 7, IDENTIFY))
     with pytest.raises(ValueError, match="answers only a roster's challenge: the run has no flower.roster"):
         app(plain, Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={}))
 

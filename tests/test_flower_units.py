@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from uuid import uuid4
 
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp.client_app import LoadClientAppError
 from flwr.common.constant import ErrorCode, SubStatus
+from support.flower_messages import pushed
 from test_flower import LoopbackGrid, probe_federation, server_config_text, toy_config
 from toy import toy_federation_of
 
@@ -56,9 +56,7 @@ from feddg.federation.validation import RunStopped
 
 def sent_message(cid: int, node: int, message_type: str = "train") -> Message:
     """A message to client ``cid`` on ``node``, with the id Grid.push_messages gives it."""
-    msg = Message(RecordDict({ROUTE: ConfigRecord({"client-id": cid})}), node, message_type)
-    msg.metadata.__dict__["_message_id"] = uuid4().hex
-    return msg
+    return pushed(Message(RecordDict({ROUTE: ConfigRecord({"client-id": cid})}), node, message_type))
 
 
 def answer(to: Message, value: float) -> Message:
@@ -127,8 +125,7 @@ class IdentifyGrid:
         self.timeouts.append(timeout)
         out = []
         for m in messages:
-            m.metadata.__dict__["_message_id"] = uuid4().hex
-            n = m.metadata.dst_node_id
+            n = pushed(m).metadata.dst_node_id
             route = ConfigRecord({"partition-id": self.declared[n], "num-partitions": 2, "fingerprint": self.prints[n]})
             out.append(Message(RecordDict({ROUTE: route}), reply_to=m))
         return out
@@ -178,8 +175,7 @@ class SetupGrid:
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         self.timeouts.append(timeout)
         out = []
-        for m in messages:
-            m.metadata.__dict__["_message_id"] = uuid4().hex
+        for m in map(pushed, messages):
             cid = m.content.config_records[ROUTE]["client-id"]
             out.append(Message(Error(code=0, reason="no labels"), reply_to=m) if cid == 1 else answer(m, 1.0))
         return out
@@ -277,10 +273,9 @@ def test_the_strategy_numbers_resumed_rounds_and_commits_only_accepted_replies_o
     strategy = FeddgStrategy(server, {0: 1000, 1: 1001})  # type: ignore[arg-type]
     commits, metrics = [], []
     for flower_round in (1, 2, 3):  # feddg rounds 3, 4 (rolled back), 5
-        out = list(strategy.configure_train(flower_round, ArrayRecord(), ConfigRecord(), None))  # type: ignore[arg-type]
+        sent = strategy.configure_train(flower_round, ArrayRecord(), ConfigRecord(), None)  # type: ignore[arg-type]
+        out = [pushed(m) for m in sent]
         commits.append([m.content.config_records[ROUTE]["commit-round"] for m in out])
-        for m in out:
-            m.metadata.__dict__["_message_id"] = uuid4().hex
         replies = [answer(out[0], 0.0), Message(Error(code=0, reason="died"), reply_to=out[1]) if flower_round == 1
                    else answer(out[1], 1.0)]  # client 1's round-3 reply is an error
         metrics.append(dict(strategy.aggregate_train(flower_round, replies)[1]))  # type: ignore[arg-type]
