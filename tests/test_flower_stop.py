@@ -2,6 +2,7 @@
 run directory, holds no results.json, and ``feddg flower run`` exits 1 with one line (docs/flower.md, "Failures are
 reported as failures"). One loopback deployment (tests/support/flower_local.py), two SuperNodes, bounded in time."""
 
+import json
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from support.flower_local import APP_DIR, CONNECTION, LocalDeployment
 
 from feddg.config import build_config, dump_config
 from feddg.engines.flower.app import main as server_main
-from feddg.engines.flower.app import mark
+from feddg.engines.flower.app import mark, mark_stopped_if_running
 from feddg.engines.flower.launch import flwr_command, insecure_warning, settled_outcome, submit
 from feddg.federation.server import used_run_dir
 
@@ -40,6 +41,19 @@ def test_the_launcher_waits_for_a_running_mark_to_settle(tmp_path):
     t0 = time.monotonic()
     assert "without a mark" in settled_outcome(tmp_path, wait_s=0.5)
     assert time.monotonic() - t0 >= 0.5
+
+
+def test_flower_s_exit_marks_a_running_run_stopped_and_leaves_any_other_mark(tmp_path):
+    """The handler the ServerApp gives Flower's exit (before its force-exit timer, which may end the process before
+    the SystemExit reaches main): only a run still marked running becomes stopped."""
+    mark_stopped_if_running(tmp_path / "none")  # no mark: nothing written
+    assert not (tmp_path / "none").exists()
+    for status, after in [("running", "stopped"), ("completed", "completed"), ("failed", "failed")]:
+        mark(tmp_path / status, status)
+        mark_stopped_if_running(tmp_path / status)
+        assert json.loads((tmp_path / status / "status.json").read_text())["status"] == after
+    assert settled_outcome(tmp_path / "running", wait_s=0) == (
+        f"{tmp_path / 'running'}: run stopped: stopped from outside (Flower's exit on a signal) before the last round")
 
 
 @pytest.mark.skipif(not (BIN / "flwr").is_file(), reason="no flwr beside this python (not a virtual environment)")
@@ -129,5 +143,6 @@ def test_a_run_stopped_with_flwr_stop_is_marked_stopped_and_the_launcher_fails(t
     assert last.startswith(f"error: {run_dir}: run stopped: stopped from outside"), output[-3000:]
     assert yaml.safe_load((run_dir / "status.json").read_text())["status"] == "stopped"
     assert not (run_dir / "results.json").exists()
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) < cfg.federation.rounds
+    metrics = run_dir / "metrics.jsonl"  # none where the stop came before the first round ended (a loaded machine)
+    assert not metrics.exists() or len(metrics.read_text().splitlines()) < cfg.federation.rounds
     assert left == set(), f"processes outlived the deployment: {left}"

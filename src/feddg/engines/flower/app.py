@@ -29,6 +29,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import add_exit_handler
 
 from feddg.config import ExperimentConfig, dump_config, load_config, one_line
 from feddg.engines.flower.client import config_from_text, make_client_app, required_config
@@ -63,6 +64,19 @@ def mark(run_dir: Path, status: str, error: str = "") -> None:
     tmp.replace(run_dir / STATUS)
 
 
+def mark_stopped_if_running(run_dir: Path) -> None:
+    """Flower's exit handler for ``flwr stop`` (registered to run before its force-exit timer): mark a run that is
+    still ``running`` as ``stopped``. Flower's own exit work (pushing logs and the task output) may outlast the 5 s
+    after which it ``os._exit``s the process, before the ``SystemExit`` reaches :func:`main`'s handler: on a loaded
+    2-core machine the run was then left marked ``running``. A run that ended otherwise keeps its mark."""
+    try:
+        running = json.loads((run_dir / STATUS).read_text()).get("status") == "running"
+    except (OSError, ValueError):
+        return
+    if running:
+        mark(run_dir, "stopped", "stopped from outside (Flower's exit on a signal) before the last round")
+
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the experiment of the run config on the SuperNodes connected to this SuperLink; mark the run directory
@@ -85,6 +99,7 @@ def main(grid: Grid, context: Context) -> None:
         log(WARNING, "feddg: no flower.roster: each SuperNode is the client of the partition it declares, unproven "
             "(docs/flower.md, 'Insecure trial'); a deployment's nodes prove their keys with a roster")
     mark(run_dir, "running")
+    add_exit_handler(lambda: mark_stopped_if_running(run_dir), run_before_force_exit=True)
     try:
         server = Server(build_federation(cfg), run_dir, resume=resume)
         results = run_on_grid(server, PollingGrid(grid), on_round=_round_logger(server.fed.task.metric))
