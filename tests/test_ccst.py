@@ -5,9 +5,9 @@ import pytest
 import torch
 from toy import toy_federation
 
-from feddg.algorithms import ccst, create_method
-from feddg.algorithms.ccst import draw_styles
-from feddg.algorithms.components.style import channel_stats
+from feddg.algorithms import Reply, ccst, create_method
+from feddg.algorithms.ccst import CCSTParams, draw_styles
+from feddg.algorithms.components.style import EPS, channel_stats
 from feddg.engines.inprocess import run_inprocess, run_setup
 from feddg.federation.client import client_context
 from feddg.federation.server import Server
@@ -36,6 +36,35 @@ def test_single_image_styles_are_per_image_statistics(tmp_path):
     images = fed.dataset.x[torch.as_tensor(fed.clients[1].train_idx)]
     per_image = channel_stats(images)[0].numpy()[:, 0]
     assert all(np.isclose(per_image, v, atol=1e-5).any() for v in reply["style/mean"][:, 0])
+    # each row's σ is the population std of the same image: sqrt(var + ε)
+    flat = images.flatten(1).double()
+    means, stds = flat.mean(1).numpy(), (flat.var(1, unbiased=False) + EPS).sqrt().numpy()
+    for mu, sigma in zip(reply["style/mean"][:, 0], reply["style/std"][:, 0], strict=True):
+        i = np.abs(means - mu).argmin()
+        assert abs(means[i] - mu) < 1e-5 and abs(stds[i] - sigma) < 1e-4
+
+
+def test_the_bank_tags_each_style_with_the_id_of_the_client_that_sent_it():
+    """Replies in any order (3 before 1): client 3 is sent client 1's style only."""
+    method = ccst.CCST()
+    replies = [Reply(k, {"style/mean": np.full((1, 2), k, np.float32), "style/std": np.full((1, 2), k + 10, np.float32)})
+               for k in (3, 1)]
+    state = method.server_setup({"weights": {}}, replies)
+    assert state["bank"][2].tolist() == [3, 1]
+    msg = method.client_config(state, 3, 1)
+    assert msg["bank/owner"].tolist() == [1] and msg["bank/mean"].tolist() == [[1.0, 1.0]]
+    assert msg["bank/std"].tolist() == [[11.0, 11.0]]
+
+
+def test_under_dp_the_noised_stds_are_floored_at_zero_and_the_means_are_not():
+    """σ = 2·2C = 4 against a clip of C = 1: the noise sends about half the entries below zero; a std below zero is
+    sent as 0 (AdaIN's target scale), a mean is sent as noised."""
+    fed = toy_federation("method.name=ccst", "method.params.style_path=pixel", "method.params.style_type=single",
+                         "method.params.images_per_client=20", "method.params.dp.noise_multiplier=2.0",
+                         "method.params.dp.clip=1.0")
+    reply, _ = fed.method.client_setup(fed.model, {"style/path": "pixel"}, {}, client_context(fed, 1, 0))
+    std = reply["style/std"]
+    assert std.shape == (20, 1) and (std >= 0).all() and (std == 0).any() and (reply["style/mean"] < 0).any()
 
 
 def test_draw_styles_are_distinct_and_capped_by_the_bank():
@@ -69,6 +98,27 @@ def test_loss_is_ce_of_the_batch_plus_ce_of_its_k_stylised_copies(tmp_path, k):
     ccst = fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
     avg = create_method("fedavg").client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
     assert ccst == pytest.approx(2 * avg, rel=1e-5)
+
+
+def _round_message(fed, rows=0):
+    """The initial weights, a bank of ``rows`` styles of client 1 and lr 0."""
+    return {**fed.method.server_init(fed.model, None)["weights"], "bank/mean": np.full((rows, 1), 0.5, np.float32),
+            "bank/std": np.ones((rows, 1), np.float32), "bank/owner": np.ones(rows, np.int64), "lr": 0.0, "round": 1}
+
+
+def test_without_other_clients_styles_the_loss_is_the_plain_ce():
+    """A federation of one client: no style to transfer, the loss is CE(x) alone (FedAvg's, at lr 0)."""
+    fed = toy_federation("method.name=ccst", "method.params.style_path=pixel")
+    msg = _round_message(fed)
+    loss = fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
+    avg = create_method("fedavg").client_update(fed.model, msg, {}, client_context(fed, 0, 1))[0]["train_loss"]
+    assert loss == pytest.approx(avg, rel=1e-6)
+
+
+def test_the_feature_path_refuses_a_client_without_its_frozen_encoder():
+    fed = toy_federation("method.name=ccst", "method.params.style_path=feature", "method.params.style_layer=conv")
+    with pytest.raises(KeyError, match="no frozen style encoder"):
+        fed.method.client_update(fed.model, _round_message(fed, 1), {}, client_context(fed, 0, 1))
 
 
 def test_each_stylised_copy_takes_the_mean_and_std_of_its_drawn_bank_row(monkeypatch):
@@ -106,3 +156,10 @@ def test_ccst_trains_on_the_feature_path(tmp_path):
     res = run_inprocess(server)
     assert all(set(s) == {"enc/conv.weight", "enc/conv.bias"} for s in server.client_states.values())
     assert server.metrics[-1]["train_loss"] < server.metrics[0]["train_loss"] and res["final"]["id_acc"] > 60
+
+
+def test_the_defaults():
+    """docs/methods/ccst.md: the pixel path, the overall domain style, K = 3 (PACS), α = 1 (CCST's --alpha), one
+    image style per client under ``single``, no DP."""
+    p = CCSTParams()
+    assert (p.style_path, p.style_type, p.k, p.alpha, p.images_per_client, p.dp) == ("pixel", "overall", 3, 1.0, 1, None)

@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from scipy import ndimage
+from support.augmentation import shift_training_batches
 from toy import run_recording_replies
 from toy_pixels import NAME, pixel_federation, registered
 
 from feddg.aggregation.accounting import statistic_privacy
-from feddg.algorithms import elcfs
+from feddg.algorithms import Reply, elcfs
+from feddg.algorithms.components.local import local_batches
 from feddg.algorithms.elcfs import (
     ELCFSParams,
     boundary_loss,
@@ -127,6 +129,9 @@ def test_region_embeddings_average_the_features_over_the_region():
     up = torch.zeros(1, 4, 4, dtype=torch.bool)
     up[0, :2, :2] = True  # a mask at twice the features' resolution: resized (nearest)
     torch.testing.assert_close(region_embeddings(f[:1], up)[0], torch.tensor([[0.0, 4.0]]))
+    odd = torch.zeros(1, 4, 4, dtype=torch.bool)
+    odd[0, 1, 1] = True  # nearest keeps the even rows and columns only: this region vanishes at 2×2
+    assert region_embeddings(f[:1], odd)[1].tolist() == [False]
 
 
 def test_contrastive_loss_by_hand():
@@ -149,6 +154,16 @@ def test_contrastive_loss_by_hand():
     loss = contrastive_loss(hh, y[:3], 1.0)
     loss.backward()
     assert loss.item() == pytest.approx(0.0, abs=1e-6) and torch.isfinite(hh.grad).all()
+
+
+def test_contrastive_loss_takes_no_anchor_as_its_own_positive():
+    """h = [1, 0], [0, 1] (label 1), [−1, 0] (label 0), τ = 1: s_01 = 0, s_02 = −1, s_12 = 0. The pairs (0, 1) and
+    (1, 0) give log(1 + e⁻¹) and log 2, in both denominators; a pair (a, a) would add s_aa = 1 terms."""
+    h = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    y = torch.tensor([1, 1, 0])
+    want = (math.log(1 + math.exp(-1)) + math.log(2)) / 2
+    for den in ("negatives", "all"):
+        assert contrastive_loss(h, y, 1.0, den).item() == pytest.approx(want, rel=1e-6)
 
 
 def test_boundary_loss_contrasts_raw_and_transformed_boundary_embeddings_with_background_ones():
@@ -235,6 +250,20 @@ def test_one_step_takes_the_outer_loss_and_the_boundary_term_on_the_interpolated
         np.testing.assert_allclose(reply[f"w/{n}"], w.numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
 
 
+def test_the_reported_loss_is_the_mean_over_the_batches_of_the_inner_plus_the_outer_loss():
+    """lr = β = 0, γ = 0, no other client's spectra (x^{k→n} = x): θ' = θ, so train_loss is the mean over the
+    client's batches (drawn again from an equal stream) of L(x_b; θ) + L(x_b; θ') = 2 L(x_b; θ)."""
+    fed = pixels("method.params.meta_lr=0", "method.params.boundary_weight=0")
+    model = fed.model
+    state = fed.method.server_init(model, None)
+    state["bank"] = (np.zeros((0, 1, 1, 1), np.float32), np.zeros(0, np.int64))
+    msg = {**fed.method.client_config(state, 0, 1), "lr": 0.0, "round": 1}
+    reply, _ = fed.method.client_update(model, msg, {}, client_context(fed, 0, 1))
+    with torch.no_grad():
+        losses = [2 * float(fed.task.loss(model(x), y)) for _, x, y in local_batches(model, client_context(fed, 0, 1))]
+    assert len(losses) > 1 and reply["train_loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
 # --------------------------------------------------------------------------- what is shared
 
 
@@ -286,6 +315,40 @@ def test_the_shared_spectra_are_clipped_and_noised_once_and_floored_at_zero_but_
     res = server.write_results()["privacy"]
     assert res["releases"] == 1 and res["unit"] == "client" and res["sigma"] == pytest.approx(sigma)
     assert pixels().method.privacy(3) is None
+
+
+def test_a_client_of_fewer_than_eight_images_uploads_one_spectrum_of_an_unaugmented_image(monkeypatch):
+    """max(1, ⌊5/8⌋) = 1 row; b = 0, so the row is one of the five images' Σx (an "augmentation" adding 100 to every
+    pixel in training batches must not reach it)."""
+    fed = pixels("method.params.window=0")
+    shift_training_batches(monkeypatch, fed.dataset)
+    ctx = client_context(fed, 1, 0)
+    ctx.train_idx = ctx.train_idx[:5]
+    reply, _ = fed.method.client_setup(fed.model, fed.method.setup_request({}), {}, ctx)
+    assert reply["amp/bank"].shape == (1, 1, 1, 1)
+    sums = fed.dataset.x[torch.as_tensor(ctx.train_idx)].double().sum(dim=(1, 2, 3)).numpy()
+    assert np.isclose(sums, reply["amp/bank"].item(), rtol=1e-5, atol=1e-4).any()
+
+
+def test_the_bank_tags_each_row_with_the_id_of_the_client_that_sent_it():
+    """Replies in any order (here client 2's before client 0's): a client is sent every row but its own."""
+    method = elcfs.ELCFS()
+    replies = [Reply(2, {"amp/bank": np.full((3, 1, 1, 1), 2.0, np.float32)}),
+               Reply(0, {"amp/bank": np.full((1, 1, 1, 1), 0.0, np.float32)})]
+    state = method.server_setup({"weights": {}}, replies)
+    assert state["bank"][1].tolist() == [2, 2, 2, 0]
+    msg = method.client_config(state, 2, 1)
+    assert msg["bank/owner"].tolist() == [0] and msg["bank/amp"].ravel().tolist() == [0.0]
+
+
+def test_the_defaults_follow_the_authors_code():
+    """docs/methods/elcfs.md: the demo's L = 0.003, λ ~ U(0, 1), ⌊n/8⌋ spectra, β = 1e−3, c = 100, γ = 0.1,
+    τ = 0.05, erosion 1 / dilation 5, NTXentLoss's denominator, first order, no DP."""
+    p = ELCFSParams()
+    assert (p.window, p.lam_min, p.lam_max, p.bank_fraction) == (0.003, 0.0, 1.0, 0.125)
+    assert (p.meta_lr, p.inner_clip, p.boundary_weight, p.temperature) == (1e-3, 100.0, 0.1, 0.05)
+    assert (p.boundary_width, p.background_width, p.denominator, p.second_order, p.dp) == (1, 5, "negatives", False,
+                                                                                          None)
 
 
 # --------------------------------------------------------------------------- a round

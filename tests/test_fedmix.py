@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support.augmentation import shift_training_batches
 from toy import ToyDomains, assert_reply_is_sgd_steps, toy_federation
 from toy_pixels import NAME, registered
 
-from feddg.algorithms import Reply
+from feddg.algorithms import Reply, fedmix
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.fedmix import MEAN_X, MEAN_Y, FedMix, FedMixParams, fedmix_loss, group_means
 from feddg.config import ConfigError, build_config
@@ -66,8 +67,9 @@ def test_group_means_average_consecutive_groups_and_drop_the_rest():
     torch.testing.assert_close(ym, torch.tensor([[0.5, 0.5], [0.0, 1.0]]))
 
 
-def test_a_client_uploads_means_of_m_samples_only():
+def test_a_client_uploads_means_of_m_random_unaugmented_samples_only(monkeypatch):
     fed = toy_federation("method.name=fedmix")
+    shift_training_batches(monkeypatch, fed.dataset)  # the means are of the data as stored
     ctx = client_context(fed, 0, 0)
     n = ctx.num_examples
     m = next(d for d in range(5, n) if n % d == 0)  # every sample in some group
@@ -77,6 +79,20 @@ def test_a_client_uploads_means_of_m_samples_only():
     np.testing.assert_allclose(reply[MEAN_X].sum(0) * m, x.sum(0), rtol=1e-4, atol=1e-4)
     counts = np.bincount(fed.dataset.labels[ctx.train_idx], minlength=4)
     np.testing.assert_allclose(reply[MEAN_Y].sum(0) * m, counts, rtol=1e-5)
+    # random groups: not the consecutive groups of the stored order (sorted by class here)
+    consecutive, _ = group_means(torch.from_numpy(x), torch.zeros(n, 1), m)
+    assert not np.allclose(reply[MEAN_X], consecutive.numpy(), atol=1e-3)
+
+
+def test_a_client_without_some_class_uploads_label_means_over_every_class():
+    """Client 0 without its class-3 samples: ``mix/y`` rows still have one entry per class (class 3 at 0), so the
+    server can stack them with the other clients'."""
+    fed = toy_federation("method.name=fedmix")
+    ctx = client_context(fed, 0, 0)
+    ctx.train_idx = ctx.train_idx[fed.dataset.labels[ctx.train_idx] != 3]
+    reply, _ = fed.method.client_setup(fed.model, {"mean_size": 5}, {}, ctx)
+    assert reply[MEAN_Y].shape == (ctx.num_examples // 5, 4) and not reply[MEAN_Y][:, 3].any()
+    np.testing.assert_allclose(reply[MEAN_Y].sum(1), 1.0, rtol=1e-6)
 
 
 def test_each_client_receives_the_other_clients_means():
@@ -89,6 +105,42 @@ def test_each_client_receives_the_other_clients_means():
     assert sorted(set(msg[MEAN_Y].ravel())) == [0.0, 2.0] and "w/a" in msg
     with pytest.raises(ValueError, match="needs the means of at least 2 clients, got 1"):
         method.server_setup({}, [replies[0], Reply(1, {MEAN_X: np.zeros((0, 1, 2, 2)), MEAN_Y: np.zeros((0, 3))})])
+
+
+def test_the_bank_tags_each_mean_with_the_id_of_the_client_that_sent_it():
+    """Replies in any order (2, 0, 1): client 2 is sent exactly the means of clients 0 and 1."""
+    method = FedMix()
+    replies = [Reply(k, {MEAN_X: np.full((k + 1, 1, 2, 2), k, np.float32), MEAN_Y: np.full((k + 1, 3), k, np.float32)})
+               for k in (2, 0, 1)]
+    state = method.server_setup({"weights": {}}, replies)
+    assert state["bank_owner"].tolist() == [2, 2, 2, 0, 1, 1]
+    msg = method.client_config(state, 2, 1)
+    assert sorted(msg[MEAN_X][:, 0, 0, 0].tolist()) == [0.0, 1.0, 1.0] and sorted(msg[MEAN_Y][:, 0].tolist()) == [
+        0.0, 1.0, 1.0]
+
+
+def test_each_sample_is_mixed_with_a_uniformly_drawn_bank_row_and_that_rows_label_mean(monkeypatch):
+    """Three bank rows, row r the constant image r + 1 with label mean e_r: every sample's (x̄, ȳ) is one row's pair,
+    and each row is drawn about a third of the time."""
+    fed = toy_federation("method.name=fedmix")
+    bank = {MEAN_X: np.arange(1.0, 4.0, dtype=np.float32)[:, None, None, None].repeat(6, 2).repeat(6, 3),
+            MEAN_Y: np.eye(4, dtype=np.float32)[:3]}
+    drawn = []
+    loss = fedmix.fedmix_loss
+
+    def recording(model, task, x, y, x_bar, y_bar, lam):
+        drawn.append((x_bar.detach().clone(), y_bar.detach().clone()))
+        return loss(model, task, x, y, x_bar, y_bar, lam)
+
+    monkeypatch.setattr(fedmix, "fedmix_loss", recording)
+    msg = {**weights_of(fed.model), **bank, "lr": 0.1, "round": 1}
+    fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    x_bar, y_bar = torch.cat([d[0] for d in drawn]), torch.cat([d[1] for d in drawn])
+    rows = x_bar[:, 0, 0, 0].long() - 1
+    assert torch.equal(x_bar, torch.from_numpy(bank[MEAN_X])[rows])
+    assert torch.equal(y_bar, torch.from_numpy(bank[MEAN_Y])[rows])  # the label mean of the same row
+    assert len(rows) >= 50  # a sample of every training batch
+    assert torch.bincount(rows, minlength=3).min() > len(rows) / 6  # each row drawn (a third expected)
 
 
 def test_a_client_trains_against_the_bank_and_an_empty_bank_is_refused():
@@ -134,3 +186,9 @@ def test_a_client_with_fewer_samples_than_a_group_uploads_no_mean():
     right trailing shapes (it used to crash reshaping 0 one-hot rows)."""
     x_bar, y_bar = group_means(torch.ones(3, 1, 4, 4), torch.eye(10)[:3], 5)
     assert x_bar.shape == (0, 1, 4, 4) and y_bar.shape == (0, 10)
+
+
+def test_the_defaults():
+    """docs/methods/fedmix.md: λ = 0.05, M = 5."""
+    p = FedMixParams()
+    assert (p.lam, p.mean_size) == (0.05, 5)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.augmentation import shift_training_batches
 from toy import run_recording_replies, toy_federation
 
 from feddg.algorithms import harmofl
@@ -34,14 +35,15 @@ from feddg.messages import load_weights
 def test_the_low_frequency_window_is_2b_plus_1_wide_around_the_zero_frequency():
     assert low_freq_radius(384, 384, 0.0) == 0  # the code's L = 0: the zero frequency alone
     assert low_freq_radius(384, 384, 0.003) == 1 and low_freq_radius(384, 384, 0.01) == 3
-    assert low_freq_radius(6, 8, 0.34) == 2  # the shorter side counts
+    assert low_freq_radius(6, 8, 0.34) == 2 and low_freq_radius(12, 6, 0.34) == 2  # the shorter side counts
     mask = low_freq_mask(8, 8, 1)  # fft2 layout: frequencies -1, 0, 1 on both axes, wrapping around
     assert mask.sum() == 9
     assert all(mask[u, v] for u in (7, 0, 1) for v in (7, 0, 1))
     assert not mask[2, 0] and not mask[0, 6]
     assert low_freq_mask(5, 7, 0).nonzero().tolist() == [[0, 0]]
-    with pytest.raises(ValueError, match="does not fit"):
-        low_freq_mask(6, 6, 3)
+    for height, width, radius in ((6, 6, 3), (6, 8, 3), (8, 6, 3), (8, 8, -1)):  # either side too short; b < 0
+        with pytest.raises(ValueError, match="does not fit"):
+            low_freq_mask(height, width, radius)
 
 
 # --------------------------------------------------------------------------- amplitude normalisation
@@ -112,13 +114,13 @@ class Vector(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.tensor(w))
 
 
-def _step(w0, c, lr, alpha):
+def _step(w0, c, lr, alpha, clip=None):
     model = Vector(w0)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     c = torch.tensor(c)
     loss = perturbed_step(list(model.parameters()), lambda: 0.5 * (c * model.w**2).sum(), opt, scaler, alpha,
-                          lambda: torch.autocast("cpu", enabled=False))
+                          lambda: torch.autocast("cpu", enabled=False), clip)
     return model.w.detach(), float(loss)
 
 
@@ -135,6 +137,25 @@ def test_the_perturbed_step_on_a_quadratic_is_the_gradient_at_w_plus_delta_appli
     # L = ½‖w‖²: w' = w (1 − η − ηα/‖w‖)
     iso, _ = _step(w.tolist(), [1.0, 1.0], lr, alpha)
     np.testing.assert_allclose(iso.numpy(), w * (1 - lr - lr * alpha / 5.0), rtol=1e-6)
+
+
+def test_the_gradient_taken_at_w_plus_delta_is_clipped_to_the_global_norm():
+    """optim.grad_clip = 1: w' = w − η G/‖G‖ with G = c∘(w + δ) (‖G‖ > 1 here), and α = 0: w − η g/‖g‖."""
+    w, c, lr, alpha = np.array([3.0, -4.0]), np.array([1.0, 2.0]), 0.1, 0.05
+    g = c * w
+    big = c * (w + alpha * g / np.linalg.norm(g))
+    new, _ = _step(w.tolist(), c.tolist(), lr, alpha, clip=1.0)
+    np.testing.assert_allclose(new.numpy(), w - lr * big / np.linalg.norm(big), rtol=1e-6)
+    plain, _ = _step(w.tolist(), c.tolist(), lr, 0.0, clip=1.0)
+    np.testing.assert_allclose(plain.numpy(), w - lr * g / np.linalg.norm(g), rtol=1e-6)
+
+
+def test_a_tiny_gradient_still_gives_a_perturbation_of_length_alpha():
+    """‖g‖ = 5e-7: δ = α g/(‖g‖ + 1e−12) is α times the unit gradient (a larger guard would shrink it)."""
+    a = torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.tensor([3e-7, 4e-7])
+    (delta,) = perturb([a], 0.05)
+    torch.testing.assert_close(delta, torch.tensor([0.03, 0.04]), rtol=1e-5, atol=0)
 
 
 def test_perturb_adds_alpha_times_the_unit_gradient_over_all_parameters():
@@ -181,6 +202,53 @@ def test_each_client_uploads_its_mean_amplitude_window_and_the_server_averages_t
             np.testing.assert_allclose(reply["amp/mean"].ravel(), x.sum(dim=(1, 2, 3)).mean(), rtol=1e-5, atol=1e-4)
     global_amp = np.mean([r["amp/mean"] for r in setup], axis=0)  # unweighted, as the code's 1/K
     np.testing.assert_allclose(server.state["weights"]["w/amp"], global_amp, rtol=1e-6)
+
+
+def test_the_setup_upload_reads_the_training_images_without_augmentation(tmp_path, monkeypatch):
+    """An "augmentation" that adds 100 to every pixel must not reach Ā_k: b = 0, A_g = (1/K) Σ_k mean_i Σx_i."""
+    fed = toy_federation("method.name=harmofl")
+    shift_training_batches(monkeypatch, fed.dataset)
+    server = Server(fed, tmp_path)
+    run_setup(server)
+    sums = [fed.dataset.x[torch.as_tensor(c.train_idx)].double().sum(dim=(1, 2, 3)).mean() for c in fed.clients]
+    np.testing.assert_allclose(server.state["weights"]["w/amp"].ravel(), np.mean(sums), rtol=1e-5, atol=1e-4)
+
+
+def test_client_update_steps_with_the_configured_alpha_and_gradient_clip(tmp_path, monkeypatch):
+    fed = toy_federation("method.name=harmofl", "method.params.alpha=0.2", "optim.grad_clip=0.5")
+    server = Server(fed, tmp_path)
+    run_setup(server)
+    seen = []
+    step = harmofl.perturbed_step
+
+    def recording(params, loss_fn, opt, scaler, alpha, autocast, clip=None):
+        seen.append((alpha, clip))
+        return step(params, loss_fn, opt, scaler, alpha, autocast, clip)
+
+    monkeypatch.setattr(harmofl, "perturbed_step", recording)
+    msg = {**fed.method.client_config(server.state, 0, 1), "lr": 0.1, "round": 1}
+    fed.method.client_update(fed.model, msg, {}, client_context(fed, 0, 1))
+    assert seen and set(seen) == {(0.2, 0.5)}
+
+
+def test_the_reported_loss_is_the_mean_over_the_batches_of_the_loss_at_w(tmp_path):
+    """lr = 0: w stays w, so train_loss is the mean over the client's batches (drawn again from an equal stream) of
+    the loss of the normalising network at w, not at w + δ."""
+    fed = toy_federation("method.name=harmofl")
+    server = Server(fed, tmp_path)
+    run_setup(server)
+    model = fed.model
+    msg = {**fed.method.client_config(server.state, 0, 1), "lr": 0.0, "round": 1}
+    reply, _ = fed.method.client_update(model, msg, {}, client_context(fed, 0, 1))
+    with torch.no_grad():
+        losses = [float(fed.task.loss(model(x), y)) for _, x, y in local_batches(model, client_context(fed, 0, 1))]
+    assert len(losses) > 1 and reply["train_loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_the_defaults_are_the_authors_code():
+    """docs/methods/harmofl.md: α = 0.05 (--alpha), b = 0 (the code's L = 0), λ = 1 (the window replaced)."""
+    p = harmofl.HarmoFLParams()
+    assert (p.alpha, p.radius, p.strength) == (0.05, 0, 1.0)
 
 
 def test_evaluation_and_training_see_the_normalised_images(tmp_path):
