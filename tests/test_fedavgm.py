@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
-from toy import toy_federation
+from pydantic import ValidationError
+from toy import ToyNet, toy_federation
 
-from feddg.algorithms import Reply
+from feddg.algorithms import Reply, ServerContext
 from feddg.algorithms.fedavg import FedAvg
 from feddg.algorithms.fedavgm import FedAvgM, FedAvgMParams
 from feddg.engines.inprocess import run_inprocess, run_round
@@ -55,3 +56,29 @@ def test_a_resumed_run_keeps_the_velocity_and_ends_bit_identical(tmp_path):
     for k, v in full.state["velocity"].items():
         assert np.abs(v).sum() > 0 and np.array_equal(v, resumed.state["velocity"][k])
     assert all(np.array_equal(full.state["weights"][k], resumed.state["weights"][k]) for k in full.state["weights"])
+
+
+def test_defaults_are_the_documented_ones_and_beta_one_or_a_zero_server_lr_is_refused():
+    p = FedAvgMParams()
+    assert (p.server_lr, p.server_momentum) == (1.0, 0.9)  # docs/methods/fedavgm.md
+    for bad in ({"server_momentum": 1.0}, {"server_lr": 0.0}):
+        with pytest.raises(ValidationError):
+            FedAvgMParams(**bad)
+
+
+def test_momentum_is_kept_for_the_trainable_parameters_only_and_buffers_are_fedavgs():
+    """server_init on a BatchNorm model: velocity for the parameters only; at η_s = 0.5 a parameter moves half way
+    from the old weights to the mean (v = 0), a buffer is the FedAvg mean."""
+    method = FedAvgM(FedAvgMParams(server_lr=0.5))
+    model = ToyNet()
+    state = method.server_init(model, ServerContext(2, 3, 0))
+    assert set(state["velocity"]) == {n for n, _ in model.named_parameters()}
+    rng = np.random.default_rng(0)
+    replies = [Reply(k, {**{key: (v + rng.normal(size=v.shape)).astype(v.dtype) for key, v in state["weights"].items()},
+                         "num_examples": n}) for k, n in enumerate([10, 30])]
+    new, _ = method.aggregate(state, replies)
+    avg, _ = FedAvg().aggregate(state, replies)
+    for key in ("w/bn.running_mean", "w/bn.running_var", "w/bn.num_batches_tracked"):
+        assert np.array_equal(new["weights"][key], avg["weights"][key]), key
+    old, mean = state["weights"]["w/bn.weight"], avg["weights"]["w/bn.weight"]
+    np.testing.assert_allclose(new["weights"]["w/bn.weight"], (old + mean) / 2, rtol=1e-6, atol=1e-7)

@@ -109,3 +109,24 @@ def test_target_mode_resets_the_statistics_and_predicts_with_the_batchs_own():
 
 def _features(model, bn_out):
     return torch.relu(model.fc(torch.relu(bn_out).flatten(1)))
+
+
+def test_bn1d_layers_are_kept_local_and_the_unseen_bn_is_weighted_by_examples():
+    """A ``Linear`` + ``BatchNorm1d`` model, clients of 1 and 3 examples: the non-BN weights and the unseen-domain BN
+    are both the 1:3 means; a client never heard from is evaluated with that average BN."""
+    method = FedBN()
+    model = method.prepare_model(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    bn = ["w/1.weight", "w/1.bias", "w/1.running_mean", "w/1.running_var", "w/1.num_batches_tracked"]
+    assert sorted(method.bn) == sorted(bn)
+    state = method.server_init(model, None)
+
+    def reply(cid, value, n):
+        w = {k: np.full_like(v, value) for k, v in state["weights"].items()}
+        return Reply(cid, {**{k: v for k, v in w.items() if k not in bn}, **{BN_PREFIX + k: w[k] for k in bn},
+                           "num_examples": n})
+
+    state, _ = method.aggregate(state, [reply(0, 2.0, 1), reply(1, 6.0, 3)])  # (1·2 + 3·6) / 4 = 5
+    assert all(np.array_equal(v, np.full_like(v, 5.0)) for v in state["weights"].values())
+    assert int(state["weights"]["w/1.num_batches_tracked"]) == 5
+    assert all(np.array_equal(method.eval_weights(state, 0)[k], np.full_like(state["weights"][k], 2.0)) for k in bn)
+    assert all(np.array_equal(method.eval_weights(state, 2)[k], state["weights"][k]) for k in state["weights"])

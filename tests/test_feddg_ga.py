@@ -9,7 +9,17 @@ from toy import toy_federation
 
 from feddg.algorithms import Reply, ServerContext
 from feddg.algorithms.fedavg import FedAvg
-from feddg.algorithms.feddg_ga import GAP, HAS_GAP, LOCAL, LOCAL_ROUND, WEIGHT, FedDGGA, FedDGGAParams, adjust_weights
+from feddg.algorithms.feddg_ga import (
+    GAP,
+    HAS_GAP,
+    LOCAL,
+    LOCAL_ROUND,
+    WEIGHT,
+    FedDGGA,
+    FedDGGAParams,
+    adjust_weights,
+    loss_and_score,
+)
 from feddg.federation.client import client_context
 from feddg.federation.validation import check_reply
 from feddg.messages import load_weights, weights_of
@@ -148,3 +158,63 @@ def test_official_timing_client_measures_the_new_aggregate_against_its_last_mode
     stale, _ = method.client_update(fed.model, {**aggregate, "lr": 0.1, "round": 3, WEIGHT: 0.25}, state,
                                     client_context(fed, 0, 3))
     assert stale[HAS_GAP] == 0  # its last model is from round 1, not the aggregate's round: no gap
+
+
+def test_adjustment_normalises_by_the_largest_absolute_gap_and_clips_above_one():
+    a = np.full(2, 0.5)
+    # the negative gap dominates: G / max|G| = [−1, 0.5] -> [0.3, 0.6] / 0.9
+    np.testing.assert_allclose(adjust_weights(a, {0: -4.0, 1: 2.0}, 0.2, centre=False), [1 / 3, 2 / 3])
+    # [0.9, 0.1, 0.5] + 0.5·[1, 0, 0] = [1.4, 0.1, 0.5] -> clipped [1, 0.1, 0.5] / 1.6
+    got = adjust_weights(np.array([0.9, 0.1, 0.5]), {0: 1.0, 1: 0.0, 2: 0.0}, 0.5, centre=False)
+    np.testing.assert_allclose(got, np.array([1.0, 0.1, 0.5]) / 1.6)
+
+
+def test_every_weight_clipped_to_zero_is_refused_naming_the_step():
+    with pytest.raises(ValueError, match="every aggregation weight was clipped to 0.*lower method.params.step"):
+        adjust_weights(np.full(2, 0.5), {0: -1.0, 1: -1.0}, 1.0, centre=False)
+
+
+def test_a_round_whose_clients_all_weigh_zero_keeps_the_global_model():
+    method = FedDGGA(FedDGGAParams(step=0.0, gap_at="received"))
+    state = {"weights": {"w/t": np.array([7.0], np.float32)}, "ga_weights": np.array([0.0, 0.5, 0.5]), "round": 0,
+             "rounds": 4}
+    new, metrics = _round(method, state, [1.0], [2.0])  # client 0 only, a_0 = 0
+    assert new["weights"]["w/t"].item() == 7.0 and metrics["ga/skipped"] == 1.0
+
+
+def test_metrics_of_a_round_by_hand():
+    """The rounds test's first round (official normalisation): gaps [3, 1, −1], a = [19, 13, 7] / 39."""
+    method = FedDGGA(FedDGGAParams(step=0.4, gap_at="received"))
+    state = {"weights": {"w/t": np.zeros(1, np.float32)}, "ga_weights": np.full(3, 1 / 3), "round": 0, "rounds": 4}
+    _, m = _round(method, state, [0.0, 1.0, 2.0], [3.0, 1.0, -1.0])
+    assert m == pytest.approx({"ga/step": 0.3, "ga/gaps": 3.0, "ga/skipped": 0.0, "ga/weight_max": 19 / 39,
+                               "ga/weight_min": 7 / 39, "ga/gap_mean": 1.0})
+
+
+def test_defaults_start_uniform_and_each_client_is_sent_its_own_weight():
+    p = FedDGGAParams()
+    assert (p.step, p.gap_at, p.centre_gaps, p.metric) == (pytest.approx(0.2 / 3), "aggregated", False, "score")
+    method = FedDGGA(p)
+    state = method.server_init(torch.nn.Linear(1, 1), ServerContext(4, 3, 0))
+    np.testing.assert_array_equal(state["ga_weights"], np.full(4, 0.25))
+    state["ga_weights"] = np.array([0.1, 0.2, 0.3, 0.4])
+    assert [method.client_config(state, k, 2)[WEIGHT] for k in range(4)] == [0.1, 0.2, 0.3, 0.4]
+
+
+def test_the_gap_passes_read_the_training_data_in_eval_mode_without_augmentation(monkeypatch):
+    """``loss_and_score`` asks the dataset for un-augmented batches (``train=False``) and runs the model in eval mode;
+    its loss is the example-weighted mean over the client's 54 examples (batches of 16, 16, 16, 6)."""
+    fed = toy_federation("method.name=feddg_ga")
+    flags, get = [], type(fed.dataset).get_batch
+
+    def recording(self, indices, train, generator=None):
+        flags.append(train)
+        return get(self, indices, train, generator)
+
+    monkeypatch.setattr(type(fed.dataset), "get_batch", recording)
+    fed.model.train()
+    ctx = client_context(fed, 0, 1)
+    loss, score = loss_and_score(fed.model, ctx)
+    assert flags == [False] * 4 and not fed.model.training
+    want_loss, want_acc = _loss_acc(fed.model, ctx)
+    assert loss == pytest.approx(want_loss, rel=1e-5) and score == pytest.approx(100 * want_acc)

@@ -64,14 +64,41 @@ class QuadraticSAM(FedSAM):
     loss_fn = staticmethod(quadratic)
 
 
-def test_a_client_on_a_quadratic_steps_with_the_gradient_at_the_perturbed_point():
-    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000")
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_client_on_a_quadratic_steps_with_the_gradient_at_the_perturbed_point(clip):
+    """Two epochs of one full batch; ``clip``: the perturbed gradient's norm is bounded (``optim.grad_clip``).
+    ``train_loss`` is the mean of ``L(w)`` (not ``L(w + ε)``) over the two steps."""
+    clip_over = () if clip is None else (f"optim.grad_clip={clip}",)
+    fed = toy_federation("optim.momentum=0", "optim.weight_decay=0", "federation.batch_size=1000", *clip_over)
     ctx = replace(client_context(fed, 0, 1), local_epochs=2)
     a = float(fed.dataset.x[fed.clients[0].train_idx].mean())
     model, rho, lr = Point(), 0.2, 0.1
     reply, _ = QuadraticSAM(FedSAMParams(rho=rho)).client_update(model, {**weights_of(model), "lr": lr, "round": 1},
                                                                  {}, ctx)
-    w = 3.0
+    w, losses = 3.0, []
     for _ in range(2):  # 1-d: ε = ρ sign(w − a), w ← w − lr (w + ε − a)
-        w = w - lr * (w + rho * np.sign(w - a) - a)
+        losses.append(0.5 * (w - a) ** 2)
+        g = w + rho * np.sign(w - a) - a
+        w = w - lr * (g if clip is None else np.clip(g, -clip, clip))
     np.testing.assert_allclose(reply["w/w"], [w], rtol=1e-6)
+    assert reply["train_loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+
+
+def test_defaults_and_a_non_finite_gradient_gives_no_ascent():
+    """ρ = 0.05 (SAM's default, docs/methods/fedsam.md); an fp16 overflow (inf or nan in g) gives ε = 0, so the
+    second pass and ``back_to_w`` leave w finite (ε = ρ·inf/inf would be nan)."""
+    assert FedSAMParams().rho == 0.05
+    p = [torch.zeros(2), torch.zeros(1)]
+    for bad in (float("inf"), float("nan")):
+        eps = ascent(p, [torch.tensor([bad, 1.0]), torch.tensor([4.0])], rho=0.5)
+        assert all(torch.equal(e, torch.zeros_like(e)) for e in eps), bad
+
+
+def test_a_client_trains_in_training_mode_and_batchnorm_counts_each_batch_once():
+    """A model left in eval mode: the client switches to training mode; 54 examples in batches of 16 are 4 batches,
+    and the second (perturbed) pass of each leaves BatchNorm's count as the first left it."""
+    fed = toy_federation("method.name=fedsam")
+    fed.model.eval()
+    reply, _ = fed.method.client_update(fed.model, {**weights_of(fed.model), "lr": 0.1, "round": 1}, {},
+                                        client_context(fed, 0, 1))
+    assert int(reply["w/bn.num_batches_tracked"]) == 4

@@ -10,8 +10,20 @@ import torch
 from toy import toy_federation
 
 from feddg.algorithms import fpl
-from feddg.algorithms.base import ClientContext
-from feddg.algorithms.fpl import cluster_prototypes, cpcl_loss, upcr_loss
+from feddg.algorithms.base import ClientContext, Reply
+from feddg.algorithms.fpl import (
+    CLUSTER,
+    CLUSTER_CLASS,
+    FPL,
+    HAS_UNBIASED,
+    PROTO_MEAN,
+    PROTO_PRESENT,
+    UNBIASED,
+    FPLParams,
+    cluster_prototypes,
+    cpcl_loss,
+    upcr_loss,
+)
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.client import client_context
 from feddg.federation.server import Server
@@ -53,8 +65,6 @@ def test_upcr_reductions():
 
 def test_the_prototype_terms_are_summed_over_the_samples_with_prototypes_and_divided_by_the_batch():
     """The authors' ``loss_InfoNCE / i`` (``i`` counts every label): 2 of 8 samples with a prototype weigh 2/8."""
-    from feddg.algorithms.fpl import CLUSTER, CLUSTER_CLASS, FPL, HAS_UNBIASED, UNBIASED, FPLParams
-
     g = torch.Generator().manual_seed(0)
     z, y = torch.randn(8, 3, generator=g), torch.tensor([0, 1, 1, 1, 1, 1, 1, 0])
     protos = {CLUSTER: torch.randn(2, 3, generator=g), CLUSTER_CLASS: torch.tensor([0, 1]),
@@ -134,3 +144,45 @@ def test_prototype_terms_join_the_loss_from_round_two(tmp_path):
     without = fed.method.client_update(fed.model, plain, {}, client_context(fed, 0, 3))[0]["train_loss"]
     assert with_protos > without
     assert server.metrics[-1]["proto_clusters"] >= 4  # at least one cluster prototype per class
+
+
+def test_the_coarsest_finch_partition_is_kept():
+    """One class, eight unit prototypes in four close pairs (0°, 2°), (10°, 12°), (90°, 92°), (100°, 102°): FINCH's
+    first partition is the four pairs, its second (kept: the next merges all into one) the two groups of four."""
+    angles = np.deg2rad([0.0, 2.0, 10.0, 12.0, 90.0, 92.0, 100.0, 102.0])
+    rows = np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    clusters, classes, unbiased, _ = cluster_prototypes(rows[:, None, :], np.ones((8, 1), np.int8))
+    assert list(classes) == [0, 0]
+    by_x = clusters[np.argsort(clusters[:, 0])]  # the group near 95° first
+    np.testing.assert_allclose(by_x, [rows[4:].mean(0), rows[:4].mean(0)], atol=1e-6)
+    np.testing.assert_allclose(unbiased[0], (rows[:4].mean(0) + rows[4:].mean(0)) / 2, atol=1e-6)
+
+
+def test_the_server_clusters_only_the_classes_a_client_reports_present():
+    """Client 0 reports classes 0 and 1, client 1 class 0 only (its class-1 row, zeros, is not a prototype)."""
+    method = FPL()
+    mean = [np.array([[1.0, 0.0], [0.0, 2.0]], np.float32), np.array([[1.0, 0.1], [0.0, 0.0]], np.float32)]
+    present = [np.array([1, 1], np.int8), np.array([1, 0], np.int8)]
+    replies = [Reply(k, {"w/t": np.zeros(1, np.float32), "num_examples": 5, PROTO_MEAN: mean[k],
+                         PROTO_PRESENT: present[k]}) for k in (0, 1)]
+    state, metrics = method.aggregate({"weights": {}}, replies)
+    clusters, classes, unbiased, has = state["protos"]
+    np.testing.assert_allclose(unbiased[1], [0.0, 2.0])
+    assert list(has) == [1, 1] and metrics["proto_clusters"] == len(classes) == len(clusters)
+
+
+def test_the_prototype_terms_are_weighted_by_their_own_weights():
+    g = torch.Generator().manual_seed(1)
+    z, y = torch.randn(4, 3, generator=g), torch.tensor([0, 1, 0, 1])
+    protos = {CLUSTER: torch.randn(3, 3, generator=g), CLUSTER_CLASS: torch.tensor([0, 1, 1]),
+              UNBIASED: torch.randn(2, 3, generator=g), HAS_UNBIASED: torch.tensor([1, 1])}
+    p = FPLParams(cpcl_weight=2.0, upcr_weight=0.5, upcr_reduction="sum", temperature=0.5)
+    cpcl = cpcl_loss(z, y, protos[CLUSTER], protos[CLUSTER_CLASS], 0.5)
+    upcr = ((z - protos[UNBIASED][y]) ** 2).sum(1)
+    assert FPL(p)._proto_terms(z, y, protos).item() == pytest.approx((2 * cpcl + 0.5 * upcr).sum().item() / 4, rel=1e-6)
+
+
+def test_defaults_are_the_documented_ones():
+    p = FPLParams()
+    assert (p.temperature, p.cpcl_weight, p.upcr_weight, p.upcr_reduction, p.dp) == (0.02, 1.0, 1.0, "mse", None)
+

@@ -8,6 +8,8 @@ import torch
 from support.decisive import decisive_argmax
 from toy import toy_federation
 
+from feddg.algorithms import Reply, ServerContext
+from feddg.algorithms.local_only import LocalOnly
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.client import client_context
 from feddg.federation.server import Server
@@ -87,3 +89,23 @@ def test_under_ltdo_the_validation_domain_is_scored_like_the_test_domain(tmp_pat
         assert final[f"global_{role}_acc"] == pytest.approx(_accuracy(fed, method.eval_weights(st, None), idx))
     assert set(final) == server.evaluator.keys()  # every key the evaluator promises (counts), and no other
     assert res["counts"]["val_acc"] == res["counts"]["global_val_acc"] == len(val)
+
+
+def _reply(cid, value, n):
+    return Reply(cid, {"w/weight": np.array([[value]], np.float32), "num_examples": n, "train_loss": 0.0})
+
+
+def test_clients_absent_from_a_round_or_never_heard_from_keep_their_models_and_counts():
+    """Three clients; round 1: clients 0 (10 examples) and 1 (30); round 2: client 0 alone. Client 1 keeps its
+    round-1 model and its count in the global diagnostic; client 2, never heard from, has the initial model."""
+    method = LocalOnly()
+    state = method.server_init(torch.nn.Linear(1, 1, bias=False), ServerContext(3, 2, 0))
+    init = dict(state["weights"])
+    assert all(np.array_equal(method.eval_weights(state, c)["w/weight"], init["w/weight"]) for c in (None, 2))
+    state, _ = method.aggregate(state, [_reply(0, 1.0, 10), _reply(1, 5.0, 30)])
+    state, _ = method.aggregate(state, [_reply(0, 3.0, 10)])
+    mine = [method.eval_weights(state, c) for c in (0, 1, 2)]
+    assert all(set(m) == {"w/weight"} for m in mine)  # the stored model only, not its count
+    assert [m["w/weight"].item() for m in mine[:2]] == [3.0, 5.0]
+    assert np.array_equal(mine[2]["w/weight"], init["w/weight"])
+    assert method.eval_weights(state, None)["w/weight"].item() == pytest.approx((10 * 3.0 + 30 * 5.0) / 40, rel=1e-6)

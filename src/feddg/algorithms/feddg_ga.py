@@ -24,7 +24,8 @@ When the gap is measured (``gap_at``; docs/methods/feddg_ga.md):
   one aggregation older, the fold streams (O(model)).
 
 Both losses (or accuracies) are means over the client's training data in eval mode, without augmentation.
-The client echoes the ``a_k`` it was sent (``ga_weight``); ``finish`` checks every echo against ``a``.
+The client echoes the ``a_k`` it was sent (``ga_weight``); a reply whose echo differs is dropped when it arrives
+(:meth:`FedDGGA.reply_layout`, checked by the server's reply check).
 """
 
 from __future__ import annotations
