@@ -13,7 +13,7 @@ from feddg.algorithms import create_method
 from feddg.config import build_config
 from feddg.federation.setup import Federation, make_clients, make_split, make_topology
 from feddg.models import create_model
-from feddg.models.dac import CCNorm, PCNorm, SCNorm
+from feddg.models.dac import CCNorm, PCNorm, SCNorm, amplitude, compose
 from feddg.models.stages import conv_stages
 
 
@@ -106,6 +106,34 @@ def test_a_constant_shift_of_a_channel_changes_only_the_dc_bin():
     assert (torch.sign(fs[..., 0, 0].real) != torch.sign(fy[..., 0, 0].real)).any()
 
 
+def test_pcnorm_without_affine_is_the_closed_form_in_its_inputs_dtype():
+    x = _x(9)
+    layer = PCNorm(3, affine=False)
+    assert torch.allclose(layer(x), _pc_closed_form(x, *_batch_stats(x)), atol=1e-5)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("momentum", [None, 0.5])
+def test_the_running_mean_follows_batchnorms_momentum_or_cumulative_average(momentum):
+    a, b = _x(12), _x(13)
+    layer = PCNorm(3, momentum=momentum)
+    layer(a)
+    layer(b)
+    ma, mb = a.mean(dim=(0, 2, 3)), b.mean(dim=(0, 2, 3))
+    expected = (ma + mb) / 2 if momentum is None else 0.5 * (0.5 * ma) + 0.5 * mb
+    assert torch.allclose(layer.running_mean, expected, atol=1e-6)
+
+
+def test_compose_of_a_maps_own_amplitude_and_phase_is_the_map_even_when_it_is_small():
+    z = _x(8) * 1e-3  # every frequency's |F| is ~5e-3: far above PHASE_EPS, so its phasor is exact
+    torch.testing.assert_close(compose(amplitude(z), z), z, rtol=1e-4, atol=1e-7)
+
+
+def test_pcnorm_refuses_what_batchnorm2d_refuses():
+    with pytest.raises(ValueError, match="expected 4D input"):
+        PCNorm(3)(torch.randn(2, 3, 5))
+
+
 # --- CCNorm / SCNorm ------------------------------------------------------------------------------
 
 
@@ -126,6 +154,29 @@ def test_ccnorm_is_pcnorm_at_lambda_0_batchnorm_at_lambda_1_and_shifts_the_dc_si
     assert cc.num_batches_tracked.item() == 3 and isinstance(cc, torch.nn.BatchNorm2d)
 
 
+def test_ccnorm_in_eval_takes_the_dc_sign_from_the_running_mean():
+    x = _x(10)  # channel means ≈ 0.3, −1, 0.8
+    cc = CCNorm(3).eval()
+    _set_lambda(cc, 0.5)
+    mean, var = torch.tensor([2.0, -4.0, 0.0]), torch.tensor([2.0, 0.5, 1.0])
+    with torch.no_grad():
+        cc.running_mean.copy_(mean)
+        cc.running_var.copy_(var)
+    # m − μ/2 is < 0 for channel 0 and > 0 for channel 1 (the batch mean would give the other signs)
+    sign_of = x.mean(dim=(2, 3), keepdim=True) - 0.5 * mean.view(1, 3, 1, 1)
+    assert torch.allclose(cc(x), _pc_closed_form(x, mean, var, dc_sign_of=sign_of), atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", [PCNorm, CCNorm])
+def test_without_running_statistics_eval_normalises_with_the_batchs(layer):
+    x = _x(11)
+    norm = layer(3, track_running_stats=False).eval()
+    mean, var = _batch_stats(x)
+    lam = 0.5 if layer is CCNorm else 0.0
+    sign_of = x.mean(dim=(2, 3), keepdim=True) - lam * mean.view(1, 3, 1, 1)
+    assert torch.allclose(norm(x), _pc_closed_form(x, mean, var, dc_sign_of=sign_of), atol=1e-5)
+
+
 def test_scnorm_is_the_pcnorm_composition_with_instance_statistics_at_1_and_the_input_at_0():
     x = _x(3)
     sc = SCNorm(3)
@@ -142,6 +193,13 @@ def test_scnorm_is_the_pcnorm_composition_with_instance_statistics_at_1_and_the_
         sc.bias.copy_(torch.tensor([0.0, 0.5, 1.0]))
     expected = (0.3 * inorm + 0.7 * x) * sc.weight.view(1, 3, 1, 1) + sc.bias.view(1, 3, 1, 1)
     assert torch.allclose(sc(x), expected, atol=1e-5)
+
+
+def test_scnorm_instance_statistics_use_its_eps():
+    x = _x(14) * 0.1  # per-map variance ≈ 0.01: eps = 0.5 dominates it
+    sc = SCNorm(3, eps=0.5)
+    _set_lambda(sc, 0.3)
+    assert torch.allclose(sc(x), 0.3 * F.instance_norm(x, eps=0.5) + 0.7 * x, atol=1e-5)
 
 
 def test_scnorm_lambda_and_affine_get_their_closed_form_gradients():

@@ -6,7 +6,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
 from scipy.stats import norm
+from support.dp_reference import accounted_gaussian, analytic_gaussian_epsilon
 from torch import nn
 
 from feddg.aggregation.accounting import gaussian_epsilon, privacy_record, statistic_privacy
@@ -227,13 +230,26 @@ def test_epsilon_matches_the_packages_documented_gaussian_example():
     assert gaussian_epsilon(4.530877117, 1, 1e-6, "rdp") == pytest.approx(1.0, rel=1e-3)
     # PLD is exact for the Gaussian: one release is the analytic Gaussian mechanism (Balle & Wang 2018)
     eps = gaussian_epsilon(4.530877117, 1, 1e-6, "pld")
-    assert analytic_delta(4.530877117, eps, 1.0) == pytest.approx(1e-6, rel=1e-3)
+    assert eps == pytest.approx(analytic_gaussian_epsilon(4.530877117, 1e-6), rel=1e-3)
 
 
 def test_pld_composition_of_k_gaussians_is_one_gaussian_with_noise_z_over_root_k():
     eps = gaussian_epsilon(2.0, 16, 1e-5, "pld")  # 16 releases at z = 2 ≡ one at z = 0.5 (Dong et al. 2019, GDP)
-    assert analytic_delta(0.5, eps, 1.0) == pytest.approx(1e-5, rel=1e-2)
-    assert eps < gaussian_epsilon(2.0, 16, 1e-5, "rdp") < basic_composition(eps, 1e-5, 16)[0]
+    assert eps == pytest.approx(analytic_gaussian_epsilon(0.5, 1e-5), rel=1e-2)
+    assert eps < _rdp_closed_form(2.0, 16, 1e-5) < 16 * eps
+
+
+def test_each_accountant_is_the_packages_own_and_rdp_is_the_default():
+    pld, rdp = (accounted_gaussian(a, 3.0, 2, 1e-5) for a in (PLDAccountant, RdpAccountant))
+    assert gaussian_epsilon(3.0, 2, 1e-5) == pytest.approx(rdp) and pld < 0.95 * rdp  # the two differ
+    assert gaussian_epsilon(3.0, 2, 1e-5, "pld") == pytest.approx(pld)
+
+
+@pytest.mark.parametrize(("z", "k", "delta"), [(-1.0, 1, 1e-5), (1.0, -1, 1e-5), (1.0, 1, 0.0), (1.0, 1, 1.0)])
+def test_epsilon_refuses_arguments_outside_its_domain(z, k, delta):
+    # δ = 1 would be reported as ε = 0 and δ = 0 as ε = ∞ by the accountant: both are refused
+    with pytest.raises(ValueError, match=r"need noise_multiplier > 0, releases >= 0, 0 < delta < 1"):
+        gaussian_epsilon(z, k, delta)
 
 
 def test_epsilon_edge_cases():
@@ -251,3 +267,10 @@ def test_privacy_record_carries_the_run_epsilon_and_its_ingredients():
                    "sensitivity": 1.0, "noise_multiplier": 2.0, "releases": 7, "accountant": "rdp", "unit": "client"}
     gram = privacy_record(sigma=8.0, sensitivity=4.0, clip=2.0, releases=3, delta=1e-5, accountant="rdp", unit="sample")
     assert gram["noise_multiplier"] == 2.0 and gram["epsilon"] == pytest.approx(_rdp_closed_form(2.0, 3, 1e-5))
+
+
+def test_privacy_record_accounts_with_the_accountant_it_names():
+    rec = statistic_privacy(StatisticDP(clip=0.5, noise_multiplier=3.0, delta=1e-6, accountant="pld"), 2)
+    assert rec["accountant"] == "pld" and rec["epsilon"] == pytest.approx(accounted_gaussian(PLDAccountant, 3.0, 2, 1e-6))
+    gram = privacy_record(sigma=12.0, sensitivity=4.0, clip=2.0, releases=1, delta=1e-5, accountant="pld", unit="sample")
+    assert gram["epsilon"] == pytest.approx(accounted_gaussian(PLDAccountant, 3.0, 1, 1e-5))

@@ -7,11 +7,13 @@ import math
 import numpy as np
 import pytest
 from dp_accounting import GaussianDpEvent, NeighboringRelation, SampledWithoutReplacementDpEvent
+from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
+from support.dp_reference import accounted_gaussian
 from test_flower import LoopbackGrid, server_config_text, toy_config, toy_federation_of
 from toy import toy_federation
 
-from feddg.aggregation.accounting import dp_fedavg_epsilon, gaussian_epsilon
+from feddg.aggregation.accounting import dp_fedavg_epsilon
 from feddg.aggregation.dp_weights import (
     adaptive_noise,
     clip_update,
@@ -52,6 +54,19 @@ def test_an_update_is_clipped_to_the_norm_as_one_vector():
     assert all(kept[k] is REPLY[k] for k in REPLY)
 
 
+def test_only_float_weight_arrays_are_measured_and_clipped():
+    sent, reply = {**SENT, "stat/s": np.zeros(1, np.float32)}, {**REPLY, "stat/s": np.array([12.0], np.float32)}
+    assert update_norm(reply, sent) == 5.0  # the statistic's 12 is not part of the update
+    out, _ = clip_update(reply, sent, 1.0)
+    assert out["stat/s"] is reply["stat/s"]
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0])
+def test_a_clip_that_is_not_positive_is_refused(clip):
+    with pytest.raises(ValueError, match="the clipping norm must be positive"):
+        clip_update(REPLY, SENT, clip)
+
+
 def test_clipping_matches_flowers_compute_clip_model_update():
     dp = pytest.importorskip("flwr.supercore.differential_privacy")
     params = [np.asarray(REPLY[k], np.float64) for k in ("w/a", "w/b")]
@@ -65,6 +80,12 @@ def test_noise_std_is_z_c_over_m_for_equal_weights_and_the_largest_share_otherwi
     assert noise_std(2.0, 0.5, [1, 3]) == 2.0 * 0.5 * 0.75
     flwr_dp = pytest.importorskip("flwr.supercore.differential_privacy")
     assert noise_std(1.3, 0.7, [5] * 10) == pytest.approx(flwr_dp.compute_stdv(1.3, 0.7, 10), rel=1e-15)
+
+
+@pytest.mark.parametrize("weights", [[], [-1, 3], [0, 0]])
+def test_noise_std_refuses_weights_without_a_positive_sum_or_with_a_negative_one(weights):
+    with pytest.raises(ValueError, match="need non-negative weights with a positive sum"):
+        noise_std(1.0, 1.0, weights)
 
 
 def _noised_round(weights: list[int], expected: int, n: int = 200_000):
@@ -114,6 +135,14 @@ def test_adaptive_clip_moves_geometrically_toward_the_quantile():
     assert (std, z) == pytest.approx(flwr_dp.compute_adaptive_noise_params(1.0, 100, None), rel=1e-15)
     with pytest.raises(ValueError, match="count_std: 0.2 is too small"):
         adaptive_noise(1.0, 4, None)
+
+
+def test_the_count_noise_must_exceed_half_z_and_noise_zero_adds_none_to_the_weights():
+    with pytest.raises(ValueError, match="count_std: 0.5 is too small"):
+        adaptive_noise(1.0, 10, None)  # σ_b = 10/20 = z/2: (z⁻² − (2σ_b)⁻²) = 0, no finite z_Δ
+    assert adaptive_noise(1.0, 10, 0.6) == (0.6, pytest.approx((1.0 - 1.2**-2) ** -0.5, rel=1e-15))
+    assert adaptive_noise(0.0, 10, None) == (0.0, 0.0)  # z = 0: nothing noised, the count neither
+    assert adaptive_noise(0.0, 10, 1.5) == (1.5, 0.0)  # an explicit count noise is kept
 
 
 def test_the_server_moves_the_clip_by_the_unclipped_count():
@@ -185,7 +214,25 @@ def test_replacing_one_client_moves_the_mean_by_twice_its_clipped_share_so_epsil
     moved = np.linalg.norm(weighted_mean([other, up], weights) - weighted_mean([other, down], weights))
     assert moved == pytest.approx(2 * clip * 3 / 4)  # 2 · C · max p
     assert noise_std(1.0, clip, weights) / moved == pytest.approx(0.5)  # the mechanism's multiplier: z / 2
-    assert dp_fedavg_epsilon(1.0, 6, 6, 8, 1e-5) == gaussian_epsilon(0.5, 8, 1e-5)  # every client every round
+    # every client every round: 8 Gaussian releases of multiplier z / 2, by dp-accounting's own RDP accountant
+    assert dp_fedavg_epsilon(1.0, 6, 6, 8, 1e-5) == pytest.approx(accounted_gaussian(RdpAccountant, 0.5, 8, 1e-5))
+
+
+def test_pld_epsilon_of_full_participation_is_the_add_or_remove_gaussian_of_half_z():
+    # replace-one moves the weighted mean by 2 C max p against noise z C max p: one Gaussian of multiplier z / 2
+    direct = accounted_gaussian(PLDAccountant, 2.0, 2, 1e-5)
+    assert dp_fedavg_epsilon(4.0, 5, 5, 2, 1e-5, "pld") == pytest.approx(direct, rel=1e-3)
+
+
+@pytest.mark.parametrize(("clients", "sampled"), [(4, 0), (4, 5)])
+def test_dp_fedavg_epsilon_refuses_a_sample_outside_the_federation(clients, sampled):
+    with pytest.raises(ValueError, match=f"need 0 < sampled <= clients; got {sampled} of {clients}"):
+        dp_fedavg_epsilon(1.0, clients, sampled, 3, 1e-5)
+
+
+def test_pld_refuses_client_sampling_with_a_value_error():
+    with pytest.raises(ValueError, match="the pld accountant of dp-accounting cannot compose SampledWithoutReplacement"):
+        dp_fedavg_epsilon(1.0, 6, 3, 4, 1e-5, "pld")
 
 
 def test_epsilon_is_the_accountants_for_replace_one_sampling_without_replacement(tmp_path):
@@ -199,7 +246,7 @@ def test_epsilon_is_the_accountants_for_replace_one_sampling_without_replacement
     expected = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)  # Wang et al. 2019, Thm. 27
     expected.compose(SampledWithoutReplacementDpEvent(clients, 2, GaussianDpEvent(0.75)), 3)
     assert rec["epsilon"] == expected.get_epsilon(1e-5)
-    assert rec["epsilon"] < dp_fedavg_epsilon(1.5, clients, clients, 3, 1e-5)  # sampling amplifies privacy
+    assert rec["epsilon"] < accounted_gaussian(RdpAccountant, 0.75, 3, 1e-5)  # sampling amplifies privacy
     with pytest.raises(ConfigError, match="^dp_weights.accountant: pld cannot compose client sampling without "):
         build_config({}, ["dp_weights={noise_multiplier: 1, clip: 1, accountant: pld}", "federation.client_fraction=0.5"])
 

@@ -1,15 +1,18 @@
 """EfficientNet-Lite0: offline ImageNet weights, TensorFlow "SAME" padding, stages for FedFA / PARDON."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_sample_image
+from torch import nn
 
 from feddg.algorithms.components.style import StyleParams, resolve_layer
 from feddg.algorithms.registry import create_method
-from feddg.models import create_model
-from feddg.models.efficientnet import MBConv, SameConv2d, imagenet_normalise, pretrained_path
+from feddg.models import create_model, efficientnet
+from feddg.models.efficientnet import MBConv, SameConv2d, efficientnet_lite0, imagenet_normalise, pretrained_path
 from feddg.models.stages import conv_stages
 
 # ImageNet-1k indices (imagenet_class_index.json)
@@ -70,16 +73,26 @@ def test_strided_convolutions_pad_like_tensorflow_same():
     assert conv(x).shape == (1, 1, 2, 3)
     same = SameConv2d(1, 1, 5)
     torch.testing.assert_close(same(x), F.conv2d(x, same.weight, padding=2))
+    one = SameConv2d(1, 1, 1, stride=2)  # kernel < stride: TF pads nothing (never a negative pad, a crop)
+    torch.testing.assert_close(one(x), x[..., ::2, ::2] * one.weight.view(()))
+
+
+def test_an_even_kernel_at_stride_1_keeps_the_size_like_tensorflow_same():
+    x = torch.randn(1, 1, 4, 5)
+    conv = SameConv2d(1, 1, 2)  # TF SAME: one padding pixel, at the bottom/right
+    torch.testing.assert_close(conv(x), F.conv2d(F.pad(x, (0, 1, 0, 1)), conv.weight))
 
 
 def test_inverted_residual_adds_its_input_only_when_stride_and_width_allow():
     torch.manual_seed(0)
-    x = torch.randn(2, 8, 6, 6)
+    x = torch.randn(2, 8, 6, 6) * 10  # activations beyond ReLU6's cap
     skip = MBConv(8, 8, expand=6, kernel=3, stride=1).eval()
     with torch.no_grad():
-        hidden = skip.act(skip._bn0(skip._expand_conv(x)))
-        body = skip._bn2(skip._project_conv(skip.act(skip._bn1(skip._depthwise_conv(hidden)))))
+        expanded = skip._bn0(skip._expand_conv(x))
+        hidden = expanded.clamp(0, 6)
+        body = skip._bn2(skip._project_conv(skip._bn1(skip._depthwise_conv(hidden)).clamp(0, 6)))
         torch.testing.assert_close(skip(x), body + x)
+    assert bool((expanded > 6).any())
     assert not MBConv(8, 16, 6, 3, 1).skip and not MBConv(8, 8, 6, 3, 2).skip
     assert MBConv(32, 16, 1, 3, 1)._expand_conv is None  # block 0: no expansion
 
@@ -106,3 +119,41 @@ def test_conv_stages_end_each_resolution_and_feed_fedfa_and_pardon():
 
 def test_normalisation_maps_0_and_1_to_the_checkpoints_range():
     torch.testing.assert_close(imagenet_normalise(torch.tensor([0.0, 1.0])), torch.tensor([-127 / 128, 1.0]))
+
+
+def test_features_are_the_spatial_mean_of_the_relu6_head():
+    torch.manual_seed(0)
+    model = create_model("efficientnet_lite0", num_classes=10)  # batch statistics: the head's BN output is N(0, 1)
+    with torch.no_grad():
+        model._bn1.weight.fill_(8.0)  # head activations on both sides of ReLU6's [0, 6]
+    seen = {}
+    model._bn1.register_forward_hook(lambda m, i, o: seen.update(head=o))
+    with torch.no_grad():
+        feats = model.features(torch.randn(2, 3, 64, 64))
+    head = seen["head"]
+    assert bool((head > 6).any()) and bool((head < 0).any())
+    torch.testing.assert_close(feats, head.clamp(0, 6).mean(dim=(2, 3)))
+
+
+def test_batchnorm_has_tensorflows_eps_and_momentum_and_convs_start_kaiming_fan_out():
+    torch.manual_seed(0)
+    model = create_model("efficientnet_lite0", num_classes=10)
+    assert {(m.eps, m.momentum) for m in model.modules() if isinstance(m, nn.BatchNorm2d)} == {(1e-3, 0.01)}
+    head = model._conv_head.weight  # 1280 × 320 × 1 × 1: fan_out 1280, fan_in 320
+    assert float(head.detach().std()) == pytest.approx(math.sqrt(2 / 1280), rel=0.02)
+
+
+def test_classifier_is_a_read_only_alias():
+    model = create_model("efficientnet_lite0", num_classes=10)
+    with pytest.raises(AttributeError, match="read-only alias of _fc"):
+        model.classifier = nn.Linear(1280, 3)
+
+
+@pytest.mark.parametrize("num_classes", [1000, 10])
+def test_a_checkpoint_without_a_trunk_weight_is_refused(tmp_path, monkeypatch, num_classes):
+    state = torch.load(pretrained_path(), weights_only=True)
+    del state["_bn0.weight"]
+    torch.save(state, tmp_path / "partial.pth")
+    monkeypatch.setattr(efficientnet, "pretrained_path", lambda: tmp_path / "partial.pth")
+    with pytest.raises(ValueError, match="does not fit EfficientNetLite"):
+        efficientnet_lite0(num_classes, pretrained=True)

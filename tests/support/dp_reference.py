@@ -21,3 +21,13 @@ def analytic_gaussian_epsilon(ratio: float, delta: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
     return hi
+
+
+def accounted_gaussian(accountant: type, z: float, releases: int, delta: float) -> float:
+    """ε at ``delta`` of ``releases`` Gaussian releases of noise multiplier ``z``, from a dp-accounting accountant
+    class (``RdpAccountant``, ``PLDAccountant``) called directly."""
+    from dp_accounting import GaussianDpEvent
+
+    acc = accountant()
+    acc.compose(GaussianDpEvent(z), releases)
+    return acc.get_epsilon(delta)

@@ -55,11 +55,13 @@ class SameConv2d(nn.Conv2d):
     """A bias-free convolution with TensorFlow's ``"SAME"`` padding (output size ``⌈in / stride⌉``)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int = 1, groups: int = 1) -> None:
-        padding = (kernel - 1) // 2 if stride == 1 else 0  # stride 1, odd kernel: symmetric, done by the conv
-        super().__init__(in_channels, out_channels, kernel, stride, padding, groups=groups, bias=False)
+        symmetric = stride == 1 and kernel % 2 == 1  # the same padding on both sides: the conv's own
+        super().__init__(in_channels, out_channels, kernel, stride, (kernel - 1) // 2 if symmetric else 0,
+                         groups=groups, bias=False)
+        self.symmetric = symmetric  # else padded by hand (an even kernel or a stride: more at the bottom and right)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.stride[0] == 1:
+        if self.symmetric:
             return super().forward(x)
         pads = []
         for size in reversed(x.shape[-2:]):  # F.pad wants (left, right, top, bottom)
