@@ -37,6 +37,16 @@ def pixel_task():
 
 
 
+def test_further_metrics_are_reported_for_the_domains_with_samples_only():
+    """slice_dice of two domains, the second without slices: its score would be 0/0; the mean is the first's."""
+    from feddg.tasks.segmentation import Segmentation
+
+    task = Segmentation(2).with_metrics(["slice_dice"])
+    tally = task.tally_zeros(2)
+    tally[0, 0], tally[0, -1] = 4.0, 3.0  # 4 slices, their per-slice Dice summing to 3
+    assert task.extra_figures(tally, ["a", "b"], "ood") == {"ood_slice_dice/a": 75.0, "ood_slice_dice": 75.0}
+
+
 def test_classification_loss_tally_score_and_chance_by_hand():
     task = Classification(4)
     out = torch.tensor([[2.0, 1, 0, 0], [0, 3, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0]])
