@@ -48,6 +48,7 @@ def test_a_damaged_latest_falls_back_to_the_previous_with_a_warning(tmp_path, da
         latest.write_bytes(b"\x00" * 64)
     else:
         latest.unlink()  # a crash between the two renames of a rotation
+        assert has_checkpoint(tmp_path)  # the previous alone is something to resume (feddg resume refuses none)
     with pytest.warns(CheckpointWarning) as record:
         ckpt = load_checkpoint(tmp_path)
     assert ckpt["round"] == 1
