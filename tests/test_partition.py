@@ -484,7 +484,142 @@ def test_two_level_dirichlet_shuffles_a_domain_before_cutting_it() -> None:
 
 
 def test_two_level_dirichlet_refuses_when_a_client_stays_empty() -> None:
-    # 6 clients can never all be fed from 4 samples
+    # 6 clients from 6 samples: every client needs exactly one, which shares this peaked (α = 0.01) almost never give
     with pytest.raises(ValueError, match="^two-level Dirichlet left a client empty in 3 draws"):
-        make_partition("two_level_dirichlet", np.arange(4), np.zeros(4, np.int64), np.zeros(4, np.int64), 6,
-                       np.random.default_rng(0), groups=2, max_tries=3)
+        make_partition("two_level_dirichlet", np.arange(6), np.zeros(6, np.int64), np.zeros(6, np.int64), 6,
+                       np.random.default_rng(0), groups=2, alpha_group=0.01, alpha_client=0.01, max_tries=3)
+
+
+# ------------------------------------------------------------------------ mutation-audit additions
+
+
+def test_as_many_clients_as_samples_is_allowed() -> None:
+    """The refusal is for more clients than source samples: one sample each is a valid iid split."""
+    source_idx, domain_ids, labels = make_data([3, 2])
+    p = make_partition("iid", source_idx, domain_ids, labels, 5, np.random.default_rng(0))
+    assert sorted(ix.tolist() for ix in p.client_indices) == [[int(i)] for i in np.sort(source_idx)]
+
+
+def test_lambda_rounds_by_largest_remainder() -> None:
+    # sizes (70, 30), C = 3: D_c = (0, 0, 1) (the extra client goes to the larger domain); lam = 0.5, eq. 7:
+    # n_{0,c} = 35/3 + 35/2 = 29.17 for c in {0, 1}, 35/3 = 11.67 for c = 2: floors 29, 29, 11, the one missing
+    # sample goes to the largest remainder (c = 2); n_{1,c} = 5, 5, 5 + 15 = 20 exactly
+    source_idx, domain_ids, labels = make_data([70, 30])
+    for seed in range(5):
+        p = lambda_partition(source_idx, domain_ids, labels, 3, np.random.default_rng(seed), lam=0.5)
+        assert domain_counts(p, domain_ids, [1, 2]).T.tolist() == [[29, 29, 12], [5, 5, 20]]
+        assert p.client_domains == [[1], [1], [2]]  # the assigned D_c, though every client holds both domains
+
+
+@pytest.mark.parametrize("lam", [-0.1, 1.2])
+def test_lambda_partition_refuses_lam_outside_0_1_when_called_directly(lam: float) -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    with pytest.raises(ValueError, match=r"^lam must be in \[0, 1\]"):
+        lambda_partition(source_idx, domain_ids, labels, 3, np.random.default_rng(0), lam=lam)
+
+
+def test_lambda_deals_a_shuffled_domain() -> None:
+    # lam = 0, 3 domains of 40 over 6 clients: each domain halved between its two clients (no rounding); the halves
+    # are random, not the domain's 20 lowest indices to its first client
+    source_idx, domain_ids, labels = make_data([40, 40, 40])
+    p = lambda_partition(source_idx, domain_ids, labels, 6, np.random.default_rng(0), lam=0.0)
+    assert p.client_domains == [[1], [1], [2], [2], [3], [3]]
+    assert [len(ix) for ix in p.client_indices] == [20] * 6
+    assert not np.array_equal(p.client_indices[0], np.flatnonzero(domain_ids == 1)[:20])
+
+
+def test_d_allocation_refuses_a_domain_smaller_than_its_parts() -> None:
+    # N = 3, d = 2, 3 domains: a = 2, b = 0, every domain cut in 2; a 1-sample domain cannot be, a 2-sample one can
+    source_idx, domain_ids, labels = make_data([1, 50, 50])
+    with pytest.raises(ValueError, match="^domain 1 has 1 samples, fewer than its 2 parts$"):
+        d_allocation(source_idx, domain_ids, labels, 3, np.random.default_rng(0), d=2)
+    source_idx, domain_ids, labels = make_data([2, 50, 50])
+    p = d_allocation(source_idx, domain_ids, labels, 3, np.random.default_rng(0), d=2)
+    assert domain_counts(p, domain_ids, [1, 2, 3]).tolist() == [[1, 25, 0], [1, 0, 25], [0, 25, 25]]
+
+
+def test_d_allocation_shuffled_clients_report_the_domains_they_hold() -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    for seed in range(5):
+        p = d_allocation(source_idx, domain_ids, labels, 5, np.random.default_rng(seed), d=2, shuffle_clients=True)
+        assert p.client_domains == [sorted(set(domain_ids[ix].tolist())) for ix in p.client_indices]
+
+
+@pytest.mark.parametrize("kind,params", [("dirichlet_domains", {"alpha": 1e6}), ("dirichlet_labels", {"alpha": 1e6}),
+                                         ("two_level_dirichlet", {"groups": 2, "alpha_group": 1e6, "alpha_client": 1e6})])
+def test_dirichlet_max_tries_counts_the_first_draw(kind: str, params: dict[str, Any]) -> None:
+    # alphas huge: the first draw feeds every client, so max_tries = 1 must be enough
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    p = make_partition(kind, source_idx, domain_ids, labels, 4, np.random.default_rng(0), max_tries=1, **params)
+    assert p.num_clients == 4
+
+
+@pytest.mark.parametrize(
+    "kind,params,match",
+    [
+        ("d_allocation", {"d": True}, "d must be an integer >= 1, got True"),
+        ("lambda", {"lam": True}, "lam must be a number in"),
+        ("dirichlet_domains", {"alpha": True}, "alpha must be a finite number > 0"),
+        ("d_allocation", {"d": 1, "shuffle_clients": 1}, "shuffle_clients must be a bool"),
+        ("two_level_dirichlet", {"groups": 0}, "groups must be an integer >= 1, got 0"),
+        ("two_level_dirichlet", {"groups": 1, "alpha_group": 0.0}, "alpha_group must be a finite number > 0"),
+        ("two_level_dirichlet", {"groups": 1, "alpha_group": float("inf")}, "alpha_group must be a finite"),
+        ("two_level_dirichlet", {"groups": 1, "alpha_client": 0.0}, "alpha_client must be a finite number > 0"),
+        ("two_level_dirichlet", {"groups": 1, "alpha_client": float("nan")}, "alpha_client must be a finite"),
+    ],
+)
+def test_make_partition_refuses_bools_and_out_of_range_group_parameters(kind: str, params: dict[str, Any],
+                                                                        match: str) -> None:
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    with pytest.raises(ValueError, match=f"^partition '{kind}': {match}"):
+        make_partition(kind, source_idx, domain_ids, labels, 3, np.random.default_rng(0), **params)
+
+
+def test_two_level_dirichlet_refuses_duplicate_source_indices_and_more_clients_than_samples() -> None:
+    """It used to deal a repeated index twice (sample 0 in two places) and to report too many clients as "left a
+    client empty"; it now checks its source as every other partition does."""
+    source_idx, domain_ids, labels = make_data([40, 25, 61])
+    with pytest.raises(ValueError, match="^source_idx contains duplicate sample indices$"):
+        make_partition("two_level_dirichlet", np.r_[source_idx, source_idx[:1]], domain_ids, labels, 4,
+                       np.random.default_rng(0), groups=2)
+    with pytest.raises(ValueError, match="^num_clients=4 exceeds the 3 source samples$"):
+        make_partition("two_level_dirichlet", source_idx[:3], domain_ids, labels, 4, np.random.default_rng(0),
+                       groups=2)
+
+
+def dirichlet_reference(keys: np.ndarray, source_idx: np.ndarray, num_clients: int, alpha: float,
+                        seed: int) -> list[list[int]]:
+    """The documented draw rebuilt from numpy: per group (ascending key, its indices sorted) ``p ~ Dir(alpha 1_C)``,
+    the shuffled group cut at ``floor(cumsum(p) n)`` (a first draw that feeds every client: no redraw)."""
+    rng = np.random.default_rng(seed)
+    out: list[list[int]] = [[] for _ in range(num_clients)]
+    for k in np.unique(keys[source_idx]):
+        g = np.sort(source_idx[keys[source_idx] == k])
+        p = rng.dirichlet(np.full(num_clients, alpha))
+        cuts = np.floor(np.cumsum(p)[:-1] * len(g)).astype(np.int64)
+        for c, part in enumerate(np.split(rng.permutation(g), cuts)):
+            out[c] += part.tolist()
+    return [sorted(ix) for ix in out]
+
+
+@pytest.mark.parametrize("kind", ["dirichlet_domains", "dirichlet_labels"])
+@pytest.mark.parametrize("alpha", [0.7, 5.0])
+def test_dirichlet_partitions_are_the_documented_draw(kind: str, alpha: float) -> None:
+    source_idx, domain_ids, labels = make_data([400, 250, 610], num_classes=4)
+    keys = domain_ids if kind == "dirichlet_domains" else labels
+    for seed in range(3):
+        p = make_partition(kind, source_idx, domain_ids, labels, 3, np.random.default_rng(seed), alpha=alpha)
+        assert [ix.tolist() for ix in p.client_indices] == dirichlet_reference(keys, source_idx, 3, alpha, seed)
+
+
+def test_assign_domains_and_d_allocation_break_ties_to_the_lower_domain_and_client() -> None:
+    # D <= C: equal domains, the one extra client goes to the lower domain
+    assert assign_domains(np.array([40, 40]), 3).tolist() == [[True, True, False], [False, False, True]]
+    # D > C: equal domains in id order, each to the least-loaded client, the lower client on a tie: d0 -> c0,
+    # d1 -> c1, d2 -> c0, d3 -> c1
+    assert assign_domains(np.array([10, 10, 10, 10]), 2).tolist() == [[True, False], [False, True]] * 2
+    # Alg. 5 with N = 2, d = 2 over three equal domains: a = 1, b = 1, the "largest" is the lowest id, halved
+    source_idx, domain_ids, labels = make_data([40, 40, 40])
+    p = d_allocation(source_idx, domain_ids, labels, 2, np.random.default_rng(0), d=2)
+    assert p.client_domains == [[1, 2], [1, 3]]
+    assert domain_counts(p, domain_ids, [1, 2, 3]).tolist() == [[20, 40, 0], [20, 0, 40]]

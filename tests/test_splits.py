@@ -80,6 +80,7 @@ def test_every_domain_trains_holds_nothing_out() -> None:
         (100, 0.29, 29),  # 0.29 * 100 = 28.999... in floats
         (5, 0.1, 1),  # at least one
         (2, 0.9, 1),  # at most n - 1
+        (2, 1 - 1e-10, 1),  # at most n - 1 even where the rounding guard lifts floor(fraction * n) to n
         (1, 0.5, 0),  # a single sample stays for training
         (50, 0.0, 0),
     ],
@@ -118,3 +119,13 @@ def test_a_holdout_by_case_keeps_every_case_on_one_side():
     assert len(np.unique(cases[hold])) == 2 and len(hold) == 8  # floor(0.25 × 8 cases) whole
     assert not set(cases[train]) & set(cases[hold]) and sorted(np.concatenate([train, hold])) == list(range(8, 40))
     assert np.all(np.diff(train) > 0) and np.all(np.diff(hold) > 0)  # both sorted
+
+
+def test_a_holdout_by_case_draws_only_from_the_clients_own_cases():
+    from feddg.data.splits import holdout_split_by_case
+
+    cases = np.repeat(np.arange(10), 4)  # 10 cases of 4 slices
+    idx = np.arange(28, 40)  # a client with cases 7, 8, 9: floor(0.5 × 3) = 1 of them held out, whole
+    for seed in range(10):
+        train, hold = holdout_split_by_case(idx, cases, 0.5, np.random.default_rng(seed))
+        assert len(hold) == 4 and len(np.unique(cases[hold])) == 1 and len(train) == 8

@@ -353,7 +353,7 @@ def two_level_dirichlet(
         raise ValueError(f"partition 'two_level_dirichlet': num_clients ({num_clients}) must be a multiple of "
                          f"groups ({groups})")
     per = num_clients // groups
-    idx = np.asarray(source_idx, dtype=np.int64)
+    idx = _source(source_idx, num_clients)
     doms = np.asarray(domain_ids)[idx]
     parts = [idx[doms == d] for d in np.unique(doms)]
     for _ in range(max_tries):
