@@ -248,3 +248,63 @@ def test_training_domain_validation_without_id_figures_is_unavailable_in_one_lin
     rows = [_row("A", "t", 0, _run(tmp_path, "r", {2: {"ood_acc": 50.0}}))]  # partition.holdout: 0
     assert unavailable("train_domain", rows, ACC) == (
         "train_domain: unavailable, the runs have no id figures (partition.holdout: 0 keeps no client holdout)")
+
+
+def test_a_draw_number_of_several_digits_is_one_draw():
+    assert split_draw("FedProx #12") == ("FedProx", 12)
+    assert split_draw("FedProx #10 (reconstructed)") == ("FedProx (reconstructed)", 10)
+
+
+def test_a_tie_goes_to_the_lowest_draw_whatever_the_rows_order(tmp_path):
+    rows = [_row("X #1", "t", 0, _run(tmp_path, "d1", {2: {"id_acc": 80.0, "ood_acc": 10.0}})),
+            _row("X #0", "t", 0, _run(tmp_path, "d0", {2: {"id_acc": 80.0, "ood_acc": 20.0}}))]
+    assert _picked(select(rows, "train_domain", ACC)) == {0: (0, 2, 2, 20.0)}
+
+
+def test_lodo_scores_the_mean_not_the_median_of_three_validation_domains(tmp_path):
+    # test domain d; draw 0 val 10, 20, 90 (mean 40, median 20), draw 1 val 30, 30, 30: the mean picks draw 0
+    rows = [_row(f"P #{k}", f"{v}→d", 0, _run(tmp_path, f"{k}{v}", {2: {"val_acc": s, "ood_acc": o}}))
+            for k, scores in ((0, (10.0, 20.0, 90.0)), (1, (30.0, 30.0, 30.0)))
+            for v, s, o in zip("abc", scores, (30.0, 60.0, 60.0), strict=True)]
+    [chosen] = select(rows, "lodo", ACC)
+    assert (chosen["draw"], chosen["score"], chosen["ood_acc"]) == (0, 40.0, 50.0)
+
+
+def test_lodo_reports_the_figures_every_pair_run_holds_and_drops_each_runs_own_validation_domain(tmp_path):
+    # each pair run writes its own validation domain's per-domain key: no mean of it exists over the pair runs
+    rows = [_row("P", "a→c", 0, _run(tmp_path, "a", {2: {"val_acc": 60.0, "val_acc/a": 60.0, "ood_acc": 30.0,
+                                                          "ood_acc/c": 30.0}})),
+            _row("P", "b→c", 0, _run(tmp_path, "b", {2: {"val_acc": 80.0, "val_acc/b": 80.0, "ood_acc": 50.0,
+                                                          "ood_acc/c": 50.0}}))]
+    [chosen] = select(rows, "lodo", ACC)
+    assert (chosen["score"], chosen["val_acc"], chosen["ood_acc"], chosen["ood_acc/c"]) == (70.0, 70.0, 40.0, 40.0)
+    assert "val_acc/a" not in chosen and "val_acc/b" not in chosen
+
+
+def test_the_oracle_without_ood_figures_is_unavailable_in_one_line(tmp_path):
+    rows = [_row("A", "all", 0, _run(tmp_path, "r", {2: {"id_acc": 50.0}}))]  # split.protocol: federated
+    assert unavailable("oracle", rows, ACC) == "oracle: unavailable, the runs hold out no test domain (no ood figures)"
+    with pytest.raises(ValueError, match="^oracle: unavailable"):
+        select(rows, "oracle", ACC)
+
+
+def test_federated_validation_is_the_mean_of_three_domains_summed_over_clients():
+    """Client 0 holds a (1 of 1 right) and c (1 of 2), client 1 holds b (0 of 2) and c (0 of 3): a 100 %, b 0 %,
+    c 1 of 5 = 20 %; the mean is 40 % (the median 20 %, the first client's alone 75 %)."""
+    task = make_task("classification", 2)
+
+    def tally(rows: dict[int, tuple[int, int]]) -> np.ndarray:
+        t = np.zeros((3, 2 + 3 * 2), dtype=np.int64)
+        for d, (right, n) in rows.items():
+            t[d, :2] = (right, n)
+        return t
+
+    clients = [tally({0: (1, 1), 2: (1, 2)}), tally({1: (0, 2), 2: (0, 3)})]
+    assert federated_validation(clients, task) == pytest.approx(40.0)
+
+
+def test_a_lower_is_better_tie_keeps_the_earliest_round(tmp_path):
+    err = TaskInfo("toy", "err", "error", "%", (0.0, 100.0), False, None)
+    rows = [_row("X", "a", 0, _run(tmp_path, "r", {2: {"id_err": 3.0, "ood_err": 9.0},
+                                                    4: {"id_err": 3.0, "ood_err": 8.0}}))]
+    assert [(r["round"], r["ood_err"]) for r in select(rows, "train_domain", err)] == [(2, 9.0)]

@@ -66,3 +66,41 @@ def test_the_mean_over_domains_weighs_each_domain_once_not_by_its_samples():
     assert domain_metrics(task, tally, ["a", "b", "c"], "id") == pytest.approx({
         "id_acc/a": 100.0, "id_acc/b": 100 / 3, "id_acc": (100.0 + 100 / 3) / 2})
     assert domain_counts(task, tally, ["a", "b", "c"], "id") == {"id_acc/a": 1, "id_acc/b": 3, "id_acc": 4}
+
+
+def test_a_tally_scores_the_methods_predict_not_the_plain_forward():
+    """A method's ``predict`` (FedSR's, FedBN's) is what the tally must score: here the negated logits."""
+    torch.manual_seed(0)
+    ds, task, model = ToyDomains(per_class_domain=5), Classification(4), ToyNet().eval()
+    idx = np.arange(len(ds.labels))
+    with torch.no_grad():
+        logits = model(ds.x)
+    want = _hand_tally(decisive_argmax(-logits).numpy(), ds.labels, ds.domain_ids, 3, 4)
+    plain = _hand_tally(decisive_argmax(logits).numpy(), ds.labels, ds.domain_ids, 3, 4)
+    assert not np.array_equal(want, plain)  # the predict shows in the tally
+    got = tally_by_domain(model, ds, idx, task, batch_size=16, predict=lambda m, x: -m(x))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(("amp", "dtype"), [("off", torch.float32), ("bf16", torch.bfloat16)])
+def test_a_tally_runs_the_model_under_the_amp_asked_for(amp, dtype):
+    seen: list[torch.dtype] = []
+
+    def predict(m: nn.Module, x: Tensor) -> Tensor:
+        out = m(x)
+        seen.append(out.dtype)
+        return out
+
+    ds = ToyDomains(per_class_domain=2)
+    tally_by_domain(ToyNet(), ds, np.arange(len(ds.labels)), Classification(4), batch_size=10, predict=predict, amp=amp)
+    assert seen == [dtype] * 3  # 24 samples in batches of 10
+
+
+def test_the_mean_over_three_domains_is_their_mean_not_their_median():
+    """Domains a, b, c at 100 %, 0 % and 20 % (1, 2 and 5 samples): the mean is 40 % (the median would be 20 %)."""
+    task = Classification(2)
+    y = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0])
+    out = torch.tensor([[1.0, 0]] + [[0, 1.0]] * 2 + [[1.0, 0]] + [[0, 1.0]] * 4)
+    tally = task.tally(out, y, np.array([0, 1, 1, 2, 2, 2, 2, 2]), 3)
+    assert domain_metrics(task, tally, ["a", "b", "c"], "ood") == pytest.approx({
+        "ood_acc/a": 100.0, "ood_acc/b": 0.0, "ood_acc/c": 20.0, "ood_acc": 40.0})

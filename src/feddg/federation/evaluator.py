@@ -67,8 +67,10 @@ class Evaluator:
         load_weights(self.fed.model, self.fed.topology.eval_weights(self.fed.method, state, client_id))
 
     def _figures(self, tally: np.ndarray, role: str) -> dict[str, float]:
-        """The role's figures of a tally, keeping the task's per-class view of it."""
-        if (view := self.task.class_view(tally.sum(0))) is not None:
+        """The role's figures of a tally, keeping the task's per-class view of it where the role has samples (an
+        empty role, e.g. ood under ``split.protocol: federated``, has no figures and so no view)."""
+        total = tally.sum(0)
+        if self.task.count(total) > 0 and (view := self.task.class_view(total)) is not None:
             self.class_views[role] = view
         return self._metrics(tally, self.fed.dataset.domains, role)
 
