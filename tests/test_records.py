@@ -197,6 +197,11 @@ def test_a_collapsed_model_is_flagged_and_the_per_class_view_drawn(tmp_path):
     view = {"classes": ["a", "b", "c"], "ood": {"recall": [100.0, 0.0, 0.0], "predicted": [96.0, 2.0, 2.0]}}
     assert "gives 96 % of its ood predictions to class 'a'" in figures.collapsed(view)
     assert figures.collapsed({**view, "ood": {"recall": [50.0] * 3, "predicted": [40.0, 30.0, 30.0]}}) is None
+    # a personalised run's view has global_<role> only; a federated split's has no ood: the headline's role is judged
+    personal = {"classes": view["classes"], "global_id": {"recall": [50.0] * 3, "predicted": [40.0, 30.0, 30.0]},
+                "global_ood": view["ood"]}
+    assert "gives 96 % of its global_ood predictions to class 'a'" in figures.collapsed(personal)
+    assert "of its id predictions" in figures.collapsed({"classes": view["classes"], "id": view["ood"]})
     fig = figures.per_class(view)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["a", "b", "c"]
     plt.close(fig)

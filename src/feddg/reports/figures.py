@@ -134,9 +134,16 @@ def per_class(view: dict[str, Any]) -> plt.Figure:
     return fig
 
 
-def collapsed(view: dict[str, Any], role: str = "ood", share: float = 90.0) -> str | None:
-    """A warning when ``role``'s predictions go to one class (at least ``share`` % of them, with more classes)."""
-    if role not in view or len(view["classes"]) < 2:
+#: the role whose collapse :func:`collapsed` reports by default: the first of these a run's per-class view holds (the
+#: held-out domain; a personalised method's global model on it; the holdouts where no domain is held out)
+HEADLINE_ROLES = ("ood", "global_ood", "id", "global_id")
+
+
+def collapsed(view: dict[str, Any], role: str | None = None, share: float = 90.0) -> str | None:
+    """A warning when ``role``'s predictions (default: the first of :data:`HEADLINE_ROLES` in ``view``) go to one
+    class (at least ``share`` % of them, with more classes)."""
+    role = role or next((r for r in HEADLINE_ROLES if r in view), None)
+    if role is None or role not in view or len(view["classes"]) < 2:
         return None
     predicted = view[role]["predicted"]
     top = max(range(len(predicted)), key=predicted.__getitem__)
