@@ -84,6 +84,9 @@ def test_the_oracle_picks_by_the_unseen_domain_at_each_draws_last_round_and_is_n
     early = [_row("X #0", "t", 0, _run(tmp_path, "e0", {2: {"ood_acc": 71.0}, 4: {"ood_acc": 60.0}})),
              _row("X #1", "t", 0, _run(tmp_path, "e1", {2: {"ood_acc": 50.0}, 4: {"ood_acc": 65.0}}))]
     assert _picked(select(early, "oracle", ACC)) == {0: (1, 4, 2, 65.0)}  # not draw 0's round 2 (71)
+    diverged = [_row("Y #0", "t", 0, _run(tmp_path, "n0", {2: {"ood_acc": 71.0}, 4: {"ood_acc": float("nan")}})),
+                _row("Y #1", "t", 0, _run(tmp_path, "n1", {2: {"ood_acc": 50.0}, 4: {"ood_acc": 65.0}}))]
+    assert _picked(select(diverged, "oracle", ACC)) == {0: (1, 4, 1, 65.0)}  # draw 0's last model is NaN: no candidate
     assert "oracle" not in default_rules(lodo_rows, ACC)
     assert "oracle" not in default_rules([{"target": "svhn→mnist"}], ACC)
     assert SweepSpec().selection is None  # the sweep's default is default_rules'

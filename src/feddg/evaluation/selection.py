@@ -12,7 +12,8 @@ candidates, and the best one's figures stand for the cell (per seed, as DomainBe
   out D as validation and T as test (``split.protocol: ltdo`` pairs "D→T"); the reported figures are those runs'
   means at the chosen draw and round. Without such runs the rule is unavailable (:func:`unavailable`).
 - ``oracle``: the unseen domain's own metric, ``ood_<metric>``, at each draw's last evaluated round (DomainBed's
-  oracle: no early stopping): an upper bound, never a selection method, never the default.
+  oracle: no early stopping; a draw whose last model's figure is not finite is no candidate): an upper bound,
+  never a selection method, never the default.
 - ``last``: no selection: the last round, every draw its own row (the sweep's ``table.md``).
 
 Ties break towards the first draw, then the earliest round. A (draw, round) whose run is missing, or that lacks
@@ -112,8 +113,8 @@ def select(rows: list[dict[str, Any]], rule: str, task: TaskInfo,
     groups = _lodo_groups(rows) if rule == "lodo" else _groups(rows)
     out = []
     for (variant, target, seed), draws in groups.items():
-        candidates = [(draw, rnd, figures) for draw, runs in sorted(draws.items())  # the oracle: the last round only
-                      for rnd, figures in _rounds(runs, key, evaluations)[-1 if rule == "oracle" else 0:]]
+        candidates = [(draw, rnd, figures) for draw, runs in sorted(draws.items())
+                      for rnd, figures in _rounds(runs, key, evaluations, last_only=rule == "oracle")]
         if not candidates:
             continue
         best = candidates[0]
@@ -156,16 +157,21 @@ def _pair(label: str) -> tuple[str, str]:
     return val, test
 
 
-def _rounds(runs: list[dict[str, Any]], key: str, evaluations: Evaluations) -> list[tuple[int, dict[str, float]]]:
-    """Per round evaluated in every run with a finite ``key``: the runs' mean of each figure they all hold."""
+def _rounds(runs: list[dict[str, Any]], key: str, evaluations: Evaluations,
+            last_only: bool = False) -> list[tuple[int, dict[str, float]]]:
+    """Per round evaluated in every run with a finite ``key``: the runs' mean of each figure they all hold.
+    ``last_only`` (the oracle): each run's last round with ``key`` only, none where it is not finite (a draw whose
+    last model diverged is no candidate; an earlier round of it would be early stopping on the test domain)."""
     per_run = []
     for r in runs:
         try:
             rows = evaluations(Path(r["run_dir"]))
         except FileNotFoundError:  # a missing run: no candidates
             return []
-        per_run.append({int(m["round"]): m for m in rows if isinstance(m.get(key), (int, float))
-                        and math.isfinite(m[key])})
+        evaluated = {int(m["round"]): m for m in rows if isinstance(m.get(key), (int, float))}
+        if last_only and evaluated:
+            evaluated = dict([max(evaluated.items())])
+        per_run.append({rnd: m for rnd, m in evaluated.items() if math.isfinite(m[key])})
     if not per_run:
         return []
     out = []
