@@ -9,13 +9,23 @@ from torch import Tensor
 from toy import ToyDomains
 
 from feddg.algorithms import create_method
-from feddg.algorithms.components.augment import Augmenter, mix, mixstyle, moex, parse_augment, soft_targets
+from feddg.algorithms.components.augment import (
+    Augmenter,
+    augment_requirements,
+    label_mixing,
+    mix,
+    mixstyle,
+    moex,
+    parse_augment,
+    soft_targets,
+)
 from feddg.config import ConfigError, build_config
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 from feddg.federation.setup import Federation, make_clients, make_split, make_topology
 from feddg.models import create_model, list_models, model_capabilities
 from feddg.models.stages import conv_stages
+from feddg.tasks import CLASS_LABELS, CONV_STAGES, IMAGES
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -170,6 +180,28 @@ def test_two_augmentations_at_one_stage_apply_in_list_order() -> None:
     assert torch.allclose(target, soft_targets(y, perm_m, lam, 4))
 
 
+def test_each_step_replaces_the_previous_steps_draws():
+    # two steps, then one forward: only the second step's Manifold Mixup acts on stage 2's output
+    model = _cnn().train()
+    seen = []
+    model.blocks[2].register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    model(x)
+    with Augmenter(model, parse_augment([{"name": "manifold_mixup", "alpha": 1.0, "stages": [2]}]), 3, 4) as aug:
+        aug.step(x, y)
+        aug.step(x, y)
+        model(x)
+    rng = np.random.default_rng(3)
+    for _ in range(2):  # each step: λ, the stage, the permutation
+        lam, _, perm = float(rng.beta(1.0, 1.0)), rng.choice([2]), torch.as_tensor(rng.permutation(4))
+    assert torch.allclose(seen[1], mix(seen[0], seen[0][perm], lam), **TOL)
+
+
+def test_moex_acts_at_its_configured_stage():
+    model = _cnn()
+    assert hooked(model, {"name": "moex", "stage": 2}) == [conv_stages(model)[1]]
+
+
 def test_hooks_leave_training_forwards_of_another_batch_size_alone():
     model = _cnn().train()
     x2 = torch.randn(2, 1, 16, 16)
@@ -208,6 +240,25 @@ def test_hooks_leave_eval_passes_alone():
 def test_bad_augment_lists_fail_at_load(augment, method, message):
     with pytest.raises(ConfigError, match=message):
         build_config({"method": {"name": method}, "optim": {"augment": augment}})
+
+
+def test_defaults_are_the_documented_ones():
+    # docs/methods/augmentation.md: mixup α 0.2; manifold_mixup α 2.0; mixstyle α 0.1, p 0.5; moex λ 0.9, p 0.5, stage 1
+    (mixup,), (manifold,) = parse_augment([{"name": "mixup"}]), parse_augment([{"name": "manifold_mixup"}])
+    (style,), (moex_spec,) = parse_augment([{"name": "mixstyle"}]), parse_augment([{"name": "moex"}])
+    assert mixup.alpha == 0.2 and manifold.alpha == 2.0 and (style.alpha, style.p) == (0.1, 0.5)
+    assert (moex_spec.lam, moex_spec.p, moex_spec.stage) == (0.9, 0.5, 1)
+
+
+def test_requirements_and_label_mixing_of_each_augmentation():
+    # label-mixing ones need class labels; feature-level ones conv stages; MixStyle keeps the labels
+    specs = parse_augment([{"name": "mixstyle"}, {"name": "moex"}])
+    assert augment_requirements(specs) == {"mixstyle": {IMAGES, CONV_STAGES}, "moex": {IMAGES, CLASS_LABELS, CONV_STAGES}}
+    assert label_mixing(specs) == ["moex"]
+    specs = parse_augment([{"name": "mixup"}])
+    assert augment_requirements(specs) == {"mixup": {IMAGES, CLASS_LABELS}} and label_mixing(specs) == ["mixup"]
+    specs = parse_augment([{"name": "manifold_mixup"}])
+    assert augment_requirements(specs) == {"manifold_mixup": {IMAGES, CLASS_LABELS, CONV_STAGES}}
 
 
 # --- training rounds --------------------------------------------------------------------------------

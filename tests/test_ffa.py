@@ -176,6 +176,7 @@ def test_safe_sqrt_has_finite_gradient_at_zero():
     r = safe_sqrt(v)
     r.sum().backward()
     assert torch.equal(r.detach(), torch.tensor([0.0, 2.0])) and torch.isfinite(v.grad).all()
+    assert torch.equal(v.grad, torch.tensor([0.0, 0.25]))  # zero at 0; 1 / (2 √4) at 4
 
 
 @pytest.mark.parametrize("variant", ["full", "client", "direct", "random"])
@@ -274,3 +275,16 @@ def test_ffa_runs_on_every_zoo_model(name):
     model(x).sum().backward()
     assert torch.isfinite(x.grad).all()
     assert len(model.fedfa.channels()) == len(names)
+
+
+def test_layer_defaults_are_the_papers():
+    # docs/methods/fedfa.md: variant full, p 0.5 (Algorithm 2), momentum α 0.99 (eq. 5), random_std 0.5 (FedFA-R)
+    layer = FFALayer()
+    assert (layer.variant, layer.p) == ("full", 0.5)
+    x = _x()
+    layer = FFALayer(p=1.0).train()
+    layer(x)  # one active step from μ̄ = 0, σ̄ = 1
+    mu, sigma = channel_stats(x)
+    assert torch.allclose(layer.mu_bar, 0.01 * mu.mean(0), atol=1e-6)
+    assert torch.allclose(layer.sigma_bar, 0.99 + 0.01 * sigma.mean(0), atol=1e-6)
+    assert FFALayer("random").perturbation_std(mu, sigma) == (0.5, 0.5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from toy import ToyNet
 
@@ -31,12 +32,12 @@ def test_architecture_is_table_8():
     layers = list(h.trunk)
     linears = [m for m in layers if isinstance(m, nn.Linear)]
     dims = [(m.in_features, m.out_features) for m in linears]
-    assert dims == [(2, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, HIDDEN)]
+    assert dims == [(2, 50), (50, 50), (50, 50), (50, 50)]  # three hidden layers of 50 neurons (§5.1)
     # LeakyReLU after the first three linear layers, none after the fourth
     kinds = [type(m).__name__ for m in layers]
     assert kinds == ["Linear", "LeakyReLU", "Linear", "LeakyReLU", "Linear", "LeakyReLU", "Linear"]
     # one head per parameter tensor, 50 -> numel
-    assert [(m.in_features, m.out_features) for m in h.heads] == [(HIDDEN, 6), (HIDDEN, 2), (HIDDEN, 6)]
+    assert [(m.in_features, m.out_features) for m in h.heads] == [(50, 6), (50, 2), (50, 6)]
     # θ is everything but ν
     theta_ids = {id(p) for p in h.theta()}
     assert id(h.embeddings.weight) not in theta_ids
@@ -133,6 +134,13 @@ def test_vjp_equals_gradient_of_sum_phi_dot_v_and_the_materialised_jacobian():
     assert torch.allclose(g_nu, jtv["embeddings.weight"].flatten(), atol=1e-5)
 
 
+def test_default_init_is_the_client_models_tensors() -> None:
+    params = {name: torch.randn(shape) for name, shape in SHAPES}
+    h = HyperNetwork(SHAPES, 3, init_params=params)  # no init given: "model" (docs/methods/hfedf.md)
+    for (name, _), head in zip(SHAPES, h.heads, strict=True):
+        assert torch.equal(head.bias.detach(), params[name].flatten())
+
+
 def test_an_unknown_init_or_a_model_init_without_the_models_tensors_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown hypernetwork init"):
         HyperNetwork(SHAPES, 3, init="xavier")
@@ -160,6 +168,38 @@ def test_autoencoder_is_table_6_at_32_px_and_reconstructs_other_sizes():
     assert y.shape == x.shape and float(y.min()) >= 0 and float(y.max()) <= 1  # Sigmoid
     assert EmbeddingAutoencoder(3, 28, 1)(torch.rand(2, 3, 28, 28)).shape == (2, 3, 28, 28)
     assert EmbeddingAutoencoder(1, 6, 1)(torch.rand(2, 1, 6, 6)).shape == (2, 1, 6, 6)
+
+
+def _table6_forward(ae, x, side):
+    """Table 6 rebuilt from torch.nn.functional with the module's weights: (reconstruction, latent)."""
+    c1, c2 = (m for m in ae.encoder_conv if isinstance(m, nn.Conv2d))
+    d1, d2 = (m for m in ae.decoder_conv if isinstance(m, nn.ConvTranspose2d))
+    h = F.max_pool2d(F.relu(F.conv2d(x, c1.weight, c1.bias, stride=1, padding=1)), 2, 2, ceil_mode=True)
+    h = F.max_pool2d(F.relu(F.conv2d(h, c2.weight, c2.bias, stride=1, padding=1)), 2, 2, ceil_mode=True)
+    z = F.linear(h.flatten(1), ae.to_latent.weight, ae.to_latent.bias)
+    h = F.linear(z, ae.from_latent.weight, ae.from_latent.bias).view(-1, 32, side, side)
+    h = F.relu(F.conv_transpose2d(h, d1.weight, d1.bias, stride=2))
+    out = torch.sigmoid(F.conv_transpose2d(h, d2.weight, d2.bias, stride=2))
+    return out[..., : x.shape[-2], : x.shape[-1]], z
+
+
+def test_autoencoder_forward_is_table_6_rebuilt_from_functional_ops():
+    # 6 px: ceil-mode pools 6 -> 3 -> 2, decoder 2 -> 4 -> 8, cropped to 6
+    torch.manual_seed(0)
+    ae = EmbeddingAutoencoder(2, 6, latent_dim=3)
+    c1, c2 = (m for m in ae.encoder_conv if isinstance(m, nn.Conv2d))
+    d1, d2 = (m for m in ae.decoder_conv if isinstance(m, nn.ConvTranspose2d))
+    assert [c1.weight.shape, c2.weight.shape] == [(16, 2, 3, 3), (32, 16, 3, 3)]
+    assert [d1.weight.shape, d2.weight.shape] == [(32, 16, 2, 2), (16, 2, 2, 2)]
+    x = torch.randn(4, 2, 6, 6)
+    want, z = _table6_forward(ae, x, side=2)
+    with torch.no_grad():
+        assert torch.allclose(ae.encode(x), z, atol=1e-6)
+        assert torch.allclose(ae(x), want, atol=1e-6)
+
+
+def test_unit_range_maps_a_constant_image_to_zeros():
+    assert torch.equal(unit_range(torch.full((2, 1, 3, 3), 4.0)), torch.zeros(2, 1, 3, 3))
 
 
 def test_unit_range_scales_each_image_to_0_1():

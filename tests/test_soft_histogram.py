@@ -123,3 +123,41 @@ def test_symmetric_kl_is_finite_with_empty_bins_and_differentiable():
     loss = symmetric_kl(soft_histogram(z, tau=0.1), target)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(z.grad).all() and z.grad.abs().sum() > 0
+
+
+def _eq12_histogram(z, num_bins, tau):
+    """Eqs. 11–12 rebuilt from torch primitives with the paper's cut points ρ = [0, 1, …, L−2] / (L−2)."""
+    z_hat = (z - z.min(0).values) / (z.max(0).values - z.min(0).values)
+    rho = torch.arange(num_bins - 1, dtype=torch.float32) / (num_bins - 2)
+    w = torch.arange(1, num_bins + 1, dtype=torch.float32)
+    b = torch.cat([torch.zeros(1), -torch.cumsum(rho, 0)])
+    return torch.softmax((z_hat[..., None] * w + b) / tau, dim=-1).mean(0)
+
+
+def test_defaults_are_eight_paper_bins_at_temperature_0_01():
+    # docs/methods/fedfa.md: bins 8, tau 0.01 (L and τ of eq. 12), the paper's cut points
+    z = torch.randn(40, 3, generator=torch.Generator().manual_seed(2))
+    expected = _eq12_histogram(z, 8, 0.01)
+    assert torch.allclose(soft_histogram(z), expected, atol=1e-5)
+    assert torch.allclose(soft_bin(minmax_normalise(z)).mean(0), expected, atol=1e-5)
+    assert not torch.allclose(_eq12_histogram(z, 8, 0.1), expected, atol=1e-2)  # τ is visible at this size
+
+
+def test_kl_clamps_empty_bins_at_1e_minus_8():
+    # disjoint supports: D_KL(p‖q) = 1 · (log 1 − log 1e-8) = 8 ln 10; the 0 · log 0 terms vanish
+    p, q = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    assert kl_divergence(p, q).item() == pytest.approx(8 * math.log(10), rel=1e-6)
+    assert symmetric_kl(p, q).item() == pytest.approx(8 * math.log(10), rel=1e-6)
+    # a small but nonzero bin (1e-6 > the clamp) enters the logarithm unchanged
+    p, q = torch.tensor([[0.5, 0.5]]), torch.tensor([[1e-6, 1 - 1e-6]])
+    exact = 0.5 * math.log(0.5 / 1e-6) + 0.5 * math.log(0.5 / (1 - 1e-6))
+    assert kl_divergence(p, q).item() == pytest.approx(exact, rel=1e-5)
+
+
+def test_default_reduction_over_channels_is_the_mean():
+    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]])
+    q = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    per_pq = (p * (p.log() - q.log())).sum(-1)
+    per_qp = (q * (q.log() - p.log())).sum(-1)
+    assert kl_divergence(p, q).item() == pytest.approx(per_pq.mean().item(), rel=1e-6)
+    assert symmetric_kl(p, q).item() == pytest.approx((0.5 * (per_pq + per_qp)).mean().item(), rel=1e-6)
