@@ -11,7 +11,7 @@ import torch
 from support.natural_fixtures import IWILDCAM_ROWS, iwildcam_tree
 
 from feddg.config import build_config
-from feddg.data import load_dataset
+from feddg.data import iwildcam, load_dataset
 from feddg.experiment import run_experiment
 from feddg.federation.setup import make_clients, make_split
 from feddg.sweep import _cells, load_sweep
@@ -129,6 +129,7 @@ def test_lambda_zero_gives_each_client_one_location_and_val_test_are_held_out(tm
     (lambda t: t.replace(",0000.jpg", ",gone.jpg"), "metadata.csv: line 2: no image "),
     (lambda t: t.replace("\nval,30,", "\nval,x30,"), "metadata.csv: line 18: location_remapped 'x30' is not an integer >= 0"),
     (lambda t: t.replace("\ntest,40,140,19,0,", "\ntest,40,140,19,182,"), "line 21: y '182' is not an integer in 0..181"),
+    (lambda t: t.split("\n")[0] + "\n", "metadata.csv: no rows"),
 ])
 def test_a_malformed_metadata_file_is_one_line_naming_it(tmp_path, edit, message):
     table = iwildcam_tree(tmp_path) / "iwildcam_v2.0" / "metadata.csv"
@@ -199,3 +200,28 @@ def test_the_paper_config_sweeps_its_one_val_test_pair_without_listing_the_locat
     spec, raw = load_sweep(Path(__file__).parent.parent / "configs" / "pardon" / "paper-table3.yaml")
     assert _cells(spec, build_config(raw)) == [("val→test", ['split.val_domain="val"', 'split.target="test"'])]
     assert len(spec.variants) == 18 and {v["partition.params"]["lam"] for v in spec.variants.values()} == {1, 0.1, 0}
+
+
+def test_wilds_resolution_and_training_transform_are_the_source_defaults():
+    """WILDS resizes IWildCam to 448 × 448 and trains with a horizontal flip (p 1/2) and ImageNet statistics."""
+    assert iwildcam.SOURCE.image_size == 448
+    spec = iwildcam.SOURCE.transforms
+    assert spec.flip == 0.5 and spec.mean == (0.485, 0.456, 0.406) and spec.std == (0.229, 0.224, 0.225)
+
+
+def test_a_filename_padded_with_spaces_names_the_image(tmp_path):
+    table = iwildcam_tree(tmp_path) / "iwildcam_v2.0" / "metadata.csv"
+    table.write_text(table.read_text().replace(",0000.jpg,", ", 0000.jpg ,"))
+    ds = _load(tmp_path)
+    assert ds.files[0] == tmp_path / "iwildcam_v2.0" / "train" / "0000.jpg"
+
+
+def test_without_a_test_split_there_is_no_ood_test_domain(tmp_path):
+    ds = _load(iwildcam_tree(tmp_path, [r for r in IWILDCAM_ROWS if r[0] != "test"]))
+    assert ds.domains == ["val", *TRAIN_LOCATIONS] and ds.ood_validation == "val" and ds.ood_test is None
+
+
+def test_a_root_without_metadata_csv_is_one_line_naming_the_layout(tmp_path):
+    (tmp_path / "iwildcam_v2.0" / "train").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"no iwildcam_v2.0/metadata.csv; expected root/iwildcam_v2.0/metadata.csv"):
+        _load(tmp_path)

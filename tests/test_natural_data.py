@@ -222,6 +222,15 @@ def _wilds_table(rows: str, message: str) -> Callable[[Path], str]:
     return make
 
 
+def _headers(text: str, message: str) -> Callable[[Path], str]:
+    """One image and a metadata.csv of ``text`` (its header included); the error it must give."""
+    def make(root: Path) -> str:
+        _png(root / "a.png", 0)
+        (root / "metadata.csv").write_text(text)
+        return message
+    return make
+
+
 def _bad_cifar(root):
     cifar_batches(root / "cifar-10-batches-py")
     (root / "cifar-10-batches-py" / "data_batch_3").write_bytes(b"\x80\x02}q\x00(")
@@ -242,6 +251,8 @@ def _bad_tiny(root):
     ("femnist", _wilds_table("a.png,1,train,w\na.png,62,train,w\n", "metadata.csv: line 3: label 62 is outside 0..61")),
     ("femnist", _wilds_table("a.png,1,train, \n", "metadata.csv: line 2: empty domain")),
     ("femnist", _wilds_table("a.png,1,test,w\n", "metadata.csv: no row of the train split")),
+    ("femnist", _leaf_file({"a": ([], []), "b": ([], [])}, "the LEAF files hold no sample")),
+    ("femnist", _headers("path,split,domain\na.png,train,w\n", "metadata.csv: expected a header with columns path, y")),
     ("cifar10", _bad_cifar),
     ("tiny-imagenet", _bad_tiny),
 ])
@@ -298,3 +309,43 @@ def test_writers_natural_partition_gives_one_client_per_training_writer():
     clients = make_clients(ds, split, cfg)
     assert len(split.test_domains) == 340 and len(clients) == 3060
     assert all(len(np.unique(ds.groups[np.concatenate([c.train_idx, c.holdout_idx])])) == 1 for c in clients[:100])
+
+
+def test_leaf_num_samples_of_the_wrong_length_and_a_split_without_files_are_refused(tmp_path):
+    blob = leaf_blob({"f1": ([0.5], [1]), "f2": ([0.5], [2])})
+    blob["num_samples"] = [1]
+    write_json(tmp_path / "a" / "all_data_0.json", blob)
+    with pytest.raises(ValueError, match=r"all_data_0.json: num_samples must list one count per user \(2\)"):
+        load_dataset("femnist", root=str(tmp_path / "a"), cache_dir=tmp_path / "cache")
+    write_json(tmp_path / "b" / "train" / "a.json", leaf_blob({"u1": ([0.5], [1])}))
+    (tmp_path / "b" / "test").mkdir()  # LEAF's split with its test files missing
+    with pytest.raises(ValueError, match="no FEMNIST data; expected"):
+        load_dataset("femnist", root=str(tmp_path / "b"), cache_dir=tmp_path / "cache")
+
+
+def test_a_leaf_writer_without_samples_may_be_listed_in_two_files(tmp_path):
+    """LEAF lists writers with too few samples with empty lists; having no samples, such a writer repeats nothing."""
+    write_json(tmp_path / "all_data_0.json", leaf_blob({"f1": ([0.5], [1]), "gone": ([], [])}))
+    write_json(tmp_path / "all_data_1.json", leaf_blob({"f2": ([0.5], [2]), "gone": ([], [])}))
+    ds = load_dataset("femnist", root=str(tmp_path), cache_dir=tmp_path / "cache")
+    assert ds.group_names == ["f1", "f2"]
+
+
+def test_metadata_writers_are_stripped_and_femnist_v1_0_is_read_before_root(tmp_path):
+    _png(tmp_path / "femnist_v1.0" / "a.png", 0)
+    _png(tmp_path / "femnist_v1.0" / "b.png", 0)
+    (tmp_path / "femnist_v1.0" / "metadata.csv").write_text("path,y,split,domain\na.png,1,train,w1\n"
+                                                            "b.png,2,train, w1 \n")
+    (tmp_path / "metadata.csv").write_text("path,y,split,domain\nelsewhere.png,3,train,w9\n")
+    ds = load_dataset("femnist", root=str(tmp_path), cache_dir=tmp_path / "cache")
+    assert ds.group_names == ["w1"]
+    np.testing.assert_array_equal(ds.groups, [0, 0])
+    np.testing.assert_array_equal(ds.labels, [1, 2])
+
+
+def test_leaf_reads_only_all_data_files_beside_other_json(tmp_path):
+    write_json(tmp_path / "all_data_0.json", leaf_blob({"f1": ([0.5], [1])}))
+    write_json(tmp_path / "stats.json", {"writers": 1})  # not a LEAF data file
+    ds = load_dataset("femnist", root=str(tmp_path), cache_dir=tmp_path / "cache")
+    assert ds.group_names == ["f1"]
+    np.testing.assert_array_equal(ds.labels, [1])

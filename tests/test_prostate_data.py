@@ -279,3 +279,69 @@ def test_synthetic_volumes_are_deterministic_and_differ_between_sites(
         for b in prostate.SITES:
             if a < b:
                 assert np.abs(stats[a] - stats[b]).max() > 2.0, (a, b, stats[a], stats[b])
+
+
+def test_default_size_and_site_selection_follow_the_reference_loaders() -> None:
+    """Input 3 × 384 × 384 (SAML/HarmoFL/FedFA); sites kept in the caller's order, duplicates and unknowns refused."""
+    assert prostate.DEFAULT_IMAGE_SIZE == 384
+    assert prostate.select_sites(["UCL", "BIDMC"]) == ["UCL", "BIDMC"]
+    for bad in (["HK", "HK"], [], ["RUNMC"]):
+        with pytest.raises(ValueError, match="bad sites"):
+            prostate.select_sites(bad)
+
+
+def test_cases_are_numbered_by_case_number_and_plain_nii_is_read(tmp_path: Path) -> None:
+    """Case9 before Case10 (not text order); uncompressed ``.nii`` files are cases too, read as ``[depth, y, x]``."""
+    folder = tmp_path / "data" / "HK"
+    folder.mkdir(parents=True)
+    for case, suffix in ((10, ".nii.gz"), (9, ".nii")):
+        volume, labels = _volume(0, 0)
+        _save(folder / f"Case{case}{suffix}", volume + case)
+        _save(folder / f"Case{case}_segmentation{suffix}", labels)
+    cases, problems = prostate.scan_cases(tmp_path / "data", ["HK"])
+    assert problems == []
+    assert [c.image.name for c in cases] == ["Case9.nii", "Case10.nii.gz"]
+    assert [c.mask.name for c in cases] == ["Case9_segmentation.nii", "Case10_segmentation.nii.gz"]
+    volumes = read_sites(tmp_path / "data", ["HK"])["HK"]
+    assert np.array_equal(volumes[0][0], _volume(0, 0)[0] + 9) and np.array_equal(volumes[1][0], _volume(0, 0)[0] + 10)
+
+
+def test_a_site_without_cases_and_a_mask_without_image_are_problems(root: Path) -> None:
+    for file in (root / "BIDMC").iterdir():
+        file.unlink()
+    (root / "ISBI_1.5" / "Case02.nii.gz").unlink()
+    assert check_prostate(root, SITES) == [
+        f"{root / 'BIDMC'} has no cases (CaseNN.nii.gz)",
+        f"{root / 'ISBI_1.5' / 'Case02_Segmentation.nii.gz'} has no image (Case02.nii.gz)",
+    ]
+
+
+def test_a_volume_with_a_trailing_unit_axis_reads_as_3d(tmp_path: Path) -> None:
+    """NIfTI ``[x, y, z, 1]`` (a one-frame 4-D file) is the 3-D volume ``[z, y, x]``."""
+    volume = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)  # x, y, z
+    nibabel.save(nibabel.Nifti1Image(volume[..., None], np.eye(4)), tmp_path / "Case00.nii.gz")
+    assert np.array_equal(prostate._read_volume(tmp_path / "Case00.nii.gz"), np.transpose(volume, (2, 1, 0)))
+
+
+def test_read_sites_keeps_the_callers_site_order(root: Path) -> None:
+    volumes = read_sites(root, ["ISBI_1.5", "BIDMC"])
+    assert list(volumes) == ["ISBI_1.5", "BIDMC"]
+    assert np.array_equal(volumes["ISBI_1.5"][0][0], _volume(1, 0)[0])  # ISBI_1.5 is the fixture's site 1
+
+
+def test_a_cache_of_the_wrong_shape_is_rebuilt_and_a_loaded_cache_is_copy_on_write(root: Path) -> None:
+    first = _load(root)
+    images, masks = np.array(first.images), np.array(first.masks)
+    (npy,) = (root.parent / "cache" / "folders").glob("*.npy")
+    npy.unlink()  # a new file: the first load's memory map keeps the old one
+    np.save(npy, np.zeros((len(images), 4, SIZE, SIZE - 1), dtype=np.uint8))  # same name, wrong shape
+    again = _load(root)
+    assert again.images.shape == images.shape == (len(images), 3, SIZE, SIZE)
+    assert np.array_equal(again.images, images) and np.array_equal(again.masks, masks)
+    value = int(again.images[0, 0, 0, 0])
+    again.images[0, 0, 0, 0] = value ^ 1  # writable in memory ...
+    assert int(_load(root).images[0, 0, 0, 0]) == value  # ... without touching the file
+
+
+def test_a_missing_root_is_one_problem(tmp_path: Path) -> None:
+    assert prostate.scan_cases(tmp_path / "nowhere") == ([], [f"{tmp_path / 'nowhere'}: no such folder"])

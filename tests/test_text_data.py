@@ -234,13 +234,16 @@ def test_processed_acl_reader_and_bag_of_words(tmp_path: Path) -> None:
 def test_processed_acl_reader_names_the_malformed_line(tmp_path: Path) -> None:
     root = tmp_path / "acl"
     bad = _write(root / "books" / "positive.review", "good:1 #label#:positive\ngood:x #label#:positive\n"
-                 "good:1 #label#:negative\ngood:1\ngood:0 #label#:positive\n")
+                 "good:1 #label#:negative\ngood:1\ngood:0 #label#:positive\n:3 #label#:positive\n"
+                 "good:1 #label#:neutral\n")
     _write(root / "books" / "negative.review", "bad:1 #label#:negative\n")
     assert read_processed_acl(root, ("books",))[1] == [
         f"{bad}:2: 'good:x' is not feature:count with a positive count",
         f"{bad}:3: label negative in the positive file",
         f"{bad}:4: the line does not end with #label#:positive or #label#:negative",
-        f"{bad}:5: 'good:0' is not feature:count with a positive count"]
+        f"{bad}:5: 'good:0' is not feature:count with a positive count",
+        f"{bad}:6: ':3' is not feature:count with a positive count",
+        f"{bad}:7: unknown label 'neutral'; expected positive or negative"]
 
 
 def test_processed_acl_counts_add_up_and_a_feature_may_hold_a_colon(tmp_path: Path) -> None:
@@ -381,3 +384,37 @@ def test_text_options_are_refused_where_they_do_not_apply() -> None:
         load_dataset("synthetic-sentiment", image_size=32)
     with pytest.raises(ValueError, match="^amazon-bow is bag-of-words vectors: it takes no tokenizer"):
         load_dataset("amazon-bow", root="/nowhere", max_length=64)
+
+
+def test_a_jsonl_text_that_is_a_number_is_a_problem_but_a_domain_may_be_one(tmp_path: Path) -> None:
+    table = _write(tmp_path / "a.jsonl", '{"text": 5, "label": 1, "domain": "d"}\n{"text": "ok", "label": 0, "domain": 7}\n')
+    assert read_table(table) == (["7"], {"7": [("ok", "negative")]}, [
+        f"{table}:1: the row has text 5: text must be a string, label and domain strings or integers"])
+
+
+def test_jsonl_lines_may_end_with_a_bare_carriage_return(tmp_path: Path) -> None:
+    """Classic Mac line ends (``\\r``) separate rows as ``\\n`` does; problems name the right line."""
+    table = _write(tmp_path / "a.jsonl", '{"text": "up", "label": 1, "domain": "d"}\r[1]\r{"text": "down", "label": 0, '
+                                         '"domain": "d"}\r')
+    assert read_table(table) == (["d"], {"d": [("up", "positive"), ("down", "negative")]},
+                                 [f"{table}:2: not a JSON object"])
+
+
+def test_a_processed_acl_count_that_is_a_superscript_digit_is_a_problem(tmp_path: Path) -> None:
+    """'²'.isdigit() is true but int('²') raises: such a line crashed the reader instead of being listed."""
+    root = tmp_path / "acl"
+    bad = root / "books" / "positive.review"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"good:1 #label#:positive\ngood:\xb2 #label#:positive\n")  # a Latin-1 line: 0xB2 is U+00B2
+    _write(root / "books" / "negative.review", "dull:1 #label#:negative\n")
+    samples, problems = read_processed_acl(root, ("books",))
+    assert problems == [f"{bad}:2: 'good:\u00b2' is not feature:count with a positive count"]
+    assert samples["books"] == [({"dull": 1}, 0), ({"good": 1}, 1)]
+
+
+def test_stray_closing_tags_are_problems_and_a_file_with_problems_is_not_also_called_empty(tmp_path: Path) -> None:
+    root = _raw_root(tmp_path)
+    bad = _write(root / "books" / "negative.review", "</review>\n<review>\n</review_text>\n</review>\n")
+    assert read_raw(root, ("books",))[1] == [f"{bad}:1: </review> without <review>",
+                                            f"{bad}:3: </review_text> without <review_text>",
+                                            f"{bad}:2: review has no <review_text>"]

@@ -155,7 +155,7 @@ def parse_acl_line(path: Path, number: int, line: str) -> tuple[dict[str, int], 
     counts: dict[str, int] = {}
     for pair in pairs:
         feature, _, count = pair.rpartition(":")
-        if not feature or not count.isdigit() or int(count) < 1:
+        if not feature or not (count.isascii() and count.isdigit()) or int(count) < 1:  # '²'.isdigit() is true
             return f"{path}:{number}: {pair!r} is not feature:count with a positive count"
         counts[feature] = counts.get(feature, 0) + int(count)
     return counts, label
