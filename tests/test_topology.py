@@ -7,6 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from dp_accounting.rdp import RdpAccountant
+from support.dp_reference import accounted_gaussian
 from torch import nn
 
 from feddg.aggregation.mean import weighted_mean
@@ -145,3 +148,84 @@ def test_domain_stations_order_clients_by_their_first_domain_then_by_id() -> Non
     # a tie across the block boundary goes by client id; a client without domains comes first
     assert assign_stations("domain", 2, [(0,), (0,), (0,), (1,)]).tolist() == [0, 0, 1, 1]
     assert assign_stations("domain", 2, [(0,), (), (1,), (1,)]).tolist() == [0, 0, 1, 1]
+
+
+def _swap_channels(w: Message, perm: np.ndarray) -> Message:
+    """``w`` of ``Conv2d(2, 3, 1) → Flatten → Linear(3, 2)`` with the conv's output channels permuted (the same
+    function: the linear layer's input columns move with them)."""
+    return {**w, "w/0.weight": w["w/0.weight"][perm], "w/0.bias": w["w/0.bias"][perm],
+            "w/2.weight": w["w/2.weight"][:, perm]}
+
+
+def test_the_aligned_merge_takes_the_lowest_active_station_as_reference_whatever_order_replies_arrive_in() -> None:
+    torch.manual_seed(0)  # two inputs per filter: FOT compares L2-normalised filters (eq. 2), 1-element ones all look alike
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.Flatten(), nn.Linear(3, 2))
+    topo = topology([0, 1], merge="hfedatm-no-regmean", params=HFedATMParams(solver="hungarian"),
+                    spec=sequential_spec(model))
+    w0 = weights_of(model)
+    w1 = _swap_channels(w0, np.array([2, 0, 1]))  # station 1: station 0's model with its channels permuted
+    assert not np.array_equal(w1["w/0.weight"], w0["w/0.weight"])
+    state = {"weights": w0, "round": 0, "stations": [{"weights": w0}, {"weights": w1}]}
+    replies = {0: Reply(0, {**w0, "num_examples": 1}), 1: Reply(1, {**w1, "num_examples": 1})}
+    for order in ((0, 1), (1, 0)):  # FOT aligns the others to station 0, so the merge is station 0's model
+        new, _ = topo.finish(FedAvg(), state, station_round(topo, {0: 1, 1: 1}, [replies[c] for c in order]), 1)
+        assert all(np.allclose(new["weights"][k], w0[k], rtol=0, atol=1e-6) for k in w0), order
+
+
+class _Members(FedAvg):
+    """FedAvg whose stations remember which clients they serve; its setup request names the station asked."""
+
+    def station_init(self, station: ServerState, members: list[int]) -> ServerState:
+        return {**station, "members": members}
+
+    def setup_request(self, state: ServerState) -> Message | None:
+        return {"members": state["members"]}
+
+
+def test_each_station_starts_knowing_its_own_clients_and_the_setup_request_is_a_stations() -> None:
+    topo = topology([1, 0, 1, 2])
+    state = topo.init(_Members(), nn.Linear(2, 1), None)
+    assert [s["members"] for s in state["stations"]] == [[1], [0, 2], [3]]
+    assert topo.setup_request(_Members(), state) == {"members": [1]}  # the method asked with station 0's state
+
+
+def test_summary_sums_a_server_rounds_traffic_over_its_station_rounds_and_the_runs_fallbacks() -> None:
+    topo = topology([0, 1], station_rounds=2)
+    rows = [{"round": t, "bytes_up": 10 * t, "bytes_down": 1000 * t, "regmean/fallbacks": t % 2 + 1,
+             "fot/moved": 0.25 * t} for t in range(1, 5)]
+    out = station_summary(topo, rows)
+    per = out["per_server_round"]
+    assert per["bytes_client_up"] == ((10 + 20) + (30 + 40)) / 2  # server rounds (1, 2) and (3, 4)
+    assert per["bytes_client_down"] == ((1000 + 2000) + (3000 + 4000)) / 2
+    assert out["regmean_fallbacks"] == 2 + 1 + 2 + 1  # every station round's, summed
+    assert out["fot_moved_mean"] == pytest.approx((0.25 + 0.5 + 0.75 + 1.0) / 4, abs=1e-12)
+
+
+def test_summary_accounts_every_gram_layer_of_every_complete_server_round() -> None:
+    topo = topology([0, 1], station_rounds=1, merge="hfedatm-no-fot",
+                    params=HFedATMParams(gram_pass="after", dp_epsilon=1.0, dp_clip=2.0))
+    rows = [{"round": t} for t in (1, 2, 3)]
+    rows[-1].update({"regmean/fc1/cond": 1.0, "regmean/fc2/cond": 1.0})  # two Gram layers
+    privacy = station_summary(topo, rows)["privacy"]
+    assert privacy["releases"] == 3 * 2 and privacy["sensitivity"] == 2.0**2  # C² per sample
+    z = topo.dp_sigma / 2.0**2
+    assert privacy["epsilon"] == pytest.approx(accounted_gaussian(RdpAccountant, z, 6, 1e-5), rel=1e-9)
+
+
+def test_every_station_keeps_its_own_copy_of_the_methods_state() -> None:
+    state = topology([0, 1, 1]).init(FedAvg(), nn.Linear(2, 1), None)
+    state["stations"][0]["weights"]["w/bias"] += 1.0  # in place, in station 0 only
+    assert state["stations"][1]["weights"]["w/bias"] == state["weights"]["w/bias"]
+
+
+def test_a_gram_merge_uploads_each_stations_model_and_grams_and_records_the_engine_round() -> None:
+    topo = topology([0, 1], merge="hfedatm-no-fot")
+    rng = np.random.default_rng(0)
+    w = [{"w/fc.weight": rng.normal(size=(2, 3)).astype(np.float32)} for _ in range(2)]
+    gram = (lambda x: x.T @ x)(rng.normal(size=(5, 3))).astype(np.float32)
+    state = {"weights": w[0], "round": 2, "stations": [{"weights": v} for v in w]}
+    acc = station_round(topo, {0: 4, 1: 4}, [Reply(c, {**w[c], "gram/fc": gram, "num_examples": 4}) for c in (0, 1)])
+    new, metrics = topo.finish(FedAvg(), state, acc, 3)
+    station_gram_bytes = len("gram/fc") + 3 * 3 * 8  # a station's Gram: float64 [3, 3] (eqs. 9–10)
+    assert metrics["hfl/bytes_station_up"] == 2 * (message_nbytes(w[0]) + station_gram_bytes)
+    assert new["round"] == 3
