@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from feddg.aggregation.mean import WeightedSum, weighted_mean, weighted_mean_messages
+from feddg.aggregation.mean import CHUNK, WeightedSum, weighted_mean, weighted_mean_messages
 from feddg.aggregation.regmean import GRAM_EPS, regmean
+from feddg.models.permutation import RowGather
 
 
 def test_weighted_mean_multiplies_by_the_float64_normalised_weights() -> None:
@@ -53,3 +54,41 @@ def test_a_regmean_fallback_still_reports_its_dead_inputs() -> None:
     res = regmean([np.ones((2, 3)), 3 * np.ones((2, 3))], [x.T @ x, 2 * x.T @ x], [1, 1])
     assert res.fallback and res.dead_inputs == 1
     np.testing.assert_array_equal(res.weight, 2 * np.ones((2, 3)))
+
+
+def test_weighted_mean_across_a_chunk_boundary_is_the_formula_on_every_element() -> None:
+    rng = np.random.default_rng(2)
+    a, b = rng.normal(size=(2, CHUNK + 3))  # a full chunk and a short one: each starts from zero sums
+    assert np.array_equal(weighted_mean([a, b], [3, 1]), 0.0 + a * 0.75 + b * 0.25)
+
+
+def test_a_later_message_with_an_extra_prefixed_key_is_refused() -> None:
+    first, more = {"w/x": np.ones(2)}, {"w/x": np.ones(2), "w/y": np.ones(2)}
+    with pytest.raises(KeyError, match="disagree"):
+        weighted_mean_messages([first, more], [1, 1], "w/")
+    fold = WeightedSum("w/")
+    fold.add(first, 1)
+    with pytest.raises(KeyError, match="disagree"):  # not a w/y averaged over the second message alone
+        fold.add(more, 1)
+
+
+def test_a_zero_weight_is_accepted_and_contributes_nothing() -> None:
+    fold = WeightedSum("w/", expected=2.0)
+    fold.add({"w/x": np.array([2.0, 4.0])}, 2)
+    fold.add({"w/x": np.array([100.0, -100.0])}, 0)  # a client that trained on no examples
+    np.testing.assert_array_equal(fold.mean()["w/x"], [2.0, 4.0])
+    np.testing.assert_array_equal(weighted_mean([np.array([2.0]), np.array([9.0])], [1, 0]), [2.0])
+
+
+def test_weights_that_are_not_one_vector_or_gathers_of_different_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least one weight"):
+        weighted_mean([np.ones(2), np.ones(2)], [[1.0], [2.0]])
+    a = np.arange(12.0)
+    with pytest.raises(ValueError, match="different shapes"):
+        weighted_mean([a, a], [1, 1], [RowGather(np.arange(3)), RowGather(np.arange(4))])
+
+
+def test_row_gathers_permute_each_array_before_the_mean() -> None:
+    a, b = np.arange(6.0).reshape(3, 2), 10 * np.arange(6.0).reshape(3, 2)
+    out = weighted_mean([a, b], [1, 1], [None, RowGather(np.array([2, 0, 1]))])
+    np.testing.assert_array_equal(out, (a + b[[2, 0, 1]]) / 2)
