@@ -47,6 +47,7 @@ CASES = [
     (["run", "configs/demo.yaml", "-o", "seed=-1"], "seed:"),
     (["sweep", "configs/demo.yaml", "-o", "sweep.seeds=[0,-2]"], "sweep.seeds.1:"),
     (["bench", "models", "--names", "cnn@x"], "'cnn@x': the size after @"),
+    (["bench", "models", "--names", "cnn@2\u00b2"], "'cnn@2\u00b2': the size after @"),  # '²'.isdigit() is true
 ]
 
 

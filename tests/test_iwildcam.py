@@ -128,6 +128,7 @@ def test_lambda_zero_gives_each_client_one_location_and_val_test_are_held_out(tm
     (lambda t: t.replace("\nval,30,", "\n7,30,"), "metadata.csv: line 18: unknown split '7'"),
     (lambda t: t.replace(",0000.jpg", ",gone.jpg"), "metadata.csv: line 2: no image "),
     (lambda t: t.replace("\nval,30,", "\nval,x30,"), "metadata.csv: line 18: location_remapped 'x30' is not an integer >= 0"),
+    (lambda t: t.replace("\nval,30,", "\nval,3\u00b2,"), "metadata.csv: line 18: location_remapped '3\u00b2' is not an integer"),
     (lambda t: t.replace("\ntest,40,140,19,0,", "\ntest,40,140,19,182,"), "line 21: y '182' is not an integer in 0..181"),
     (lambda t: t.split("\n")[0] + "\n", "metadata.csv: no rows"),
 ])

@@ -108,7 +108,7 @@ def parse_model_spec(spec: str) -> tuple[str, int, dict[str, object]]:
             except ValueError:
                 pass
         options[key] = value
-    if px and not (px.isdigit() and int(px) > 0):
+    if px and not (px.isascii() and px.isdigit() and int(px) > 0):  # '²'.isdigit() is true
         raise ValueError(f"{spec!r}: the size after @ is a positive whole number (pixels; tokens for text models), "
                          f"got {px!r}")
     return name, int(px or 28), options

@@ -39,7 +39,7 @@ TRANSFORMS = TransformSpec(flip=0.5, mean=(0.485, 0.456, 0.406), std=(0.229, 0.2
 def _integer(column: str, value: str, high: int | None = None) -> int:
     """``value`` of ``column`` as an integer >= 0 (and < ``high``), else ``ValueError``."""
     text = value.strip()
-    if not text.isdigit() or (high is not None and int(text) >= high):
+    if not (text.isascii() and text.isdigit()) or (high is not None and int(text) >= high):
         bound = f" in 0..{high - 1}" if high is not None else " >= 0"
         raise ValueError(f"{column} {value!r} is not an integer{bound}")
     return int(text)
