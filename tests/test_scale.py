@@ -370,11 +370,25 @@ def test_the_peak_rss_starts_again_at_each_reset_and_is_ru_maxrss_without_proc(m
     block = np.ones(100 * 2**20 // 8)  # 100 MiB, touched
     high = scale.peak_rss_mb()
     del block
-    reset_peak_rss()
+    if not reset_peak_rss():
+        pytest.skip("this kernel takes the write to clear_refs but keeps the old peak")
     assert scale.peak_rss_mb() < high - 50  # a later run's peak no longer shows the 100 MiB freed before it
     monkeypatch.setattr(scale, "rss_mb", lambda field: math.nan)  # no /proc: the process's peak since it started
     monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3 * 1024 * 1024))  # KiB
     assert scale.peak_rss_mb() == 3072.0
+
+
+def test_a_reset_is_one_only_where_the_peak_then_meets_the_resident_memory(monkeypatch):
+    from feddg.bench import memory
+
+    writes = []
+    monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(write_text=lambda text: writes.append((path, text))))
+    status = {"VmHWM": 1594.0, "VmRSS": 1494.0}  # CI's kernel: the write was taken, the 100 MiB peak kept
+    monkeypatch.setattr(memory, "rss_mb", lambda field: status[field])
+    assert not memory.reset_peak_rss()
+    status["VmRSS"] = 1594.0 - memory.RESET_SLACK_MB  # freed by another thread between the two reads
+    assert memory.reset_peak_rss()
+    assert writes == [("/proc/self/clear_refs", "5")] * 2
 
 
 def test_scale_run_books_each_round_and_leaves_the_rest_to_build(monkeypatch):
