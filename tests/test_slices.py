@@ -42,9 +42,11 @@ def test_a_constant_volume_scales_to_zeros() -> None:
     assert scaled.dtype == np.uint8 and not scaled.any()
 
 
-def test_float_labels_are_rounded_before_they_are_clipped() -> None:
-    # a resampled mask reads 0.9999 inside the gland and 1e-4 outside: rounded to 1 and 0, not truncated
-    labels = np.where(_columns([0, 1, 1, 0]) > 0, 0.9999, 1e-4)
+@pytest.mark.parametrize("inside,outside", [(0.9999, 1e-4), (0.5, 0.4999), (2.0, -1.0)])
+def test_a_label_at_or_above_one_half_is_foreground(inside: float, outside: float) -> None:
+    # a resampled mask reads 0.9999 inside the gland and 1e-4 outside: 1 and 0, not truncated; 0.5 is foreground, as
+    # prostate.read_case counts it (np.rint made it 0); a second structure (2) is the same organ
+    labels = np.where(_columns([0, 1, 1, 0]) > 0, inside, outside)
     out = slices_from_volumes({"site": [(_columns([1.0, 2.0, 3.0, 4.0]), labels)]}, image_size=4, drop_empty=True)
     assert np.array_equal(out["masks"][0], np.broadcast_to(np.array([0, 1, 1, 0], np.uint8), (4, 4)))
 

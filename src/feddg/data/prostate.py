@@ -25,15 +25,16 @@ import numpy as np
 from feddg.data.base import first_problem
 from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays, temporary_beside
 from feddg.data.image_cache import cache_path
-from feddg.data.slices import KEYS, SliceDataset, Volume, slices_from_volumes
+from feddg.data.slices import FOREGROUND, KEYS, SliceDataset, Volume, slices_from_volumes
 
 NAME = "prostate"
 SITES = ["BIDMC", "HK", "I2CVB", "ISBI", "ISBI_1.5", "UCL"]
 MASK_SUFFIX = {site: "_Segmentation" if site == "ISBI_1.5" else "_segmentation" for site in SITES}
 DEFAULT_IMAGE_SIZE = 384
 LAYOUT = "root/<SITE>/CaseNN.nii.gz with CaseNN_segmentation.nii.gz beside it, SITE among " + ", ".join(SITES)
-VERSION = "v4"  # v2: fixed normalisation (0.5, 0.5); v3: slices [y, x] as SimpleITK reads them (were [x, y]);
-# v4: a volume's first and last slices are not samples (the reference loaders' range(1, depth - 1))
+VERSION = "v5"  # v2: fixed normalisation (0.5, 0.5); v3: slices [y, x] as SimpleITK reads them (were [x, y]);
+# v4: a volume's first and last slices are not samples (the reference loaders' range(1, depth - 1)); v5: a label of
+# exactly 0.5 is foreground in the slices as in read_case's emptiness check (np.rint made it background)
 META_KEYS = tuple(k for k in KEYS if k not in ("images", "masks"))
 _CASE = re.compile(r"(Case\d+)(\.nii(?:\.gz)?)")
 _MASK = re.compile(r"(Case\d+)_[sS]egmentation(\.nii(?:\.gz)?)")
@@ -120,7 +121,7 @@ def read_case(case: Case) -> tuple[Volume | None, list[str]]:
     volume, labels = arrays
     if volume.shape != labels.shape:
         return None, [f"{case.mask} has shape {_shape(labels)} but {case.image.name} has {_shape(volume)}"]
-    if not (labels >= 0.5).any():
+    if not (labels >= FOREGROUND).any():
         return None, [f"{case.mask} is empty (no foreground voxel)"]
     return (volume, labels), []
 

@@ -22,6 +22,10 @@ from torch import Tensor
 from feddg.data.base import DomainDataset
 from feddg.data.cache import Arrays
 
+#: a label at or above it is foreground (every structure of a multi-label mask is the one organ; a resampled mask's
+#: 0.9999 and 1e-4 are 1 and 0); :func:`feddg.data.prostate.read_case` judges emptiness by the same rule
+FOREGROUND = 0.5
+
 CLASSES = ["background", "prostate"]
 KEYS = ("images", "masks", "domain_ids", "cases", "mean", "std")
 Volume = tuple[np.ndarray, np.ndarray]  # intensities and labels, [depth, H, W] each
@@ -69,7 +73,7 @@ def slices_from_volumes(
         for volume, labels in site_volumes:
             if volume.ndim != 3 or volume.shape != labels.shape:
                 raise ValueError(f"case {case}: volume {volume.shape} and labels {labels.shape} must be equal 3-D shapes")
-            mask = np.clip(np.rint(labels), 0, 1).astype(np.uint8)
+            mask = (labels >= FOREGROUND).astype(np.uint8)
             inner = np.arange(1, len(mask) - 1)  # the first and last slices lack a neighbour: not samples
             keep = inner[mask[inner].any(axis=(1, 2))] if drop_empty else inner
             scaled = _resize(scale_intensities(volume), image_size, "bilinear")
