@@ -145,3 +145,51 @@ def test_a_refusal_only_the_data_can_make_names_its_cell(tmp_path, monkeypatch, 
     monkeypatch.setattr(sweep, "_run_or_load", few_shot)
     with pytest.raises(ConfigError, match=r"^sweep variant 'B', target uci, seed 0: split.few_shot_k=9999 for 4"):
         _sweep(tmp_path, section={"variants": {"A": {}, "B": {"split.few_shot_k": 9999}}})
+
+
+def test_a_row_without_the_metric_adds_no_value_to_its_cell_nor_a_seed_to_the_average():
+    from feddg.evaluation.tables import csv_table, pivot
+
+    rows = [{"variant": "A", "target": "t", "seed": 0, "ood_acc": 80.0},
+            {"variant": "A", "target": "t", "seed": 1}]  # seed 1 reported no ood figure (e.g. a federated split)
+    assert pivot(rows, "ood_acc")[2] == {("A", "t"): [80.0]}
+    lines = list(csv.reader(csv_table(rows).splitlines()))
+    assert [line[:7] for line in lines[1:]] == [["A", "t", "80.000", "", "", "", "1"], ["A", "avg", "80.000", "", "", "", "1"]]
+
+
+def test_the_html_table_clips_intervals_to_the_bounds_and_marks_a_degraded_variants_average():
+    from feddg.reports.sweep import AVG, table
+
+    rows = [{"variant": "A", "target": t, "seed": s, "ood_acc": v, "dropped": int(t == "uci" and s == 1)}
+            for t, vals in (("uci", (99.0, 100.0)), ("svhn", (50.0, 60.0))) for s, v in enumerate(vals)]
+    out = table(rows, "ood_acc", TaskInfo.of(TASK))
+    assert out["columns"] == ["uci", "svhn", AVG] and out["degraded"]
+    (variant, cells_), = out["rows"]
+    uci, svhn, avg = cells_
+    assert uci[0].hi == 100.0 and uci[0].lo == pytest.approx(ci95([99.0, 100.0])[0])  # the t interval reaches 105.9
+    assert [c[2] for c in cells_] == [True, False, True]  # the average over targets holds the degraded run too
+    assert avg[0].values == (74.5, 80.0)
+
+
+def test_curves_draw_only_the_rounds_every_seed_evaluated(tmp_path):
+    from feddg.reports.sweep import curves
+
+    rows = []
+    for seed, rounds in ((0, (1, 2, 3)), (1, (2, 3))):  # seed 1 has no round-1 figure
+        run_dir = tmp_path / f"seed{seed}"
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "ood_acc": 10.0 * r + seed}) + "\n"
+                                                       for r in rounds))
+        rows.append({"variant": "A", "target": "uci", "seed": seed, "run_dir": str(run_dir), "ood_acc": 30.0 + seed})
+    line = curves(rows, "ood_acc", TaskInfo.of(TASK)).axes[0].lines[0]
+    assert list(line.get_xdata()) == [2, 3] and list(line.get_ydata()) == [20.5, 30.5]
+
+
+def test_a_sweep_with_named_metrics_reports_only_those(tmp_path, stand_in_runs, monkeypatch):
+    import feddg.reports.sweep as report
+
+    drawn, bars = [], report.bars
+    monkeypatch.setattr(report, "bars", lambda rows, metric, task: drawn.append(metric) or bars(rows, metric, task))
+    _sweep(tmp_path, "sweep.metrics=[ood_acc]")
+    sweep_report(tmp_path / "out")
+    assert drawn == ["ood_acc"]  # the runs' id_acc is not tabled, so it gets no section
