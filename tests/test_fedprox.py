@@ -45,3 +45,9 @@ def test_client_update_minimises_the_task_loss_plus_half_mu_times_the_squared_di
 
     train_local(fed.model, ctx, lr=0.1, loss_fn=eq2)
     assert_reply_weights(reply, weights_of(fed.model), start, rtol=1e-5)
+
+
+def test_the_default_mu_is_the_middle_of_the_hfedf_grid():
+    from feddg.algorithms.fedprox import FedProx, FedProxParams
+
+    assert FedProxParams().mu == 0.01 and FedProx.search_space["mu"] == [1e-1, 1e-2, 1e-3]  # hFedF paper, Table 10

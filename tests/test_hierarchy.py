@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from support.augmentation import shift_training_batches
 from torch import nn
 from toy import ToyNet, toy_federation
 
@@ -205,6 +206,16 @@ def test_client_grams_are_the_inputs_gram_of_one_pass_over_its_data(gram_pass):
     h = torch.relu(model.fc1(x.float())).double()
     np.testing.assert_allclose(reply["gram/fc1"], (x.T @ x).numpy(), rtol=1e-5)  # one epoch, not two
     np.testing.assert_allclose(reply["gram/fc2"], (h.T @ h).detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_an_after_pass_grams_the_data_as_stored_not_augmented(monkeypatch):
+    torch.manual_seed(0)
+    model, ctx = _NoBN(), _ctx(epochs=1)
+    shift_training_batches(monkeypatch, ctx.dataset)  # training batches +100: the after pass must not see them
+    msg = {**weights_of(model), "lr": 0.0, "round": 1, GRAM_FLAG: 1}
+    reply, _ = update_with_grams(FedAvg(), model, msg, {}, ctx, HFedATMParams(gram_pass="after"))
+    x = ctx.dataset.x[torch.from_numpy(ctx.train_idx)].flatten(1).double()
+    np.testing.assert_allclose(reply["gram/fc1"], (x.T @ x).numpy(), rtol=1e-5)
 
 
 def test_last_epoch_grams_are_of_the_last_training_epoch_and_eval_passes_around_it_are_not_counted():
