@@ -193,3 +193,47 @@ def test_a_sweep_with_named_metrics_reports_only_those(tmp_path, stand_in_runs, 
     _sweep(tmp_path, "sweep.metrics=[ood_acc]")
     sweep_report(tmp_path / "out")
     assert drawn == ["ood_acc"]  # the runs' id_acc is not tabled, so it gets no section
+
+
+def test_all_targets_of_a_dataset_whose_domains_are_discovered_is_refused_but_named_targets_run(tmp_path, stand_in_runs,
+                                                                                               monkeypatch):
+    monkeypatch.setattr(sweep, "dataset_info", lambda name: {"domains": []})  # natural clients: found in the data
+    with pytest.raises(ConfigError, match="^sweep over 'all' targets needs data.domains for digits-dg$"):
+        _sweep(tmp_path, section={"targets": "all"})
+    assert {r["target"] for r in _sweep(tmp_path)["rows"]} == {"uci"}
+
+
+@pytest.fixture
+def finished_cell(tmp_path, monkeypatch, capsys):
+    """A cell folder whose stored config hash is the current one; ``run_experiment`` records how it is called."""
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "results.json").write_text(json.dumps({"final": {"ood_acc": 1.0}}))
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(sweep, "stored_config_hash", lambda run_dir: "h")
+    monkeypatch.setattr(sweep, "config_hash", lambda cfg: "h")
+    monkeypatch.setattr(sweep, "changed_inputs", lambda run_dir, cfg: [])
+    monkeypatch.setattr(sweep, "run_experiment", lambda cfg, run_dir, **kw: calls.append(kw) or {"final": {}})
+    return cell, calls
+
+
+def test_a_finished_cell_whose_input_files_changed_is_rerun_from_scratch(finished_cell, monkeypatch, capsys):
+    cell, calls = finished_cell
+    assert sweep._run_or_load(None, cell, False) == {"final": {"ood_acc": 1.0}} and calls == []  # loaded as it is
+    monkeypatch.setattr(sweep, "changed_inputs", lambda run_dir, cfg: ["data.root"])
+    sweep._run_or_load(None, cell, False)
+    assert calls == [{"overwrite": True, "progress": False}]
+    assert "the files of data.root changed since it ran" in capsys.readouterr().err.replace("\n", "")
+
+
+def test_a_checkpoint_that_cannot_be_resumed_reruns_the_cell_from_scratch(finished_cell, monkeypatch, capsys):
+    cell, calls = finished_cell
+    (cell / "results.json").unlink()  # interrupted: a checkpoint, no results
+
+    def unreadable(run_dir, cfg, argv):
+        raise sweep.CheckpointError("checkpoint.pt is truncated")
+    monkeypatch.setattr(sweep, "has_checkpoint", lambda run_dir: True)
+    monkeypatch.setattr(sweep, "record_resume", unreadable)
+    sweep._run_or_load(None, cell, False)
+    assert calls == [{"overwrite": True, "progress": False}]
+    assert f"rerunning {cell} from scratch: checkpoint.pt is truncated" in capsys.readouterr().err.replace("\n", "")
