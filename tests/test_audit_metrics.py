@@ -37,6 +37,17 @@ def test_effnet_features_are_the_pretrained_nets_pooled_features_of_resized_imag
     np.testing.assert_allclose(out, ref.double().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_effnet_features_resize_to_96_px_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from feddg.audit import metrics
+
+    seen: list[tuple[int, ...]] = []
+    net = torch.nn.Flatten()
+    net.features = lambda x: seen.append(tuple(x.shape)) or x.flatten(1)[:, :4]  # type: ignore[assignment]
+    monkeypatch.setattr(metrics, "_feature_net", lambda: net)
+    effnet_features(np.zeros((3, 3, 12, 12)), batch=2)
+    assert seen == [(2, 3, 96, 96), (1, 3, 96, 96)]  # docs/privacy.md: "EfficientNet-Lite0 at 96 px"
+
+
 def test_frechet_distance_of_a_set_with_itself_is_zero_never_a_rounding_negative() -> None:
     for seed in range(10):  # Tr Σ₁ + Tr Σ₂ − 2 Tr(Σ₁Σ₂)^{1/2} cancels to ±1e-15: clamped at 0
         f = np.random.default_rng(seed).standard_normal((10, 6))
