@@ -111,6 +111,7 @@ def test_a_rows_scalars_are_its_finite_numbers_and_the_config_flattens_to_dotted
                                        "data": {**TINY["data"], "domains": ["mnist", "uci"]}}))
     assert (params["method.name"], params["method.params.mu"], params["federation.rounds"]) == ("fedprox", 0.1, 3)
     assert (params["data.domains"], params["split.val_domain"]) == ('["mnist", "uci"]', "null")  # JSON text
+    assert params["model.params"] == "{}"  # an empty mapping is a param too, not left out
 
 
 def test_an_mlflow_store_inside_the_run_directory_is_refused(tmp_path):
