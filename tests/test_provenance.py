@@ -31,7 +31,8 @@ def test_the_hash_follows_what_is_computed_not_where_or_how_fast():
     assert len(base) == 64
     for same in ("output_dir=elsewhere", "name=other", "federation.workers=4", "device=cpu",
                  "federation.checkpoint_every=3", "logging.tensorboard=true", "data.loader_workers=2",
-                 "flower.round_timeout_s=60", "flower.client_num_cpus=2"):
+                 "flower.round_timeout_s=60", "flower.client_num_cpus=2", "federation.client_state_budget_mb=64",
+                 "flower.roster=/tmp/roster.yaml", "audit.attacks=[gram]"):
         assert config_hash(build_config({}, [same])) == base, same
     for different in ("optim.lr=0.02", "seed=1", "federation.rounds=11", "eval.every=2", "method.name=fedprox"):
         assert config_hash(build_config({}, [different])) != base, different
@@ -39,6 +40,8 @@ def test_the_hash_follows_what_is_computed_not_where_or_how_fast():
     assert config_hash(build_config({}, [*secagg, "flower.secaggplus.clipping_range=4"])) != config_hash(  # aggregate
         build_config({}, secagg))
     assert config_hash(build_config({}, ["flower.secaggplus.clipping_range=4"])) == base  # without SecAgg+: nothing
+    pfedhn = config_hash(build_config({}, ["method.name=pfedhn"]))  # a default written out, alone, is no change
+    assert config_hash(build_config({}, ["method.name=pfedhn", "method.params.server_lr=0.01"])) == pfedhn
 
 
 def test_every_excluded_key_is_a_config_key():
