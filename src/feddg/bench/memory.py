@@ -37,7 +37,8 @@ RESET_SLACK_MB = 4.0
 
 def reset_peak_rss() -> bool:
     """Start this process's ``VmHWM`` again from its ``VmRSS`` (Linux); False where that cannot be done: no
-    writable /proc/self/clear_refs, or a kernel that takes the write and keeps the old peak (seen in CI)."""
+    writable /proc/self/clear_refs, or a kernel that takes the write and keeps the old peak (CI's machine showed an
+    unchanged peak after a reset)."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
