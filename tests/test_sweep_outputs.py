@@ -166,6 +166,7 @@ def test_the_html_table_clips_intervals_to_the_bounds_and_marks_a_degraded_varia
     assert out["columns"] == ["uci", "svhn", AVG] and out["degraded"]
     (variant, cells_), = out["rows"]
     uci, svhn, avg = cells_
+    assert variant == "A"
     assert uci[0].hi == 100.0 and uci[0].lo == pytest.approx(ci95([99.0, 100.0])[0])  # the t interval reaches 105.9
     assert [c[2] for c in cells_] == [True, False, True]  # the average over targets holds the degraded run too
     assert avg[0].values == (74.5, 80.0)
@@ -204,7 +205,7 @@ def test_all_targets_of_a_dataset_whose_domains_are_discovered_is_refused_but_na
 
 
 @pytest.fixture
-def finished_cell(tmp_path, monkeypatch, capsys):
+def finished_cell(tmp_path, monkeypatch):
     """A cell folder whose stored config hash is the current one; ``run_experiment`` records how it is called."""
     cell = tmp_path / "cell"
     cell.mkdir()
