@@ -64,16 +64,21 @@ def mark(run_dir: Path, status: str, error: str = "") -> None:
     tmp.replace(run_dir / STATUS)
 
 
+def read_mark(run_dir: Path) -> dict[str, Any] | None:
+    """``run_dir``'s mark as :func:`mark` wrote it; ``None`` where there is none or it cannot be read."""
+    try:
+        record = json.loads((run_dir / STATUS).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def mark_stopped_if_running(run_dir: Path) -> None:
     """Flower's exit handler for ``flwr stop`` (registered to run before its force-exit timer): mark a run that is
     still ``running`` as ``stopped``. Flower's own exit work (pushing logs and the task output) may outlast the 5 s
     after which it ``os._exit``s the process, before the ``SystemExit`` reaches :func:`main`'s handler: on a loaded
     2-core machine the run was then left marked ``running``. A run that ended otherwise keeps its mark."""
-    try:
-        running = json.loads((run_dir / STATUS).read_text()).get("status") == "running"
-    except (OSError, ValueError):
-        return
-    if running:
+    if (record := read_mark(run_dir)) is not None and record.get("status") == "running":
         mark(run_dir, "stopped", "stopped from outside (Flower's exit on a signal) before the last round")
 
 

@@ -7,7 +7,6 @@ the outcome is read from the run directory's ``status.json``, written by the Ser
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 from flwr.supercore.utils import get_flwr_home
 
 from feddg.config import ExperimentConfig
-from feddg.engines.flower.app import STATUS, run_config_toml
+from feddg.engines.flower.app import STATUS, read_mark, run_config_toml
 from feddg.federation.server import used_run_dir
 
 #: how long to wait, after ``flwr run`` returned, for a ServerApp still marked ``running`` to write its end: on
@@ -30,9 +29,7 @@ MARK_WAIT_S = 30.0
 
 def outcome(run_dir: Path) -> str | None:
     """``None`` if the run in ``run_dir`` completed; otherwise one line saying how it ended."""
-    try:
-        status = json.loads((run_dir / STATUS).read_text())
-    except (OSError, ValueError):
+    if (status := read_mark(run_dir)) is None:
         return f"{run_dir}: no {STATUS}: the ServerApp did not start (see `flwr log`), or the run directory is elsewhere"
     state = status.get("status")
     if state == "completed" and (run_dir / "results.json").is_file():
