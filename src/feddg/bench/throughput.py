@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from feddg.algorithms.base import ClientContext, OptimSettings
 from feddg.algorithms.components.local import train_local
 from feddg.config import ExperimentConfig, load_config
-from feddg.data.base import DomainDataset
+from feddg.data.base import DomainDataset, ascii_int
 from feddg.engines.workers import compute_threads
 from feddg.evaluation.plots import read_metrics
 from feddg.models import create_model, model_inputs
@@ -108,10 +108,11 @@ def parse_model_spec(spec: str) -> tuple[str, int, dict[str, object]]:
             except ValueError:
                 pass
         options[key] = value
-    if px and not (px.isascii() and px.isdigit() and int(px) > 0):  # '²'.isdigit() is true
+    size = ascii_int(px) if px else 28
+    if size is None or size < 1:
         raise ValueError(f"{spec!r}: the size after @ is a positive whole number (pixels; tokens for text models), "
                          f"got {px!r}")
-    return name, int(px or 28), options
+    return name, size, options
 
 
 def _label(name: str, options: Mapping[str, Any]) -> str:

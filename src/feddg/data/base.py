@@ -28,6 +28,12 @@ def first_problem(problems: Sequence[str], name: str, root: str | os.PathLike[st
     return problems[0] + (f" (and {more} more: `feddg datasets {name} --root {root} --check` lists them)" if more else "")
 
 
+def ascii_int(text: str) -> int | None:
+    """``text`` as a whole number >= 0 when it is ASCII digits only, else ``None`` (``'²'.isdigit()`` is true and
+    ``int('²')`` raises)."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def surplus_fields(row: Mapping[str | None, object], header: Sequence[str] | None) -> str | None:
     """Why a ``csv.DictReader`` row has too many fields (the reader files those past the header's under ``None``:
     an unquoted comma shifts every later column), or ``None``."""

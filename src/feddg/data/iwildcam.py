@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from feddg.data.base import ascii_int
 from feddg.data.natural import Lines, Row, Samples, Source, read_csv, wilds_rows, wilds_split
 from feddg.data.transform_spec import TransformSpec
 
@@ -38,11 +39,11 @@ TRANSFORMS = TransformSpec(flip=0.5, mean=(0.485, 0.456, 0.406), std=(0.229, 0.2
 
 def _integer(column: str, value: str, high: int | None = None) -> int:
     """``value`` of ``column`` as an integer >= 0 (and < ``high``), else ``ValueError``."""
-    text = value.strip()
-    if not (text.isascii() and text.isdigit()) or (high is not None and int(text) >= high):
+    number = ascii_int(value.strip())
+    if number is None or (high is not None and number >= high):
         bound = f" in 0..{high - 1}" if high is not None else " >= 0"
         raise ValueError(f"{column} {value!r} is not an integer{bound}")
-    return int(text)
+    return number
 
 
 def read_rows(table: Path) -> Lines:

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from feddg.data.base import surplus_fields
+from feddg.data.base import ascii_int, surplus_fields
 
 #: Amazon Reviews' domains as feddg names them, and the folder names the release may use for each
 AMAZON_DOMAINS = ("books", "dvd", "electronics", "kitchen")
@@ -155,9 +155,10 @@ def parse_acl_line(path: Path, number: int, line: str) -> tuple[dict[str, int], 
     counts: dict[str, int] = {}
     for pair in pairs:
         feature, _, count = pair.rpartition(":")
-        if not feature or not (count.isascii() and count.isdigit()) or int(count) < 1:  # '²'.isdigit() is true
+        n = ascii_int(count)
+        if not feature or n is None or n < 1:
             return f"{path}:{number}: {pair!r} is not feature:count with a positive count"
-        counts[feature] = counts.get(feature, 0) + int(count)
+        counts[feature] = counts.get(feature, 0) + n
     return counts, label
 
 
