@@ -1,7 +1,6 @@
 """Mutation audit of the round loop (federation/server.py, client.py, validation.py, client_store.py): each test
 pins one behaviour that a mutation of those files changed while the rest of the suite still passed."""
 
-import json
 import warnings
 from pathlib import Path
 
@@ -11,22 +10,15 @@ import torch
 from toy import toy_federation
 
 from feddg.algorithms.base import Reply
+from feddg.evaluation.plots import read_metrics
 from feddg.federation.client import client_context, describe, run_client, run_client_setup, try_client
 from feddg.federation.client_store import ClientStores
 from feddg.federation.server import AGGREGATE, Server, used_run_dir
 from feddg.federation.spill import MAP_FROM_BYTES
 from feddg.federation.validation import RunStopped, check_reply, outliers, update_norm
-from feddg.messages import array_slot, number_slot
+from feddg.messages import WEIGHT_PREFIX, array_slot, entries, number_slot
 
 SECURE = ("federation.engine=flower", "flower.secure_aggregation=secaggplus")
-
-
-def weights(msg: dict) -> dict:
-    return {k: v for k, v in msg.items() if k.startswith("w/")}
-
-
-def rows(server: Server) -> list[dict]:
-    return [json.loads(line) for line in (server.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # --- server.py ---------------------------------------------------------------------------------------------
@@ -34,7 +26,7 @@ def test_a_secure_aggregates_boolean_train_loss_refuses_it(tmp_path: Path) -> No
     server = Server(toy_federation(*SECURE), tmp_path / "run")
     sent = server.configure(1)
     fold = server.start_round(sent)
-    server.receive_aggregate(fold, weights(sent[0]), {0: 54, 1: 54}, {0: 1.0, 1: True})
+    server.receive_aggregate(fold, entries(sent[0], WEIGHT_PREFIX), {0: 54, 1: 54}, {0: 1.0, 1: True})
     assert fold.accepted == [] and fold.failed == {AGGREGATE: "client 1 sent train_loss=True, not a finite number"}
 
 
@@ -57,7 +49,7 @@ def echo_round(server: Server, round: int, order: list[int] | None = None, loss:
         if cid in fail:
             server.fail(fold, cid, f"why {cid}")
             continue
-        reply = {**weights(sent[cid]), "num_examples": 10, **({"train_loss": float(cid)} if loss else {})}
+        reply = {**entries(sent[cid], WEIGHT_PREFIX), "num_examples": 10, **({"train_loss": float(cid)} if loss else {})}
         server.receive(fold, Reply(cid, reply), {"round": np.array(round)})
     return server.finish_round(round, fold, {})
 
@@ -74,7 +66,7 @@ def test_held_replies_are_folded_in_the_order_sent_whatever_order_they_arrive_in
     fold = server.start_round(sent)
     assert fold.held == []
     for cid in reversed(list(sent)):
-        server.receive(fold, Reply(cid, {**weights(sent[cid]), "num_examples": 10, "train_loss": 1.0}))
+        server.receive(fold, Reply(cid, {**entries(sent[cid], WEIGHT_PREFIX), "num_examples": 10, "train_loss": 1.0}))
     server.finish_round(1, fold, {})
     assert fold.accepted == list(sent) == [0, 1, 2, 3]
 
@@ -110,10 +102,10 @@ def test_a_resumed_run_drops_the_metrics_rows_of_rounds_after_its_checkpoint(tmp
     server = Server(toy_federation("federation.rounds=4", "federation.checkpoint_every=2"), tmp_path / "run")
     for r in (1, 2, 3):
         echo_round(server, r)
-    assert [row["round"] for row in rows(server)] == [1, 2, 3]
+    assert [row["round"] for row in read_metrics(server.run_dir)] == [1, 2, 3]
     resumed = Server(toy_federation("federation.rounds=4", "federation.checkpoint_every=2"), server.run_dir,
                      resume=True)
-    assert resumed.round == 2 and [row["round"] for row in rows(resumed)] == [1, 2]
+    assert resumed.round == 2 and [row["round"] for row in read_metrics(resumed.run_dir)] == [1, 2]
 
 
 def test_a_setup_exchange_stop_names_the_bad_clients_in_id_order_whatever_order_they_replied_in(tmp_path) -> None:
