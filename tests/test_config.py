@@ -134,7 +134,7 @@ def test_a_domain_named_by_a_whole_number_is_taken_by_its_name(tmp_path):
     assert (cfg.split.target, cfg.data.domains, cfg.eval.extra[0].domains) == ("15", ["0", "15", "30"], ["45"])
     assert build_config({}, ["split.protocol=ltdo", "split.target=[15, 30]", "split.val_domain=0",
                              "data.dataset=rotated-mnist"]).split.val_domain == "0"
-    with pytest.raises(ConfigError, match=r"^split.target.str: Input should be a valid string"):
+    with pytest.raises(ConfigError, match=r"^split.target: expected a domain name or a list of names, got True$"):
         build_config({}, ["split.target=yes"])  # a boolean is not a name
     path = tmp_path / "s.yaml"
     path.write_text("data: {dataset: rotated-mnist}\nsweep:\n  targets: [15, 30]\n  pairs: [[0, 15]]\n")
@@ -145,8 +145,11 @@ def test_a_domain_named_by_a_whole_number_is_taken_by_its_name(tmp_path):
 @pytest.mark.parametrize(("over", "why"), [
     ("partition.kind=nosuch", "partition: unknown partition kind 'nosuch'"),
     ("partition.params.lam=0.5", "partition: partition 'by_domain' takes no parameter 'lam'"),
-    ("federation.workers=0", "federation.workers.constrained-int: Input should be greater than or equal to 1"),
-    ("federation.workers=-2", "federation.workers.constrained-int: Input should be greater than or equal to 1"),
+    ("federation.workers=0", "federation.workers: expected a whole number >= 1 or auto, got 0"),
+    ("federation.workers=-2", "federation.workers: expected a whole number >= 1 or auto, got -2"),
+    # a union's refusal is one phrase, not pydantic's error for each of its branches
+    ("federation.workers=many", "federation.workers: expected a whole number >= 1 or auto, got 'many'"),
+    ("split.target={a: 1}", "split.target: expected a domain name or a list of names, got {'a': 1}"),
 ])
 def test_partitions_and_worker_counts_are_checked_when_the_config_loads(over, why):
     # before: an unknown kind loaded and failed when the data did (a sweep's later cell after the earlier ones ran);

@@ -111,7 +111,7 @@ def test_a_value_at_its_bound_is_accepted(override):
     ("optim.lr=0", "optim.lr: Input should be greater than 0"),
     ("optim.momentum=1", "optim.momentum: Input should be less than 1"),
     ("federation.client_fraction=0", "federation.client_fraction: Input should be greater than 0"),
-    ("federation.threads=0", "federation.threads.constrained-int: Input should be greater than or equal to 1"),
+    ("federation.threads=0", "federation.threads: expected a whole number >= 1 or auto, got 0"),
     ("federation.checkpoint_every=0", "federation.checkpoint_every: Input should be greater than or equal to 1"),
     ("federation.reject_outliers=1", "federation.reject_outliers: Input should be greater than 1"),
     ("federation.update_norm_factor=1", "federation.update_norm_factor: Input should be greater than 1"),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator, field_validator, model_validator
 
 from feddg.settings import Settings
 
@@ -28,6 +28,23 @@ def domain_names(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [domain_names(v) for v in value]
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def one_error(expected: str) -> WrapValidator:
+    """A union field's refusal in one phrase, ``expected <expected>, got <value>``, instead of pydantic's error for
+    each branch of the union (``workers.constrained-int: ...; workers.literal['auto']: ...``)."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"expected {expected}, got {value!r}") from None
+
+    return WrapValidator(check)
+
+
+#: a count of processes or threads, or ``auto``
+CountOrAuto = Annotated[Annotated[int, Field(ge=1)] | Literal["auto"], one_error("a whole number >= 1 or auto")]
 
 
 class DataConfig(Settings):
@@ -71,7 +88,7 @@ class SplitConfig(Settings):
     protocol: Literal["lodo", "ltdo", "federated"] = Field(
         "lodo", description="lodo: hold out split.target; ltdo: an ood validation and a test domain; federated: "
         "every domain trains, figures are each client's own holdout (id) only (FedFA Tables 3-5)")
-    target: str | list[str] | None = Field(
+    target: Annotated[str | list[str] | None, one_error("a domain name or a list of names")] = Field(
         None, description="held-out test domain, or several (lodo; default: the first domain)")
     target_fraction: float | None = Field(
         None, gt=0, lt=1, description="lodo over many domains: hold out this fraction of the domains (at least one; "
@@ -162,13 +179,13 @@ class FederationConfig(Settings):
     client_fraction: float = Field(1.0, gt=0, le=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
-    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+    workers: CountOrAuto = Field(
         "auto", description="in-process engine: warm client worker processes, one torch thread each (auto = one "
         "per core on the CPU, one per GPU on CUDA, at most one per client, sequential with one thread where that "
         "is one; the same bits for any N >= 2, auto and 1 at federation.threads auto); 1 = sequential in the "
         "server process"
     )
-    threads: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+    threads: CountOrAuto = Field(
         "auto", description="CPU: torch and BLAS threads of the server process (its evaluation, and the clients "
         "where they run sequentially) and of a Flower SuperNode's clients (its --node-config threads=N overrides); "
         "workers always use one. auto = 1: a process never waits on OpenMP threads that another "
