@@ -229,3 +229,36 @@ def test_a_gram_merge_uploads_each_stations_model_and_grams_and_records_the_engi
     station_gram_bytes = len("gram/fc") + 3 * 3 * 8  # a station's Gram: float64 [3, 3] (eqs. 9–10)
     assert metrics["hfl/bytes_station_up"] == 2 * (message_nbytes(w[0]) + station_gram_bytes)
     assert new["round"] == 3
+
+
+def test_interleaved_stations_give_one_sorted_sample_of_client_ids() -> None:
+    # round robin: station 0 holds clients 0 and 2, station 1 clients 1 and 3; the round's clients are sorted ids
+    # (the flat topology's order), not station by station
+    assert topology([0, 1, 0, 1]).sample(1, 1.0, seed=0) == [0, 1, 2, 3]
+
+
+def test_a_last_station_round_without_any_reply_merges_nothing_and_keeps_the_global_model() -> None:
+    topo = topology([0, 1], merge="avg")
+    state = {"weights": weights(np.ones(2)), "round": 0, "stations": [{"weights": weights(np.full(2, e + 2.0))}
+                                                                     for e in range(2)]}
+    new, metrics = topo.finish(FedAvg(), state, station_round(topo, {0: 1, 1: 1}, []), 1)
+    assert np.array_equal(new["weights"]["w/p"], np.ones(2))  # no station replied: nothing to merge
+    assert [s["weights"]["w/p"].tolist() for s in new["stations"]] == [[2.0, 2.0], [3.0, 3.0]]
+    assert metrics["hfl/active_stations"] == 0 and "hfl/time_merge_s" not in metrics
+
+
+def test_summary_sums_a_server_rounds_local_training_time_over_its_station_rounds() -> None:
+    topo = topology([0, 1], station_rounds=2)
+    rows = [{"round": t, "time_train_s": float(t)} for t in range(1, 5)]
+    assert station_summary(topo, rows)["per_server_round"]["time_local_training_s"] == ((1 + 2) + (3 + 4)) / 2
+
+
+def test_a_merge_that_does_not_align_sends_no_permutations_even_when_given_a_spec() -> None:
+    model = nn.Sequential(nn.Conv2d(1, 3, 1), nn.Flatten(), nn.Linear(3, 2))
+    topo = topology([0, 1, 2], merge="avg", spec=sequential_spec(model))
+    assert topo.spec is None
+    w = weights_of(model)
+    state = {"weights": w, "round": 0, "stations": [{"weights": w} for _ in range(3)]}
+    _, metrics = topo.finish(FedAvg(), state, station_round(topo, {0: 1, 1: 1}, [Reply(c, {**w, "num_examples": 1})
+                                                                                 for c in (0, 1)]), 1)
+    assert metrics["hfl/bytes_station_down"] == 3 * message_nbytes(w)  # the model only, no index arrays
