@@ -30,6 +30,8 @@ MARK_WAIT_S = 30.0
 def outcome(run_dir: Path) -> str | None:
     """``None`` if the run in ``run_dir`` completed; otherwise one line saying how it ended."""
     if (status := read_mark(run_dir)) is None:
+        if (run_dir / STATUS).exists():
+            return f"{run_dir}: {STATUS} is not a status mark (unreadable, or not a JSON object): see `flwr log`"
         return f"{run_dir}: no {STATUS}: the ServerApp did not start (see `flwr log`), or the run directory is elsewhere"
     state = status.get("status")
     if state == "completed" and (run_dir / "results.json").is_file():

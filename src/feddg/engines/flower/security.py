@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -131,7 +131,7 @@ def load_private_key(path: Path) -> ec.EllipticCurvePrivateKey:
     """The node's OpenSSH EC private key, the file its SuperNode gets as ``--auth-supernode-private-key``."""
     try:
         key = serialization.load_ssh_private_key(Path(path).read_bytes(), None)
-    except ValueError as err:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as err:  # TypeError: encrypted (no passphrase given)
         raise ValueError(f"{path}: not an unencrypted OpenSSH private key") from err
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{path}: not an EC private key")
