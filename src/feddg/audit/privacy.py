@@ -131,7 +131,8 @@ def _share(rp: Replay, attack: str, s: AuditConfig) -> Share:
         style = StyleParams.model_validate({**style.model_dump(), "style_path": s.style_path})
     if attack in ("sample-style", "client-style"):
         codec = make_codec(style, rp.fed.model)  # the initial model: the feature path's frozen encoder
-        return style_share(codec, "sample" if attack == "sample-style" else "client", str(own.get("client_average", "styles")))
+        return style_share(codec, "sample" if attack == "sample-style" else "client", str(own.get("client_average", "styles")),
+                           str(own.get("local_style", "finch")), str(own.get("cluster_on", "style")))
     if attack == "fedfa-moments":
         return moments_share(stage_encoder(rp.model))
     return prototype_share(rp.model, rp.fed.dataset.num_classes)

@@ -22,13 +22,12 @@ from feddg.algorithms.components.style import (
     StyleCodec,
     StyleParams,
     channel_moments,
-    finch_labels,
     make_codec,
     pooled_style,
     std_from_moments,
     style_vectors,
 )
-from feddg.algorithms.pardon import client_style
+from feddg.algorithms.pardon import client_style, local_labels
 from feddg.models.base import FedModel
 
 VectorAttack = Literal["sample-style", "client-style", "fedfa-moments", "fpl-prototypes"]
@@ -41,8 +40,10 @@ def _moments(codec: StyleCodec, x: Tensor) -> tuple[Tensor, Tensor]:
         return codec.moments(x)
 
 
-def style_share(codec: StyleCodec, level: Literal["sample", "client"], client_average: str = "styles") -> Share:
-    """Per-image styles; the released rows per image (``sample``) or PARDON's one client style (``client``)."""
+def style_share(codec: StyleCodec, level: Literal["sample", "client"], client_average: str = "styles",
+                local_style: str = "finch", cluster_on: str = "style") -> Share:
+    """Per-image styles; the released rows per image (``sample``) or PARDON's one client style (``client``: its
+    clusters as the run's ``local_style`` and ``cluster_on`` make them, averaged as its ``client_average``)."""
 
     def per_sample(x: Tensor) -> np.ndarray:
         m, s = _moments(codec, x)
@@ -52,7 +53,12 @@ def style_share(codec: StyleCodec, level: Literal["sample", "client"], client_av
         if level == "sample":
             return per_sample(x)
         m, s = _moments(codec, x)
-        labels = finch_labels(style_vectors(m.numpy(), std_from_moments(m, s).numpy()), "coarsest")
+
+        def features() -> Tensor:
+            with torch.no_grad():
+                return codec.encode(x).flatten(1)
+
+        labels = local_labels(local_style, cluster_on, m, s, features)
         mu, sigma = client_style(m, s, labels, "moments" if client_average == "moments" else "styles")
         return style_vectors(mu.numpy(), sigma.numpy())[None]
 
