@@ -5,6 +5,7 @@ import datetime
 import ipaddress
 import json
 import os
+import re
 import shutil
 import sys
 from collections import OrderedDict
@@ -275,6 +276,34 @@ def test_discovery_refuses_a_rogue_node_once_and_waits_for_the_roster_clients(tm
     with pytest.raises(TimeoutError, match=r"clients \[0\] did not connect .*; refused 1 node\(s\): node 10: key "):
         discover_clients(RosterGrid({10: keys["rogue"][0], 11: keys["node1"][0]}, late=set()),
                          SimpleNamespace(fed=fed), 0.0)
+
+
+class ChallengeRecordingGrid(RosterGrid):
+    """A RosterGrid that keeps every challenge it was sent."""
+
+    def __init__(self, signers: dict[int, ec.EllipticCurvePrivateKey]) -> None:
+        super().__init__(signers, late=set())
+        self.challenges: list[str] = []
+
+    def send_and_receive(self, messages: list[Message], *, timeout: float) -> list[SimpleNamespace]:
+        self.challenges += [str(m.content.config_records[ROUTE]["challenge"]) for m in messages]
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_every_node_gets_a_fresh_random_challenge_so_a_recorded_proof_cannot_be_replayed(tmp_path, keys, monkeypatch):
+    """A proof signs its challenge (docs/flower.md): challenges are 256 random bits (64 hex digits), one per node and
+    per discovery, never repeated, so a proof captured from one run does not answer the next."""
+    monkeypatch.setattr(flower_server, "fingerprint", lambda fed: "fed")
+    roster = write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")])
+    fed = SimpleNamespace(clients=[0, 1], cfg=SimpleNamespace(flower=SimpleNamespace(roster=str(roster))))
+    sent = []
+    for _ in range(2):
+        grid = ChallengeRecordingGrid({11: keys["node1"][0], 12: keys["node0"][0]})
+        assert discover_clients(grid, SimpleNamespace(fed=fed), 60.0) == {0: 12, 1: 11}
+        sent += grid.challenges
+    assert len(sent) == 4 and len(set(sent)) == 4
+    assert all(re.fullmatch(r"[0-9a-f]{64}", c) for c in sent)
 
 
 def test_a_reply_whose_records_do_not_decode_is_that_clients_failure_not_the_runs():
