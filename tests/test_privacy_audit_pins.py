@@ -606,6 +606,18 @@ def test_the_gram_attack_reads_the_trained_models_classifier_inputs() -> None:
     assert row["clip"] == pytest.approx(norms[10], rel=1e-7)
 
 
+def test_the_gram_clip_of_an_even_number_of_rows_is_the_mean_of_the_two_middle_norms() -> None:
+    """The median as the other attacks take it (numpy's): of 20 rows, the mean of the 10th and 11th norms (torch's
+    median gave the 10th)."""
+    fed = toy_federation()
+    xs = [fed.dataset.x[torch.as_tensor(c.train_idx[:5])] for c in fed.clients]
+    rp = Replay(fed.cfg, fed, cast(FedModel, fed.model).eval(), "initial", xs, [], xs[0], -3.0, 3.0)
+    (row,) = privacy.gram_attack(rp, AuditConfig(noise_multipliers=[0.0]), seed=0)
+    with torch.no_grad():
+        norms = np.sort(rp.model.features(torch.cat(xs)).double().norm(dim=1).numpy())
+    assert norms[9] < norms[10] and row["clip"] == pytest.approx((norms[9] + norms[10]) / 2, rel=1e-9)
+
+
 def test_the_client_style_of_a_pardon_run_with_one_pooled_style_is_that_pooled_style() -> None:
     """PARDON ``local_style: average`` (v1): the client's one style is eq. 2 over all its images (``local_labels``:
     every image in one cluster); the audit recomputes "what its clients share" (privacy.py). It inverted FINCH's

@@ -219,7 +219,7 @@ def gram_attack(rp: Replay, s: AuditConfig, seed: int) -> list[dict[str, Any]]:
     with torch.no_grad():
         for x in rp.x:
             feats.append(rp.model.features(x).double())
-    clip = float(torch.cat(feats).norm(dim=1).median())
+    clip = float(np.median(torch.cat(feats).norm(dim=1).numpy()))  # torch's median is the lower middle of an even count
     releases = gram_releases(rp)
     rows = []
     for z in s.noise_multipliers:
