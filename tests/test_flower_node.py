@@ -202,6 +202,17 @@ def test_setup_s_state_is_the_client_s_state_at_once(updates: list[tuple[int, in
 
 
 @pytest.mark.usefixtures("task_identity")
+def test_a_roster_node_serves_the_client_its_key_was_bound_to_without_a_declared_partition(
+        updates: list[tuple[int, int, FeddgMessage]]) -> None:
+    """Under a roster the server bound the node to its client by its key (docs/flower.md): a node started with only
+    ``auth-key`` (no partition-id) trains the client the server's messages name."""
+    context = Context(run_id=1, node_id=1002, state=RecordDict(), run_config={}, node_config={"auth-key": "node2"})
+    app = make_client_app(dump_config(build_config({})), factory=fake_federation)
+    app(train_message(2, 1, 0), context)
+    assert updates == [(2, 1, {})]
+
+
+@pytest.mark.usefixtures("task_identity")
 def test_train_refuses_a_plain_or_secagg_message_for_another_client(updates: list[tuple[int, int, FeddgMessage]]) -> None:
     app, context = make_client_app(dump_config(build_config({})), factory=fake_federation), node_context(0)
     with pytest.raises(ValueError, match="^a message for client 1 reached the SuperNode of partition 0$"):
