@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable
+from logging import INFO
 from pathlib import Path
 from types import FrameType, SimpleNamespace
 from typing import cast
@@ -28,7 +29,7 @@ from test_flower_units import FakeChild, supervise_on_a_fake_clock
 from test_secagg import scaled_workflow
 
 from feddg.config import build_config
-from feddg.engines.flower import executor, launch, secagg_server, security
+from feddg.engines.flower import app, executor, launch, secagg_server, security
 from feddg.engines.flower.app import mark
 from feddg.engines.flower.records import array_value, get_message, put_message, record_int
 from feddg.engines.flower.secagg import fitres_content
@@ -240,6 +241,18 @@ def test_a_secure_round_s_row_carries_its_training_time_as_every_engine_s_does(t
 
 
 # --- launch.py -----------------------------------------------------------------------------------------------
+
+
+def test_the_server_app_logs_each_rounds_loss_and_the_id_val_and_ood_means_to_two_places(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ServerApp's line per round (what `flwr log` shows): the training loss and the task metric's id, val and ood
+    means rounded to 0.01, not its per-domain figures."""
+    lines: list[tuple[object, ...]] = []
+    monkeypatch.setattr(app, "log", lambda *args: lines.append(args))
+    app._round_logger("dice")({"round": 3, "train_loss": 0.25, "id_dice": 80.125, "val_dice": 70.0, "ood_dice": 60.456,
+                               "ood_dice/BIDMC": 1.0, "id_acc": 5.0})
+    assert lines == [(INFO, "feddg round %d: train_loss %.4f %s", 3, 0.25,
+                      {"id_dice": 80.12, "val_dice": 70.0, "ood_dice": 60.46})]
 
 
 def test_only_a_completed_mark_with_results_is_a_success(tmp_path: Path) -> None:
