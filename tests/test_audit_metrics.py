@@ -15,6 +15,7 @@ from toy import ToyNet
 
 from feddg.aggregation.accounting import gaussian_epsilon
 from feddg.algorithms.components.style import StyleParams, make_codec
+from feddg.algorithms.pardon import PardonParams
 from feddg.audit.gradient import TinyNet, dp_update, update_norm
 from feddg.audit.gram import best_row_cosine, gram_audit, gram_root, procrustes_error, random_rotation
 from feddg.audit.grids import draw_grid
@@ -176,9 +177,9 @@ def test_pardons_client_style_averages_the_cluster_styles_or_under_moments_their
     codec = make_codec(StyleParams(style_path="pixel"), ToyNet())  # the image's own channel moments
     eps = 1e-5
     # FINCH (cosine) parts flat from checkered: cluster means 0.7 and 0.5, second moments 0.5 and 0.42
-    by_styles = style_share(codec, "client", "styles")[1](x, np.zeros(4))
+    by_styles = style_share(codec, "client", PardonParams(client_average="styles"))[1](x, np.zeros(4))
     np.testing.assert_allclose(by_styles, [[0.6, (math.sqrt(0.01 + eps) + math.sqrt(0.17 + eps)) / 2]], rtol=1e-5)
-    by_moments = style_share(codec, "client", "moments")[1](x, np.zeros(4))
+    by_moments = style_share(codec, "client", PardonParams(client_average="moments"))[1](x, np.zeros(4))
     np.testing.assert_allclose(by_moments, [[0.6, math.sqrt((0.5 + 0.42) / 2 - 0.6**2 + eps)]], rtol=1e-5)
 
 

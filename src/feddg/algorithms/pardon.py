@@ -110,13 +110,12 @@ def _groups(labels: np.ndarray) -> list[torch.Tensor]:
     return [torch.from_numpy(np.flatnonzero(labels == c)) for c in np.unique(labels)]
 
 
-def local_labels(local_style: str, cluster_on: str, mean: Tensor, second: Tensor,
-                 features: Callable[[], Tensor]) -> np.ndarray:
+def local_labels(params: PardonParams, mean: Tensor, second: Tensor, features: Callable[[], Tensor]) -> np.ndarray:
     """Eq. 1: FINCH's clusters of a client's samples, on their styles ``[μ ‖ σ]`` or on their flat encoder maps
-    ``features()`` (``cluster_on``); v1 (``local_style: average``): every sample in one cluster."""
-    if local_style == "average":
+    ``features()`` (``params.cluster_on``); v1 (``params.local_style: average``): every sample in one cluster."""
+    if params.local_style == "average":
         return np.zeros(len(mean), dtype=np.int64)
-    if cluster_on == "style":
+    if params.cluster_on == "style":
         return finch_labels(style_vectors(mean.numpy(), std_from_moments(mean, second).numpy()), "coarsest")
     return finch_labels(features().numpy(), "coarsest")
 
@@ -255,7 +254,7 @@ class Pardon(Method):
         return statistic_privacy(self.params.dp, 1) if self.params.dp is not None and self.uses_style else None
 
     def _local_labels(self, codec: StyleCodec, ctx: ClientContext, mean: Tensor, second: Tensor) -> np.ndarray:
-        return local_labels(self.params.local_style, self.params.cluster_on, mean, second, lambda: torch.cat(
+        return local_labels(self.params, mean, second, lambda: torch.cat(
             [codec.encode(images(x)).flatten(1).cpu() for x, _ in ctx.batches(shuffle=False, train=False)]))
 
     def server_setup(self, state: ServerState, replies: list[Reply]) -> ServerState:

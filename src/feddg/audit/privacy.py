@@ -26,6 +26,7 @@ from feddg.aggregation.accounting import gaussian_epsilon
 from feddg.aggregation.dp import clip_rows, symmetric_noise
 from feddg.algorithms.components.style import StyleParams, make_codec
 from feddg.algorithms.hfedatm import gram_layers
+from feddg.algorithms.pardon import PardonParams
 from feddg.algorithms.registry import create_method
 from feddg.audit.gradient import TinyNet, dlg, dp_update, one_step_update, update_norm
 from feddg.audit.gram import gram_audit
@@ -131,8 +132,8 @@ def _share(rp: Replay, attack: str, s: AuditConfig) -> Share:
         style = StyleParams.model_validate({**style.model_dump(), "style_path": s.style_path})
     if attack in ("sample-style", "client-style"):
         codec = make_codec(style, rp.fed.model)  # the initial model: the feature path's frozen encoder
-        return style_share(codec, "sample" if attack == "sample-style" else "client", str(own.get("client_average", "styles")),
-                           str(own.get("local_style", "finch")), str(own.get("cluster_on", "style")))
+        pardon = PardonParams(**own) if rp.cfg.method.name == "pardon" else None  # eqs. 1–2 as the run set them
+        return style_share(codec, "sample" if attack == "sample-style" else "client", pardon)
     if attack == "fedfa-moments":
         return moments_share(stage_encoder(rp.model))
     return prototype_share(rp.model, rp.fed.dataset.num_classes)

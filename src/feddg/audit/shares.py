@@ -27,7 +27,7 @@ from feddg.algorithms.components.style import (
     std_from_moments,
     style_vectors,
 )
-from feddg.algorithms.pardon import client_style, local_labels
+from feddg.algorithms.pardon import PardonParams, client_style, local_labels
 from feddg.models.base import FedModel
 
 VectorAttack = Literal["sample-style", "client-style", "fedfa-moments", "fpl-prototypes"]
@@ -40,10 +40,10 @@ def _moments(codec: StyleCodec, x: Tensor) -> tuple[Tensor, Tensor]:
         return codec.moments(x)
 
 
-def style_share(codec: StyleCodec, level: Literal["sample", "client"], client_average: str = "styles",
-                local_style: str = "finch", cluster_on: str = "style") -> Share:
-    """Per-image styles; the released rows per image (``sample``) or PARDON's one client style (``client``: its
-    clusters as the run's ``local_style`` and ``cluster_on`` make them, averaged as its ``client_average``)."""
+def style_share(codec: StyleCodec, level: Literal["sample", "client"], pardon: PardonParams | None = None) -> Share:
+    """Per-image styles; the released rows per image (``sample``) or PARDON's one client style (``client``: eqs. 1–2
+    with the run's ``pardon`` parameters, ``local_style``, ``cluster_on`` and ``client_average``; default: PARDON's)."""
+    client = pardon if pardon is not None else PardonParams()
 
     def per_sample(x: Tensor) -> np.ndarray:
         m, s = _moments(codec, x)
@@ -58,8 +58,7 @@ def style_share(codec: StyleCodec, level: Literal["sample", "client"], client_av
             with torch.no_grad():
                 return codec.encode(x).flatten(1)
 
-        labels = local_labels(local_style, cluster_on, m, s, features)
-        mu, sigma = client_style(m, s, labels, "moments" if client_average == "moments" else "styles")
+        mu, sigma = client_style(m, s, local_labels(client, m, s, features), client.client_average)
         return style_vectors(mu.numpy(), sigma.numpy())[None]
 
     return per_sample, release
