@@ -1,8 +1,14 @@
+from __future__ import annotations
+
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # one torch thread, as run_inprocess's server (federation.threads: auto): a test that drives run_round itself then
 # gets the bits of a full run whichever test ran before it (2 threads give other float bits)
@@ -45,3 +51,19 @@ def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, name, value)
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
+    """The figures the code under test closes with ``plt.close``, in order (closed, read back afterwards)."""
+    import matplotlib.pyplot as plt  # here: most tests draw nothing
+
+    figs: list[Figure] = []
+    close = plt.close
+
+    def keep(fig: Figure) -> None:
+        figs.append(fig)
+        close(fig)
+
+    monkeypatch.setattr(plt, "close", keep)
+    return figs

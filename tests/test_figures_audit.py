@@ -344,23 +344,15 @@ def test_a_domain_every_client_holds_takes_any_client_cyclically() -> None:
 
 
 @pytest.fixture
-def grid(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[..., np.ndarray]:
+def grid(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, drawn: list[Figure]) -> Callable[..., np.ndarray]:
     """Draws styles.png of a toy run with the given overrides; returns its mosaic (closed figures kept)."""
-    figs: list[Figure] = []
-    close = plt.close
-
-    def keep(fig: Figure) -> None:
-        figs.append(fig)
-        close(fig)
-
-    monkeypatch.setattr(plt, "close", keep)
     monkeypatch.setattr(sg, "build_federation", toy_federation_of)  # the toy data in place of the config's dataset
 
     def draw(*overrides: str) -> np.ndarray:
         fed = toy_federation("method.params.style_path=pixel", *overrides)
         (tmp_path / "config.yaml").write_text(dump_config(fed.cfg))
         assert sg.style_grid(tmp_path) == tmp_path / sg.GRID
-        ax = figs[-1].axes[0]
+        ax = drawn[-1].axes[0]
         assert [t.get_text() for t in ax.get_yticklabels()] == ["original", "PARDON: interpolation style",
                                                                 "CCST: style of client"]
         return np.asarray(ax.images[0].get_array())

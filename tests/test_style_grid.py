@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import cast
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
@@ -18,20 +17,6 @@ from feddg.config import dump_config
 from feddg.reports import style_grid as sg
 
 EPS = 1e-5  # the style module's ε under the std (σ = sqrt(var + ε))
-
-
-@pytest.fixture
-def drawn(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
-    """The figures ``_draw`` closes, in order (read back after it returns)."""
-    figs: list[Figure] = []
-    close = plt.close
-
-    def keep(fig: Figure) -> None:
-        figs.append(fig)
-        close(fig)
-
-    monkeypatch.setattr(plt, "close", keep)
-    return figs
 
 
 def test_draw_lays_the_tiles_out_row_by_row_with_two_pixel_white_gaps_and_labels(tmp_path: Path,
