@@ -117,6 +117,21 @@ def test_m1_rows_refuse_a_merge_with_no_counted_flops(monkeypatch):
         summary.m1_rows(2, 1, ("hungarian",))
 
 
+def test_m1_rows_fail_just_above_1_5x(monkeypatch):
+    from feddg.aggregation import merges
+
+    monkeypatch.setattr(merges, "merge_stations", lambda *_, solver: None)
+    monkeypatch.setattr(merge, "resnet18_stations", lambda n: SimpleNamespace(weights=[], grams=[], gammas=[], spec=None))
+    monkeypatch.setattr(merge, "GemmClock", _Clock)
+    monkeypatch.setattr(merge, "mean_pass", lambda case: lambda: None)
+    monkeypatch.setattr(merge, "time_merges", lambda runs, repeats, threads: {k: [0.76 if k == "m1" else 0.1]
+                                                                           for k in runs if runs[k]() or 1})
+    monkeypatch.setattr(merge, "fastest_gemm", lambda threads: ("MKL", 100.0))
+    monkeypatch.setattr(merge, "merge_gflop", lambda run: 50.0)  # the bound is 0.5 s: 0.76 s is 1.52×
+    (row,) = summary.m1_rows(2, 1, ("hungarian",))
+    assert (row.ratio, row.target, row.met) == (pytest.approx(1.52), "≤ 1.5×", False)
+
+
 def test_memory_rows_keep_the_streamed_fold_and_meet_1_gib_inclusive(monkeypatch):
     cpu = _cpu_clock(monkeypatch)
 
@@ -150,6 +165,12 @@ def test_methods_row_takes_the_min_start_over_bare_pythons_min_and_the_min_cpu(m
     assert row == Row("feddg methods (warm)", "1.00 / 1.10 s", "bare python 0.04 s", 25.0, "≤ 1 s", True, "0.70")
 
 
+def test_methods_row_fails_just_above_1_s(monkeypatch):
+    _cpu_clock(monkeypatch)
+    monkeypatch.setattr(summary, "_seconds", lambda cmd, repeats: [1.01 if "feddg" in cmd else 0.05])
+    assert summary.methods_row(2).met is False
+
+
 def test_worker_start_row_meets_2_s_inclusive(monkeypatch):
     cpu = _cpu_clock(monkeypatch)
 
@@ -163,6 +184,8 @@ def test_worker_start_row_meets_2_s_inclusive(monkeypatch):
     monkeypatch.setattr(scale, "worker_start_seconds", start)
     assert summary.worker_start_row() == Row("worker pool start (2 workers, forked)", "2.00 s", "", None, "≤ 2 s", True,
                                              "0.50")
+    monkeypatch.setattr(scale, "worker_start_seconds", lambda *_, fork: 2.01)
+    assert summary.worker_start_row().met is False
 
 
 def test_scale_row_compares_the_min_last_round_with_the_min_train_plus_eval(monkeypatch):
@@ -176,6 +199,9 @@ def test_scale_row_compares_the_min_last_round_with_the_min_train_plus_eval(monk
     # the last rounds' min 2.4 s against min(2.0, 2.2, 2.3) = 2.0 s: 1.2×, on the bound
     assert row == Row("writers-scale (FEMNIST's shape): last round, 3,060 clients, 50 sampled + evaluation",
                       "2.40 / 2.60 s", "plain loop 2.00 s", 1.2, "≤ 1.2×", True, "20.0 per run")
+    runs = iter([{"round_s": [9.0, 2.42], "cpu_s": 1.0}])
+    plain = iter([{"train": 1.5, "eval": 0.5, "clients": 3060.0}])
+    assert summary.scale_row(1).met is False  # 2.42 s against 2.0 s: 1.21×
 
 
 def test_summary_table_says_yes_no_or_nothing_and_the_report_reads_the_load_before_the_rows(monkeypatch):

@@ -4,8 +4,10 @@ computed by hand, reference forwards written with torch.nn.functional, defaults,
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import jinja2
 import matplotlib.pyplot as plt
 import pytest
 import torch
@@ -22,7 +24,8 @@ from feddg.models.mlp import BagOfWordsMLP
 from feddg.models.registry import check_model_params
 from feddg.reports import figures
 from feddg.reports.counts import run_counts
-from feddg.reports.overhead import overhead_table
+from feddg.reports.overhead import overhead_table, sweep_results
+from feddg.reports.page import page_context, render
 from feddg.reports.run import _flat, _held_out, _size, domain_rows, failure_notes, run_report
 from feddg.tasks import TaskInfo
 from feddg.tasks.classification import Classification
@@ -289,6 +292,25 @@ def test_overhead_table_means_the_rounds_per_merge_and_gives_the_increase_over_a
                                       "| fedprox | 4.000 | 1.000 | -75.0 |"]  # (1 - 4) / 4
 
 
+def test_overhead_table_keeps_first_seen_methods_means_three_rounds_and_skips_runs_without_a_time():
+    untimed = {"hierarchy": {"client_method": "fedavg", "merge": "avg", "per_server_round": {}}}
+    table = overhead_table([_hier("scaffold", "avg", 2.0), _hier("scaffold", "hfedatm", 3.0), untimed,
+                            _hier("fedavg", "avg", 1.0), _hier("fedavg", "avg", 2.0), _hier("fedavg", "avg", 6.0),
+                            _hier("fedavg", "hfedatm", 4.5)])
+    assert table.splitlines()[2:] == ["| scaffold | 2.000 | 3.000 | 50.0 |",  # the sweep's order, not sorted
+                                      "| fedavg | 3.000 | 4.500 | 50.0 |"]  # mean of 1, 2, 6 (median 2)
+
+
+def test_sweep_results_reads_each_listed_run_and_skips_blank_lines(tmp_path):
+    runs = []
+    for name, merge in (("a", "avg"), ("b", "hfedatm")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(_hier("fedavg", merge, 1.0)))
+        runs.append(json.dumps({"run_dir": str(tmp_path / name)}))
+    (tmp_path / "runs.jsonl").write_text(runs[0] + "\n\n" + runs[1] + "\n")
+    assert [r["hierarchy"]["merge"] for r in sweep_results(tmp_path)] == ["avg", "hfedatm"]
+
+
 # ---------------------------------------------------------------------------------------------- reports: figures
 
 
@@ -345,3 +367,27 @@ def test_the_page_reports_the_last_evaluated_round_and_the_global_model_figure(t
     assert "per domain (last evaluation, round 2)" in html
     assert "<b>22.00</b><span>ood_acc (%)</span>" in html and "<b>23.50</b><span>global_ood_acc (%)</span>" in html
     assert "<b>1.5</b><span>time (s)</span>" in html and "<b>6.0 KiB / 3.0 KiB</b><span>sent down / up</span>" in html
+
+
+# ---------------------------------------------------------------------------------------------- reports: the page
+
+
+def test_a_page_escapes_notes_and_refuses_a_missing_variable(tmp_path):
+    context = page_context("<run>", "runs/x", ["client 3: <lambda> & co"])
+    html = render("base.html.j2", tmp_path / "p.html", subtitle="s", **context).read_text()
+    assert "client 3: &lt;lambda&gt; &amp; co" in html and "<lambda>" not in html
+    assert "<title>&lt;run&gt;</title>" in html
+    with pytest.raises(jinja2.UndefinedError, match="subtitle"):
+        render("base.html.j2", tmp_path / "q.html", **context)  # a page never shows a silently empty field
+
+
+def test_the_footer_names_the_version_or_says_it_is_not_installed_and_the_minute(monkeypatch):
+    import importlib.metadata as metadata
+
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", page_context("t", "s", [])["generated"])
+
+    def missing(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    assert page_context("t", "s", [])["version"] == "(not installed)"
