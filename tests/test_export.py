@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -51,3 +52,39 @@ def test_export_cli_refuses_a_non_empty_folder_and_non_builtins(tmp_path: Path, 
                               "--max-per-domain", "6"])
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["+80%", "+90%", "-90%", "feddg.json"]
+
+
+def test_a_grey_builtin_exports_grey_pngs_of_its_own_pixels(tmp_path: Path, cache_dir: Path) -> None:
+    from PIL import Image
+
+    from feddg.data.registry import BUILTINS
+
+    out = tmp_path / "rot"
+    builtin = load_dataset("rotated-mnist", cache_dir=cache_dir, max_per_domain=3)
+    assert isinstance(builtin, TensorDomainDataset) and builtin.image_shape[0] == 1
+    assert export_dataset("rotated-mnist", out, cache_dir=cache_dir, max_per_domain=3) == len(builtin)
+    first = Image.open(out / builtin.domains[builtin.domain_ids[0]] / builtin.classes[builtin.labels[0]] /
+                       f"{0:0{len(str(len(builtin) - 1))}d}.png")
+    assert first.mode == "L" and np.array_equal(np.asarray(first), builtin.images[0, 0].numpy())
+    card = json.loads((out / "feddg.json").read_text())["transforms"]
+    mean, std = BUILTINS["rotated-mnist"].mean, BUILTINS["rotated-mnist"].std
+    assert card["mean"] == [mean[0]] * 3 and card["std"] == [std[0]] * 3  # one grey channel, read back as RGB
+
+
+def test_export_refuses_a_file_where_its_folder_goes(tmp_path: Path, cache_dir: Path) -> None:
+    out = tmp_path / "file"
+    out.write_text("mine")
+    with pytest.raises(FileExistsError, match=r"exists and is not empty$"):
+        export_dataset("digits-dg", out, cache_dir=cache_dir, max_per_domain=2)
+    assert out.read_text() == "mine"
+
+
+def test_export_volumes_counts_the_volumes_not_their_masks_at_the_asked_size(tmp_path: Path) -> None:
+    import nibabel
+
+    from feddg.data.export import export_volumes
+    from feddg.data.prostate import SITES
+
+    out = tmp_path / "mri"
+    assert export_volumes(out, image_size=16) == len(SITES) * 8  # export_nifti's 8 cases a site
+    assert nibabel.load(out / "UCL" / "Case00.nii.gz").shape[:2] == (16, 16)
