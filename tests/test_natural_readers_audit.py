@@ -1,6 +1,7 @@
-"""The CIFAR-10 and Tiny-ImageNet readers' refusals and layouts, from a mutation audit: each malformed part of a
-release is refused in one line naming it, and what the release documents (channel planes, pickles beside the root,
-class names from words.txt, the val annotations table) is read as documented."""
+"""The CIFAR-10 and Tiny-ImageNet readers and the synthetic writers, from a mutation audit: each malformed part of a
+release is refused in one line naming it, what the release documents (channel planes, pickles beside the root, class
+names from words.txt, the val annotations table) is read as documented, and the writers' hands span the documented
+ranges."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from support.natural_fixtures import cifar_batches, tiny_imagenet_tree
 
-from feddg.data import cifar, tinyimagenet
+from feddg.data import cifar, tinyimagenet, writers
 from feddg.data.cifar import read_batch, read_cifar10
 from feddg.data.tinyimagenet import class_names, read_tinyimagenet, read_val
+from feddg.data.writers import writer_styles
 
 
 def _pickle(path: Path, blob: Any) -> Path:
@@ -92,3 +95,46 @@ def test_tiny_imagenet_refuses_repeated_wnids_a_class_without_images_and_an_unde
     with pytest.raises(ValueError, match=r"wnids\.txt: not readable \(.*\); expected root/wnids\.txt"):
         read_tinyimagenet(tmp_path, 0, tmp_path)
     assert tinyimagenet.DOMAINS == ["val", "train"]
+
+
+def test_writers_styles_span_the_documented_ranges() -> None:
+    style = writer_styles(0)  # 3,400 writers: every documented bound is reached or nearly
+    assert style["digits"].min() == 5 and style["digits"].max() == 15  # "5 to 15 digits each", inclusive
+    assert set(style["stroke"].tolist()) == {-1, 0, 1}
+    assert 2.4 < np.abs(style["offset"]).max() <= 2.5 and 0.45 < np.abs(style["slant"]).max() <= 0.5
+    assert 0.8 <= style["scale"].min() < 0.81 and 1.14 < style["scale"].max() <= 1.15
+
+
+def test_writers_jitter_each_digit_about_its_writers_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, np.ndarray] = {}
+
+    def record(digits: np.ndarray, slant: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+               stroke: np.ndarray) -> np.ndarray:
+        seen.update(slant=slant, offset=offset)
+        return np.zeros((len(digits), 1, 28, 28), np.uint8)
+
+    monkeypatch.setattr(writers, "draw", record)
+    samples = writers.build_writers(0, 400)
+    style = writer_styles(0, 400)
+    who = samples.domain_ids
+    # per-digit jitter: shear σ 0.05, offset σ 0.5 px (module docstring); ~4,000 digits give σ within 10 %
+    assert np.std(seen["slant"] - style["slant"][who]) == pytest.approx(0.05, rel=0.1)
+    assert np.std(seen["offset"] - style["offset"][who]) == pytest.approx(0.5, rel=0.1)
+    with pytest.raises(ValueError, match="count must be >= 1, got 0"):
+        writers.build_writers(0, 0)
+
+
+def test_writers_strokes_dilate_keep_or_blend_the_erosion_half_way() -> None:
+    ink = torch.zeros(3, 1, 5, 5)
+    ink[:, :, 1:4, 1:4] = 1.0  # a 3×3 block of ink
+    bold, same, thin = writers._stroke(ink, torch.tensor([1, 0, -1]))
+    assert torch.equal(bold[0], torch.ones(5, 5)) and torch.equal(same, ink[1])
+    expected = 0.5 * ink[2, 0]  # (x + erosion) / 2: the erosion keeps only the centre
+    expected[2, 2] = 1.0
+    assert torch.equal(thin[0], expected)
+
+
+def test_writers_identity_draw_returns_the_digit_exactly() -> None:
+    digit = np.random.default_rng(0).integers(0, 256, (2, 28, 28), dtype=np.uint8)
+    out = writers.draw(digit, np.zeros(2), np.ones(2), np.zeros((2, 2)), np.zeros(2, np.int64))
+    assert np.array_equal(out[:, 0], digit)  # rounded, not truncated, back to uint8
