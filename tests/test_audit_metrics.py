@@ -234,3 +234,38 @@ def test_grid_mosaic_holds_every_tile_in_its_row_and_column_with_white_gaps(tmp_
         np.testing.assert_array_equal(mosaic[0:4, tile], np.repeat(grey[c].transpose(1, 2, 0), 3, axis=2))
         np.testing.assert_array_equal(mosaic[6:10, tile], rgb[c].transpose(1, 2, 0))
     assert (mosaic[4:6] == 1).all() and (mosaic[:, 5:7] == 1).all()
+
+
+def test_grid_shows_at_most_twelve_columns_labels_rows_top_down_and_closes_its_figure(tmp_path: Path,
+                                                                                     drawn: list[Any]) -> None:
+    tiles = np.zeros((14, 3, 4, 5))
+    draw_grid([("true", tiles), ("reconstructed", tiles)], "t", tmp_path / "g.png")
+    (fig,) = drawn  # closed: an audit draws one grid per client and round
+    ax = fig.axes[0]
+    assert ax.images[0].get_array().shape == (2 * (4 + 2), 12 * (5 + 2), 3)  # max_cols 12 of the 14
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["true", "reconstructed"]
+    assert list(ax.get_yticks()) == [2.0, 8.0]  # each row's middle: r·(h + gap) + h/2
+
+
+def test_dlg_runs_the_asked_outer_lbfgs_steps_of_at_most_20_evaluations_with_a_line_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from feddg.audit import gradient
+
+    made: list[dict[str, Any]] = []
+    steps: list[int] = []
+
+    class Recording(torch.optim.LBFGS):
+        def __init__(self, params: Any, **kw: Any) -> None:
+            made.append(kw)
+            super().__init__(params, **kw)
+
+        def step(self, closure: Any) -> Any:
+            steps.append(1)
+            return super().step(closure)
+
+    monkeypatch.setattr(gradient.torch.optim, "LBFGS", Recording)
+    net = TinyNet(1, 8, 8, 3)
+    update = gradient.one_step_update(net, torch.rand(1, 1, 8, 8), torch.tensor([2]), 0.1)
+    _, label = gradient.dlg(net, update, 0.1, (1, 8, 8), iterations=3)
+    assert label == 2 and len(steps) == 3  # iDLG's label; one L-BFGS step per outer iteration
+    assert made == [{"lr": 1.0, "max_iter": 20, "history_size": 50, "line_search_fn": "strong_wolfe"}]
