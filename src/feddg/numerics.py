@@ -40,11 +40,12 @@ class _Sqrt(torch.autograd.Function):
 def sqrt(x: Tensor) -> Tensor:
     """The correctly rounded square root of every element (on a CPU the same bits everywhere; elsewhere
     ``torch.sqrt``), differentiable as ``torch.sqrt``. Other float dtypes (bfloat16) are computed in float32 and
-    rounded back, which is still correctly rounded."""
+    rounded back, which is still correctly rounded; integer and bool tensors give float32, as ``torch.sqrt``."""
     if x.device.type != "cpu":
         return torch.sqrt(x)
     if x.dtype not in _NUMPY_FLOATS:
-        return sqrt(x.float()).to(x.dtype)
+        root = sqrt(x.float())
+        return root.to(x.dtype) if x.is_floating_point() else root
     return _Sqrt.apply(x)
 
 
