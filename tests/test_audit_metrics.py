@@ -269,3 +269,15 @@ def test_dlg_runs_the_asked_outer_lbfgs_steps_of_at_most_20_evaluations_with_a_l
     _, label = gradient.dlg(net, update, 0.1, (1, 8, 8), iterations=3)
     assert label == 2 and len(steps) == 3  # iDLG's label; one L-BFGS step per outer iteration
     assert made == [{"lr": 1.0, "max_iter": 20, "history_size": 50, "line_search_fn": "strong_wolfe"}]
+
+
+def test_random_rotations_are_haar_not_qrs_sign_convention() -> None:
+    """The first entry of a Haar-random orthogonal matrix has mean 0; LAPACK's QR alone makes it always negative
+    (its R has a negative first diagonal for a positive first column entry and vice versa)."""
+    first = [random_rotation(3, seed)[0, 0] for seed in range(200)]
+    assert abs(np.mean(first)) < 0.15 and min(first) < 0 < max(first)  # Haar: std of the mean ≈ 0.04
+
+
+def test_a_zero_activation_row_has_cosine_zero_not_nan() -> None:
+    """Rows of all zeros (a dead ReLU's input) count as unmatched: |cos| 1 and 0 average to 0.5."""
+    assert best_row_cosine(np.array([[2.0, 0.0], [0.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 0.0]])) == 0.5
