@@ -326,6 +326,12 @@ def test_a_tokenizer_folder_without_tokenizer_files_is_refused(tmp_path: Path) -
         load_tokenizer(tmp_path / "tok")
 
 
+def test_a_tokenizer_path_that_is_a_file_is_named_as_no_directory(tmp_path: Path) -> None:
+    tokenizer_json = _write(tmp_path / "tokenizer.json", "{}")  # the file, not its folder
+    with pytest.raises(ValueError, match=r"^tokenizer \S+tokenizer\.json: no such directory \(a local Hugging Face"):
+        load_tokenizer(tokenizer_json)
+
+
 def test_a_tokenizer_without_a_padding_token_is_refused(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
