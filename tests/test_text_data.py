@@ -424,3 +424,35 @@ def test_stray_closing_tags_are_problems_and_a_file_with_problems_is_not_also_ca
     assert read_raw(root, ("books",))[1] == [f"{bad}:1: </review> without <review>",
                                             f"{bad}:3: </review_text> without <review_text>",
                                             f"{bad}:2: review has no <review_text>"]
+
+
+def test_amazon_bow_keeps_mdans_5000_most_frequent_features(tmp_path: Path) -> None:
+    from feddg.data.text_formats import AMAZON_DOMAINS
+    from feddg.data.text_sets import load_amazon_bow
+
+    root = tmp_path / "acl"
+    common = " ".join(f"f{i:04d}:2" for i in range(5000))
+    for domain in AMAZON_DOMAINS:
+        _write(root / domain / "positive.review", f"{common} rare:1 #label#:positive\n")
+        _write(root / domain / "negative.review", "f0000:1 #label#:negative\n")
+    ds = load_amazon_bow(root=str(root))
+    assert len(ds.vocabulary) == 5000 and "rare" not in ds.vocabulary  # the one feature fewer reviews hold
+
+
+def test_the_raw_amazon_check_lists_every_malformed_review(tmp_path: Path) -> None:
+    root = _raw_root(tmp_path)
+    for domain in ("dvd", "electronics"):  # amazon-reviews reads all four domains
+        _write(root / domain / "positive.review", "<review><review_text>fine</review_text></review>")
+        _write(root / domain / "negative.review", "<review><review_text>bad</review_text></review>")
+    bad = _write(root / "books" / "negative.review", "<review>\n<rating>1</rating>\n</review>\n")
+    assert check_dataset("amazon-reviews", root=str(root)) == [f"{bad}:1: review has no <review_text>"]
+
+
+def test_the_synthetic_corpus_cache_is_keyed_by_seed_and_generator_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from feddg.data import synthetic_text
+
+    keys: list[str] = []
+    monkeypatch.setattr(text_sets_module, "tokenised", lambda name, key, read, **kw: keys.append(key))
+    text_sets_module.load_synthetic_sentiment(root=None, cache_dir=None, seed=3, tokenizer=None, max_length=8,
+                                              vocab_size=300)
+    assert keys == [f"seed3-{synthetic_text.VERSION}"]  # a changed generator never reads an old cache
