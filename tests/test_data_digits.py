@@ -273,11 +273,14 @@ def test_rotate_matches_exact_rotations() -> None:
     np.testing.assert_array_equal(mnist_variants.rotate(x, 0), x)
     np.testing.assert_array_equal(mnist_variants.rotate(x, 90), np.rot90(x, 1, axes=(2, 3)))
     np.testing.assert_array_equal(mnist_variants.rotate(x, 180), np.rot90(x, 2, axes=(2, 3)))
+    corners = mnist_variants.rotate(np.full((1, 1, 28, 28), 255, np.uint8), 45)[0, 0]
+    assert corners[0, 0] == corners[-1, -1] == 0 and corners[14, 14] == 255  # zero fill outside the rotated square
 
 
 def test_colored_mnist_correlations(tmp_path: Path) -> None:
     ds = load_dataset("colored-mnist", cache_dir=tmp_path)
     assert ds.domains == ["+90%", "+80%", "-90%"] and ds.classes == ["0-4", "5-9"]
+    assert mnist_variants.COLOR_FLIP == {"+90%": 0.1, "+80%": 0.2, "-90%": 0.9}  # DomainBed's environments
     assert ds.image_shape == (3, 28, 28)
     parts = mnist_variants.deal("colored-mnist", 0, 3)
     _, digit = digits.mnist5k()
