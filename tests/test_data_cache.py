@@ -160,3 +160,16 @@ def test_loader_workers_give_the_same_batches(tmp_path: Path) -> None:
     a, b, c = epoch(0, 0), epoch(2, 0), epoch(0, 1)
     assert len(a) == 5 and all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
     assert not torch.equal(a[0], c[0])
+
+
+def test_an_interrupted_save_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the arrays are written (a KeyboardInterrupt, no Exception) removes the temporary and goes on."""
+    from feddg.data import cache
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache.np, "savez_compressed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.save_arrays(tmp_path / "a.npz", {"x": np.zeros(2)})
+    assert list(tmp_path.iterdir()) == []
