@@ -17,7 +17,7 @@ from feddg.data import text_sets as text_sets_module
 from feddg.data.base import DomainDataset
 from feddg.data.inspect import check_dataset
 from feddg.data.synthetic_text import DOMAINS, WORDS, generate
-from feddg.data.text import bag_of_words
+from feddg.data.text import TokenDataset, bag_of_words
 from feddg.data.text_formats import TABLE_LAYOUT, read_processed_acl, read_raw, read_table
 from feddg.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, tokenizer_stamp, train_bpe
 
@@ -456,3 +456,37 @@ def test_the_synthetic_corpus_cache_is_keyed_by_seed_and_generator_version(monke
     text_sets_module.load_synthetic_sentiment(root=None, cache_dir=None, seed=3, tokenizer=None, max_length=8,
                                               vocab_size=300)
     assert keys == [f"seed3-{synthetic_text.VERSION}"]  # a changed generator never reads an old cache
+
+
+def _tokens() -> TokenDataset:
+    ids = np.array([[0, 7, 2, 1, 1, 1], [0, 8, 9, 9, 2, 1], [0, 2, 1, 1, 1, 1]], np.int32)
+    return TokenDataset("t", ids, np.array([3, 5, 2], np.int32), np.array([1, 0, 1]), np.array([0, 2, 1]),
+                        ["a", "b", "c"], ["neg", "pos"], vocab_size=10, pad_token_id=1)
+
+
+def test_a_token_batch_is_cut_to_its_longest_text_and_masks_each_texts_own_tokens() -> None:
+    inputs, labels = _tokens().get_batch(np.array([0, 2]), train=True)
+    assert inputs["input_ids"].tolist() == [[0, 7, 2], [0, 2, 1]]  # the longest of the two: 3 tokens
+    assert inputs["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]] and labels.tolist() == [1, 1]
+    empty, _ = _tokens().get_batch(np.array([], np.int64), train=False)
+    assert empty["input_ids"].shape == (0, 1)
+
+
+def test_a_token_subset_renumbers_its_domains_into_the_kept_ones() -> None:
+    sub = _tokens().subset(np.array([1, 2]), ["b", "c"])
+    assert sub.domains == ["b", "c"] and sub.domain_ids.tolist() == [1, 0]  # sample 1 of "c" (2), sample 2 of "b" (1)
+    assert sub.lengths.tolist() == [5, 2] and sub.pad_token_id == 1
+
+
+def test_bag_of_words_breaks_count_ties_by_name_and_refuses_no_features() -> None:
+    samples = {"d": [({"zeta": 2, "alpha": 2, "mid": 1}, 0)]}
+    assert bag_of_words(samples, ["neg"], 2)[3] == ["alpha", "zeta"]
+    with pytest.raises(ValueError, match="max_features must be >= 1, got 0"):
+        bag_of_words(samples, ["neg"], 0)
+
+
+def test_text_loads_default_to_128_tokens_and_a_4000_token_bpe(tmp_path: Path) -> None:
+    """docs/data.md: ``data.max_length`` 128 and ``data.vocab_size`` 4000 where a load names neither."""
+    ds = load_dataset("synthetic-sentiment", cache_dir=tmp_path)
+    assert isinstance(ds, TokenDataset) and ds.max_length == 128
+    assert [p.name.split("-")[1] for p in (tmp_path / "tokenizers").iterdir()] == ["4000"]
