@@ -490,3 +490,43 @@ def test_text_loads_default_to_128_tokens_and_a_4000_token_bpe(tmp_path: Path) -
     ds = load_dataset("synthetic-sentiment", cache_dir=tmp_path)
     assert isinstance(ds, TokenDataset) and ds.max_length == 128
     assert [p.name.split("-")[1] for p in (tmp_path / "tokenizers").iterdir()] == ["4000"]
+
+
+@pytest.mark.parametrize("stale", ["int64", "shape", "garbage"])
+def test_a_token_cache_of_another_dtype_shape_or_no_array_is_rebuilt(tmp_path: Path, stale: str) -> None:
+    """The cached ``.npy`` is used only as int32 ``[N, max_length]``; anything else at its path is tokenised again."""
+    csv_file, cache = _table(tmp_path), tmp_path / "cache"
+    first = load_dataset("text-table", root=str(csv_file), cache_dir=cache, vocab_size=300, max_length=16)
+    (npy,) = (cache / "text").glob("*.npy")
+    assert npy.name.endswith("_16.npy")  # <name>_<source>_<tokenizer>_<max_length>.npy
+    ids = np.array(first.ids)  # a copy: the dataset maps the file this test writes over  # type: ignore[attr-defined]
+    if stale == "int64":
+        np.save(npy, ids.astype(np.int64))
+    elif stale == "shape":
+        np.save(npy, ids[:, :8])
+    else:
+        npy.write_bytes(b"not an array")
+    again = load_dataset("text-table", root=str(csv_file), cache_dir=cache, vocab_size=300, max_length=16)
+    np.testing.assert_array_equal(again.ids, ids)  # type: ignore[attr-defined]
+    assert again.ids.dtype == np.int32 and np.load(npy).dtype == np.int32  # type: ignore[attr-defined]
+
+
+def test_each_max_length_has_its_own_token_cache_and_too_short_is_refused(tmp_path: Path) -> None:
+    csv_file, cache = _table(tmp_path), tmp_path / "cache"
+    for length in (16, 32):
+        load_dataset("text-table", root=str(csv_file), cache_dir=cache, vocab_size=300, max_length=length)
+    assert sorted(p.name.rsplit("_", 1)[1] for p in (cache / "text").glob("*.npy")) == ["16.npy", "32.npy"]
+    with pytest.raises(ValueError, match="max_length must be >= 8, got 7"):
+        load_dataset("text-table", root=str(csv_file), cache_dir=cache, vocab_size=300, max_length=7)
+
+
+def test_an_interrupted_token_cache_write_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from feddg.data import text
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(text.np, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        text._save_cache(tmp_path / "t.npy", np.zeros((1, 8), np.int32), {"lengths": np.ones(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]  # the meta only; no .tmp, no .npy
