@@ -530,3 +530,24 @@ def test_an_interrupted_token_cache_write_leaves_no_temporary(tmp_path: Path, mo
     with pytest.raises(KeyboardInterrupt):
         text._save_cache(tmp_path / "t.npy", np.zeros((1, 8), np.int32), {"lengths": np.ones(1)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]  # the meta only; no .tmp, no .npy
+
+
+def test_the_synthetic_corpus_has_docs_data_mds_size_lengths_and_flipping_cues() -> None:
+    """docs/data.md: 2,000 reviews a domain of 20-60 words; "unpredictable" good in books and dvd, bad in electronics
+    and kitchen; about 30 % of sentiment cues shared by every domain (module docstring's SHARED_CUE)."""
+    import random
+
+    from feddg.data import synthetic_text
+
+    corpus = generate(0, noise=0.0)
+    assert {d: len(r) for d, r in corpus.items()} == dict.fromkeys(DOMAINS, 2000)
+    words = [len(text.split()) for reviews in corpus.values() for text, _ in reviews]
+    assert min(words) >= 20 and max(words) == 60
+    for domain, good in (("books", 1), ("dvd", 1), ("electronics", 0), ("kitchen", 0)):
+        rng = random.Random(0)
+        for polarity in (0, 1):
+            cues = [synthetic_text._cue(rng, domain, polarity) for _ in range(400)]
+            assert ("unpredictable" in cues) is (polarity == good), (domain, polarity)
+    rng = random.Random(1)
+    shared = np.mean([synthetic_text._cue(rng, "dvd", 1) in synthetic_text.SHARED[1] for _ in range(4000)])
+    assert shared == pytest.approx(0.3, abs=0.03)
