@@ -103,31 +103,29 @@ def test_m1_rows_divide_the_min_merge_by_the_gemm_bound_and_meet_1_5x_inclusive(
     assert (sinkhorn.value, sinkhorn.ratio, sinkhorn.met, sinkhorn.cpu) == ("0.75 / 0.80 s", 1.5, True, "3.00")
 
 
-def test_m1_rows_refuse_a_merge_with_no_counted_flops(monkeypatch):
+def _one_merge(monkeypatch: pytest.MonkeyPatch, m1_seconds: float, gflop: float) -> None:
+    """M1's collaborators stubbed: each timed repeat of the merge takes ``m1_seconds`` (the mean pass 0.1 s), its
+    products count ``gflop`` GFLOP, and the machine's GEMM rate is 100 GFLOP/s on MKL."""
     from feddg.aggregation import merges
 
     monkeypatch.setattr(merges, "merge_stations", lambda *_, solver: None)
     monkeypatch.setattr(merge, "resnet18_stations", lambda n: SimpleNamespace(weights=[], grams=[], gammas=[], spec=None))
     monkeypatch.setattr(merge, "GemmClock", _Clock)
     monkeypatch.setattr(merge, "mean_pass", lambda case: lambda: None)
-    monkeypatch.setattr(merge, "time_merges", lambda runs, repeats, threads: {k: [1.0] for k in runs if runs[k]() or 1})
+    monkeypatch.setattr(merge, "time_merges", lambda runs, repeats, threads: {k: [m1_seconds if k == "m1" else 0.1]
+                                                                           for k in runs if runs[k]() or 1})
     monkeypatch.setattr(merge, "fastest_gemm", lambda threads: ("MKL", 100.0))
-    monkeypatch.setattr(merge, "merge_gflop", lambda run: 0.0)
+    monkeypatch.setattr(merge, "merge_gflop", lambda run: gflop)
+
+
+def test_m1_rows_refuse_a_merge_with_no_counted_flops(monkeypatch):
+    _one_merge(monkeypatch, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="no GEMM FLOPs counted"):
         summary.m1_rows(2, 1, ("hungarian",))
 
 
 def test_m1_rows_fail_just_above_1_5x(monkeypatch):
-    from feddg.aggregation import merges
-
-    monkeypatch.setattr(merges, "merge_stations", lambda *_, solver: None)
-    monkeypatch.setattr(merge, "resnet18_stations", lambda n: SimpleNamespace(weights=[], grams=[], gammas=[], spec=None))
-    monkeypatch.setattr(merge, "GemmClock", _Clock)
-    monkeypatch.setattr(merge, "mean_pass", lambda case: lambda: None)
-    monkeypatch.setattr(merge, "time_merges", lambda runs, repeats, threads: {k: [0.76 if k == "m1" else 0.1]
-                                                                           for k in runs if runs[k]() or 1})
-    monkeypatch.setattr(merge, "fastest_gemm", lambda threads: ("MKL", 100.0))
-    monkeypatch.setattr(merge, "merge_gflop", lambda run: 50.0)  # the bound is 0.5 s: 0.76 s is 1.52×
+    _one_merge(monkeypatch, 0.76, 50.0)  # the bound is 0.5 s: 0.76 s is 1.52×
     (row,) = summary.m1_rows(2, 1, ("hungarian",))
     assert (row.ratio, row.target, row.met) == (pytest.approx(1.52), "≤ 1.5×", False)
 

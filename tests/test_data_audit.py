@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.images import png
 
 from feddg.data import (
     cache,
@@ -43,12 +44,6 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FEDDG_CACHE", str(tmp_path / "cache"))
 
 
-def _png(path: Path, colour=(10, 20, 30), size: int = 4) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", (size, size), colour).save(path)
-    return path
-
-
 def _tree(root: Path, layout: dict[str, dict[str, int]]) -> Path:
     """``root/<domain>/<class>/<i>.png`` with ``layout[domain][class]`` images each."""
     for dom, classes in layout.items():
@@ -56,7 +51,7 @@ def _tree(root: Path, layout: dict[str, dict[str, int]]) -> Path:
         for cls, n in classes.items():
             (root / dom / cls).mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                _png(root / dom / cls / f"{i}.png")
+                png(root / dom / cls / f"{i}.png")
     return root
 
 
@@ -69,20 +64,20 @@ def test_names_shows_up_to_eight_names_in_full_and_counts_longer_lists() -> None
 def test_image_extensions_match_in_any_case_for_samples_and_stray_images(tmp_path: Path) -> None:
     root = _tree(tmp_path, {"a": {"x": 0}})
     for name in ("0.PNG", "1.JpG", "2.Jpeg", "notes.TXT"):
-        _png(root / "a" / "x" / name) if not name.endswith("TXT") else (root / "a" / "x" / name).write_text("t")
+        png(root / "a" / "x" / name) if not name.endswith("TXT") else (root / "a" / "x" / name).write_text("t")
     scan = folders.scan_tree(root, ["a"], ["x"], fixed=False)
     assert [f.name for f in scan.files] == ["0.PNG", "1.JpG", "2.Jpeg"] and scan.problems == []
     for name in ("q", "w", "e", "r", "t", "y", "u", "i", "o", "p", "g", "s", "d", "f"):  # ext4 lists by hash
-        _png(root / "a" / f"{name}.PNG")
-    _png(root / "a" / "stray.Png")
-    _png(root / "a" / ".hidden.png")  # a hidden file is not a stray image
+        png(root / "a" / f"{name}.PNG")
+    png(root / "a" / "stray.Png")
+    png(root / "a" / ".hidden.png")  # a hidden file is not a stray image
     problems = folders.scan_tree(root, ["a"], ["x"], fixed=False).problems
     assert problems == [f"image {root / 'a' / 'd.PNG'} lies directly in domain folder {root / 'a'} (15 such images)"]
 
 
 def test_hidden_files_in_a_class_folder_are_not_samples(tmp_path: Path) -> None:
     root = _tree(tmp_path, {"a": {"x": 2}})
-    _png(root / "a" / "x" / ".0.png")
+    png(root / "a" / "x" / ".0.png")
     scan = folders.scan_tree(root, ["a"], ["x"], fixed=False)
     assert sorted(f.name for f in scan.files) == ["0.png", "1.png"]
 
@@ -99,8 +94,8 @@ def test_images_domains_and_classes_come_sorted_whatever_the_listing_order(tmp_p
     assert folders.discover_domains(tmp_path / "domains") == sorted(names)
     root = tmp_path / "data"
     for n in names:
-        _png(root / "a" / n / "0.png")
-        _png(root / "b" / "x" / f"{n}.png")
+        png(root / "a" / n / "0.png")
+        png(root / "b" / "x" / f"{n}.png")
     assert folders.discover_classes(root, ["a"]) == sorted(names)
     files = folders.scan_tree(root, ["b"], ["x"], fixed=False).files
     assert files == [root / "b" / "x" / f"{n}.png" for n in sorted(names)]

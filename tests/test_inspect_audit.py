@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from support.images import png
 from support.natural_fixtures import leaf_blob, write_json
 
 from feddg.data import load_dataset
@@ -15,15 +15,10 @@ from feddg.data.inspect import check_dataset, describe_dataset
 from feddg.data.slices import SliceDataset
 
 
-def _png(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", (8, 8), (10, 20, 30)).save(path)
-
-
 def test_a_folder_is_counted_per_domain_and_class_without_decoding(tmp_path: Path) -> None:
     for domain, cls, n in (("a", "x", 2), ("a", "y", 1), ("b", "y", 3), ("b", "x", 1)):
         for i in range(n):
-            _png(tmp_path / domain / cls / f"{i}.png")
+            png(tmp_path / domain / cls / f"{i}.png")
     s = describe_dataset("folder", root=str(tmp_path), image_size=16)
     assert (s.domains, s.classes) == (["a", "b"], ["x", "y"])
     assert s.counts == {"a": {"x": 2, "y": 1}, "b": {"x": 1, "y": 3}}
@@ -32,8 +27,8 @@ def test_a_folder_is_counted_per_domain_and_class_without_decoding(tmp_path: Pat
 
 def test_a_folder_with_a_layout_problem_is_refused_not_summarised(tmp_path: Path) -> None:
     for domain in ("a", "b"):
-        _png(tmp_path / domain / "x" / "0.png")
-    _png(tmp_path / "b" / "stray.png")
+        png(tmp_path / domain / "x" / "0.png")
+    png(tmp_path / "b" / "stray.png")
     with pytest.raises(ValueError, match="lies directly in domain folder"):
         describe_dataset("folder", root=str(tmp_path))
 
@@ -86,8 +81,8 @@ def test_a_malformed_natural_file_is_the_checks_one_line(tmp_path: Path) -> None
 
 def test_a_presets_check_lists_missing_domains_then_the_scans_problems_then_absent_classes(tmp_path: Path) -> None:
     for domain in ("art_painting", "cartoon", "photo"):  # sketch is missing
-        _png(tmp_path / domain / "dog" / "0.png")
-    _png(tmp_path / "photo" / "stray.png")
+        png(tmp_path / domain / "dog" / "0.png")
+    png(tmp_path / "photo" / "stray.png")
     problems = check_dataset("pacs", root=str(tmp_path))
     assert problems[0] == f"domain folder {tmp_path / 'sketch'} is missing"
     assert problems[1].startswith(f"image {tmp_path / 'photo' / 'stray.png'} lies directly in domain folder")
