@@ -7,7 +7,8 @@ import os
 import socket
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
@@ -51,16 +52,24 @@ def temporary_beside(path: Path) -> tuple[int, str]:
     return tempfile.mkstemp(prefix=f"{path.stem}.{host}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
 
 
-def save_arrays(path: Path, arrays: Arrays) -> None:
-    """Write ``arrays`` to ``path`` atomically: a temporary file in the same folder, then ``os.replace``."""
+@contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` (:func:`temporary_beside`) for the block to write; it replaces ``path``
+    (``os.replace``) when the block ends, and is removed when it raises (Ctrl-C included)."""
     fd, tmp = temporary_beside(path)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **arrays to allow_pickle
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_arrays(path: Path, arrays: Arrays) -> None:
+    """Write ``arrays`` to ``path`` atomically: a temporary file in the same folder, then ``os.replace``."""
+    with replaced_atomically(path) as tmp, tmp.open("wb") as f:
+        np.savez_compressed(f, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **arrays to allow_pickle
 
 
 def load_arrays(path: Path, keys: tuple[str, ...]) -> Arrays | None:

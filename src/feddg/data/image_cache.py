@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from PIL import Image
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from feddg.data.cache import temporary_beside
+from feddg.data.cache import replaced_atomically
 
 VERSION = "v1"
 CHUNK = 64  # files per task sent to a decoding process
@@ -168,9 +168,7 @@ def _check_space(folder: Path, nbytes: int) -> None:
 
 def build(path: Path, files: Sequence[Path], size: int, workers: int | None = None) -> None:
     """Decode ``files`` at ``size`` px into ``path`` (atomically); :class:`UnreadableImages` on any failure."""
-    fd, tmp = temporary_beside(path)  # first, so that a killed build's space is free again
-    os.close(fd)
-    try:
+    with replaced_atomically(path) as tmp:  # first, so that a killed build's space is free again
         _check_space(path.parent, len(files) * 3 * size * size)
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(files), size, size, 3))
         failures: list[tuple[Path, str]] = []
@@ -182,10 +180,6 @@ def build(path: Path, files: Sequence[Path], size: int, workers: int | None = No
             raise UnreadableImages(failures)
         out.flush()
         del out
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     for stale in path.parent.glob(path.name.rsplit("_", 1)[0] + "_*.npy"):
         if stale != path:
             stale.unlink(missing_ok=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from feddg.data.base import first_problem
-from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays, temporary_beside
+from feddg.data.cache import Arrays, load_arrays, replaced_atomically, resolve_cache_dir, save_arrays
 from feddg.data.image_cache import cache_path
 from feddg.data.slices import FOREGROUND, KEYS, SliceDataset, Volume, slices_from_volumes
 
@@ -169,18 +169,12 @@ def _save_cache(path: Path, arrays: Arrays) -> None:
     meta = path.with_suffix(".npz")
     save_arrays(meta, {k: arrays[k] for k in META_KEYS})
     images = arrays["images"]
-    fd, tmp = temporary_beside(path)
-    os.close(fd)
-    try:
+    with replaced_atomically(path) as tmp:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(images), 4, *images.shape[2:]))
         out[:, :3] = images
         out[:, 3] = arrays["masks"]
         out.flush()
         del out
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     for stale in path.parent.glob(path.name.rsplit("_", 1)[0] + "_*.np[yz]"):
         if stale not in (path, meta):
             stale.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from feddg.data.base import DomainDataset
-from feddg.data.cache import Arrays, load_arrays, resolve_cache_dir, save_arrays, temporary_beside
+from feddg.data.cache import Arrays, load_arrays, replaced_atomically, resolve_cache_dir, save_arrays
 from feddg.data.image_cache import progress_bar
 from feddg.data.tokenizer import load_tokenizer, tokenizer_stamp, train_bpe
 
@@ -186,14 +186,8 @@ def _save_cache(path: Path, ids: np.ndarray, meta: Arrays) -> None:
     """The ids (atomically, as ``.npy``) and the meta ``.npz`` beside them."""
     path.parent.mkdir(parents=True, exist_ok=True)
     save_arrays(path.with_suffix(".npz"), meta)
-    fd, tmp = temporary_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, ids)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replaced_atomically(path) as tmp, tmp.open("wb") as f:
+        np.save(f, ids)
 
 
 def tokenised(name: str, source: str, read: Callable[[], Corpus], *, cache_dir: str | os.PathLike[str] | None,
