@@ -1,4 +1,5 @@
-"""Settings models never read a boolean as a number (YAML's yes/on/true), wherever they sit in a config."""
+"""Settings models never read a boolean as a number (YAML's yes/on/true), nor take an infinite or NaN float (YAML's
+.inf/.nan), wherever they sit in a config."""
 
 from __future__ import annotations
 
@@ -51,6 +52,26 @@ def test_a_boolean_for_a_number_is_refused_at_its_key(override, where):
     with pytest.raises(ConfigError) as err:
         build_config({}, [override])
     assert str(err.value) == f"{where}: expected a number, got a boolean"
+
+
+@pytest.mark.parametrize(("override", "where"), [
+    ("optim.lr=.inf", "optim.lr"),  # passes gt=0: it trained to NaN weights
+    ("optim.weight_decay=.inf", "optim.weight_decay"),  # passes ge=0
+    ("optim.grad_clip=.inf", "optim.grad_clip"),  # float | None
+    ("federation.client_timeout_s=.inf", "federation.client_timeout_s"),  # None is "no timeout"
+    ("optim.lr=.nan", "optim.lr"),  # pydantic's own "greater than 0" before; one message for both now
+    ("method.params={mu: .inf}", "method.params.mu"),  # a method's parameters
+    ("hierarchy.params.lambda_ot=-.inf", "hierarchy.params.lambda_ot"),  # a merge's parameters
+    ("optim.lr=1.0e+300", None),  # large but finite
+])
+def test_an_infinite_or_nan_float_is_refused_at_its_key(override, where):
+    extra = ["method.name=fedprox"] if "method.params" in override else []
+    if where is None:
+        build_config({}, [*extra, override])
+        return
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [*extra, override])
+    assert str(err.value) == f"{where}: Input should be a finite number"
 
 
 def test_method_parameters_and_booleans_where_they_belong():

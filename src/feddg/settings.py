@@ -1,5 +1,7 @@
 """The pydantic base of every settings model (the config's sections, methods' and merges' parameters, DP settings,
-augmentations, roster entries): unknown keys are errors, and a boolean is never read as a number.
+augmentations, roster entries): unknown keys are errors, a boolean is never read as a number, and a float field takes
+only finite numbers (YAML's ``.inf`` passed ``optim.lr``'s ``gt=0`` and trained to NaN weights; ``None`` is each
+optional field's "off").
 
 pydantic's lax mode turns ``true`` into 1 for an ``int`` or ``float`` field, and YAML reads ``yes``, ``on`` and
 ``true`` as booleans, so ``-o federation.rounds=yes`` ran one round. Here a boolean given to a field that does not
@@ -53,13 +55,14 @@ def booleans_for_numbers(annotation: Any, value: Any) -> list[tuple[tuple[int, .
 
 
 class Settings(BaseModel):
-    """Unknown keys are errors; a boolean for a number (or in a list of numbers) is an error at that field.
+    """Unknown keys are errors; a boolean for a number (or in a list of numbers) is an error at that field, and so is
+    an infinite or NaN float.
 
     One check per model on its raw input (pydantic refuses a "before" validator on a discriminated union's tag, so
     not one per field), each error raised at its field's own location (``federation.rounds``, ``sweep.seeds.1``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
