@@ -100,6 +100,15 @@ def test_yaml_syntax_errors_are_one_line_with_file_line_and_column(tmp_path):
         load_config(path)
 
 
+def test_a_folder_given_as_the_config_is_named_a_folder_and_a_run_directory_gets_the_resume_command(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} is a folder, not a config file$"):
+        load_config(tmp_path)  # it said "config file not found" of a folder that is there
+    (tmp_path / "config.yaml").write_text("name: r\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    assert str(err.value) == f"{tmp_path} is a folder, not a config file (a run directory: feddg run --resume {tmp_path})"
+
+
 def test_bad_override_values_and_keys_are_one_line():
     with pytest.raises(ConfigError, match=r"override 'federation.rounds=\[1,': invalid YAML value"):
         build_config({}, ["federation.rounds=[1,"])

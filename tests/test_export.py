@@ -48,6 +48,7 @@ def test_export_cli_refuses_a_non_empty_folder_and_non_builtins(tmp_path: Path, 
     assert res.exit_code == 2 and "not empty" in res.output
     res = runner.invoke(app, ["export", "pacs", str(tmp_path / "y")])
     assert res.exit_code == 2 and "only built-in datasets" in res.output
+    assert "synthetic-mri as volumes" in res.output  # the CLI exports it too: the refusal names it
     res = runner.invoke(app, ["export", "colored-mnist", str(tmp_path / "c"), "--cache-dir", str(cache_dir),
                               "--max-per-domain", "6"])
     assert res.exit_code == 0, res.output

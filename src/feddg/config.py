@@ -828,6 +828,9 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Exp
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML file; syntax errors and duplicate keys give ``file:line:column: problem``."""
     path = Path(path)
+    if path.is_dir():
+        hint = f" (a run directory: feddg run --resume {path})" if (path / "config.yaml").is_file() else ""
+        raise ConfigError(f"{path} is a folder, not a config file{hint}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

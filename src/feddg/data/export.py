@@ -50,7 +50,8 @@ def export_dataset(
 ) -> int:
     """Export built-in dataset ``name`` into the new or empty folder ``out``; returns the number of images."""
     if name not in BUILTINS:
-        raise ValueError(f"only built-in datasets can be exported ({', '.join(BUILTINS)}), got {name!r}")
+        raise ValueError(f"only built-in datasets can be exported: {', '.join(BUILTINS)} as images, "
+                         f"{synthetic_mri.NAME} as volumes; got {name!r}")
     root = _new_folder(out)
     ds = load_dataset(name, cache_dir=cache_dir, image_size=image_size, seed=seed, max_per_domain=max_per_domain)
     assert isinstance(ds, TensorDomainDataset)
