@@ -239,10 +239,12 @@ def check_name(name: str) -> None:
 
 def dataset_info(name: str) -> dict[str, Any]:
     """``domains``, ``classes`` (empty where discovered from the folders), ``num_classes`` (``None``
-    if unknown), ``needs_root`` and the default ``image_size`` of dataset ``name``."""
+    if unknown), ``needs_root``, the default ``image_size`` and the image ``channels`` (``None`` where only the data
+    tells: plug-ins and volumes) of dataset ``name``."""
     check_name(name)
     task, inputs = "classification", "images"
     num_classes: int | None
+    channels: int | None = None
     if name in PLUGINS or name in VOLUMES:
         plugin = PLUGINS.get(name) or VOLUMES[name]
         domains, classes, num_classes = list(plugin.domains), list(plugin.classes), len(plugin.classes) or None
@@ -250,20 +252,20 @@ def dataset_info(name: str) -> dict[str, Any]:
     elif name in BUILTINS:
         b = BUILTINS[name]
         domains, classes, num_classes = list(b.builders), list(b.classes), len(b.classes)
-        needs_root, image_size = False, digits.NATIVE_SIZE
+        needs_root, image_size, channels = False, digits.NATIVE_SIZE, len(b.mean)
     else:
         p = PRESETS[name]
         domains, classes = list(p.domains), list(p.classes)
         num_classes = p.num_classes or (len(classes) or None)
-        needs_root, image_size = True, DEFAULT_IMAGE_SIZE
+        needs_root, image_size, channels = True, DEFAULT_IMAGE_SIZE, 3  # folders are read as RGB (image_cache.rgb8)
     return {"name": name, "domains": domains, "classes": classes, "num_classes": num_classes,
-            "needs_root": needs_root, "image_size": image_size, "task": task, "inputs": inputs}
+            "needs_root": needs_root, "image_size": image_size, "channels": channels, "task": task, "inputs": inputs}
 
 
 def evaluation_mismatch(extra: str, data: str, tokenizer: str | None = None) -> str | None:
     """Why dataset ``extra`` cannot evaluate a model trained on ``data`` (another task, other inputs, other known
-    classes, token ids or features of another vocabulary), from the registry alone; ``None`` when it can as far as
-    the registry knows (a folder's classes are read when it loads). ``tokenizer``: the training data's fixed
+    image channels or classes, token ids or features of another vocabulary), from the registry alone; ``None`` when it
+    can as far as the registry knows (a folder's classes are read when it loads). ``tokenizer``: the training data's fixed
     tokenizer (``data.tokenizer`` or ``model.path``), if any."""
     a, b = dataset_info(extra), dataset_info(data)
     if (a["task"], a["inputs"]) != (b["task"], b["inputs"]):
@@ -275,6 +277,9 @@ def evaluation_mismatch(extra: str, data: str, tokenizer: str | None = None) -> 
     if b["inputs"] == "features":
         return (f"{data}'s features index its own corpus's vocabulary, which {extra}'s would not share: a bag-of-words "
                 "dataset takes no extra target")
+    if a["channels"] and b["channels"] and a["channels"] != b["channels"]:
+        return (f"{extra} has {a['channels']}-channel images, the training data {data} {b['channels']}-channel ones: "
+                "an extra target needs images of the same channels")
     if a["classes"] and b["classes"] and a["classes"] != b["classes"]:
         return (f"{extra} has classes {a['classes']}, the training data {b['classes']}; an extra target needs the "
                 "same classes in the same order")
