@@ -241,6 +241,11 @@ def test_cli_writes_privacy_json_and_grids_on_a_tiny_run(tmp_path, cache_dir, mo
     assert rows[10]["scored_against"] == "own image" and rows[11]["dp"] == "local"
     assert rows[11]["epsilon"] == pytest.approx(gaussian_epsilon(0.5, 1, 1e-5))  # local DP at z/2: no sampling
     assert (tmp_path / "r" / "audit" / "sample-style-third-party.png").is_file()
+    lines = res.output.splitlines()  # the terminal shows the table too: one line per scored row, its own figures
+    for r in rows:
+        if r["attack"] != "gram":
+            cells = [r["attack"], r["attacker"], f"{r['psnr']:.1f} ({r['psnr_chance']:.1f})", f"{r[FID_NAME]:.1f}"]
+            assert any(all(c in line for c in cells) for line in lines), cells
     page = report(tmp_path / "r")[0].read_text()  # feddg report shows the audit: the table and the grids
     assert "Privacy audit" in page and FID_NAME in page and "sample-style-third-party.png" in page
     assert f"{rows[0]['psnr']:.1f} ({rows[0]['psnr_chance']:.1f})" in page  # each score beside its chance level

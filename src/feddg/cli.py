@@ -744,6 +744,7 @@ def audit_privacy(
     """Reconstruct client data from what the run's clients share, at each DP noise level: RUN_DIR/audit/privacy.json.
     Defaults: the run's audit: section (docs/privacy.md); the options override it."""
     from feddg.audit.privacy import ATTACKS, check_attacks, run_settings
+    from feddg.reports.audit import audit_section
 
     with _user_errors():
         if not (run_dir / "config.yaml").is_file():
@@ -755,4 +756,15 @@ def audit_privacy(
         base = run_settings(run_dir)
         settings = AuditConfig.model_validate({**base.model_dump(), **{k: v for k, v in given.items() if v is not None}})
         path = _audit_with_bar(run_dir, settings)
-    out.print(f"wrote {path}")
+    section = audit_section(run_dir)
+    if section is None:  # only a stand-in audit writes nothing
+        out.print(f"wrote {path}")
+        return
+    t = Table(title=f"privacy audit of {run_dir.name}")
+    for c in section["columns"]:
+        t.add_column(c, justify="left" if c in ("attack", "attacker") else "right")
+    for row in section["rows"]:
+        t.add_row(*row)
+    out.print(t)
+    out.print(f"wrote {path} and its grids ({', '.join(g['title'] for g in section['grids'])}); "
+              f"feddg report {run_dir} shows them", soft_wrap=True)
