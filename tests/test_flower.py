@@ -292,7 +292,7 @@ def test_cnn_methods_and_stations_run_the_same_over_the_flower_protocol(tmp_path
     assert _untimed(server.metrics) == _untimed(ref.metrics) and len(ref.metrics) == 2
 
 
-def test_a_resumed_run_continues_at_the_checkpointed_round(tmp_path, task_identity):
+def test_a_resumed_run_continues_at_the_checkpointed_round(tmp_path, task_identity, caplog):
     cfg = toy_config()  # 3 rounds
     full = Server(toy_federation_of(cfg), tmp_path / "full")
     run_inprocess(full)
@@ -305,6 +305,9 @@ def test_a_resumed_run_continues_at_the_checkpointed_round(tmp_path, task_identi
                 on_round=rows.append)
     assert [r["round"] for r in rows] == [2, 3]  # Flower's rounds 1, 2 are feddg's 2, 3
     assert _without_times(resumed.metrics) == _without_times(full.metrics)
+    # the clients' own state was on the nodes, not in the checkpoint: the resume says it starts empty again
+    said = [m for r in caplog.records if r.levelname == "WARNING" and "resumed after round" in (m := r.getMessage())]
+    assert said and said[0].startswith("feddg: resumed after round 1: what fedavg's clients keep")
     assert _same_weights(full.state["weights"], resumed.state["weights"])
 
 

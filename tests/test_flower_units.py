@@ -289,7 +289,7 @@ def test_the_strategy_numbers_resumed_rounds_and_commits_only_accepted_replies_o
 def test_a_resumed_run_on_a_grid_starts_only_its_remaining_rounds(monkeypatch: pytest.MonkeyPatch, done: int,
                                                                   starts: list[tuple[int, float]]) -> None:
     flower = SimpleNamespace(node_wait_s=30.0, round_timeout_s=7.0, secure_aggregation=None)
-    cfg = SimpleNamespace(flower=flower, federation=SimpleNamespace(threads="auto"))
+    cfg = SimpleNamespace(flower=flower, federation=SimpleNamespace(threads="auto"), method=SimpleNamespace(name="fedavg"))
     server = SimpleNamespace(fed=SimpleNamespace(cfg=cfg, device=torch.device("cpu")), round=done, rounds=5,
                              write_results=lambda: {"done": True})
     started: list[tuple[int, float]] = []

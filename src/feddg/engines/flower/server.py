@@ -306,6 +306,11 @@ def run_on_grid(server: Server, grid: Grid, on_round: RoundCallback | None = Non
     own work (aggregation, evaluation) runs under ``federation.threads``, as in-process (``auto``: one torch thread
     and one BLAS thread, so nothing of the server's spins beside the SuperNodes of a shared machine)."""
     fc = server.fed.cfg.flower
+    if 0 < server.round < server.rounds:
+        log(WARNING, "feddg: resumed after round %d: what %s's clients keep between rounds (their client state, e.g. "
+            "SCAFFOLD's control variates, FedBN's own BN) lives on the nodes, not in checkpoint.pt, so it starts "
+            "empty again; a method that keeps none continues as an uninterrupted run would (docs/flower.md)",
+            server.round, server.fed.cfg.method.name)
     with federation_threads(server.fed.cfg.federation.threads, server.fed.device):
         nodes = discover_clients(grid, server, fc.node_wait_s)
         run_setup(server, grid, nodes, fc.round_timeout_s)
