@@ -75,12 +75,14 @@ def _images(html: str) -> list[Image.Image]:
     return imgs
 
 
-def test_accuracy_axes_have_integer_rounds_and_the_chance_line():
+@pytest.mark.parametrize("rounds", [(1, 2, 3, 4), (2,), (4, 5)])  # one evaluation (2,): its axis is 1.5-2.5
+def test_accuracy_axes_have_integer_rounds_and_the_chance_line(rounds):
     fig, ax = plt.subplots()
-    draw_metric(ax, [{"round": r, "ood_acc": 10.0 * r} for r in (1, 2, 3, 4)], ACC)
+    draw_metric(ax, [{"round": r, "ood_acc": 10.0 * r} for r in rounds], ACC)
     fig.canvas.draw()
     ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert set(rounds) <= set(ticks)  # every evaluated round is ticked
     chance = [ln for ln in ax.get_lines() if ln.get_label().startswith("chance")]
     assert len(chance) == 1 and chance[0].get_ydata()[0] == pytest.approx(10.0)
     plt.close(fig)
@@ -105,6 +107,20 @@ def test_domain_bars_show_seed_spread_and_sample_counts():
     err_segment = bars[0].errorbar.lines[2][0].get_segments()[0]
     assert err_segment[1][1] - err_segment[0][1] == pytest.approx(2 * np.std([50, 60, 70], ddof=1))
     assert [t.get_text() for t in ax.get_xticklabels()] == ["a\nn=120", "b\nn=400"]
+    plt.close(fig)
+
+
+def test_a_runs_title_over_few_domains_stays_inside_its_figure():
+    """domains.png is 1.2 in a bar wide (4.8 in for four); the text demo's title was cut at "... kitchen · seec"."""
+    title = "fedavg · synthetic-sentiment · held out kitchen · seed 0"
+    final = {"id_acc/books": 48.0, "id_acc/dvd": 50.5, "id_acc/electronics": 53.5, "ood_acc/kitchen": 49.8}
+    fig, ax = plt.subplots(figsize=(4.8, 3.8))
+    draw_domains(ax, final, ACC, title=title)
+    fig.tight_layout()
+    fig.canvas.draw()
+    box, frame = ax.title.get_window_extent(), fig.bbox
+    assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1, (box, frame)
+    assert ax.title.get_text() == title  # all of it, wrapped at a space
     plt.close(fig)
 
 

@@ -54,8 +54,9 @@ def _parsed(text: str, path: Path, line: int | None = None) -> Any:
 
 def integer_rounds(ax: Axes, rounds: Sequence[float] = ()) -> None:
     """Round numbers as x ticks: never 2.5; a single round (or two) gets half a round of room on each side rather
-    than an axis of 1.9…2.1."""
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    than an axis of 1.9…2.1. ``min_n_ticks=1``: MaxNLocator gives up on integers when fewer than two fit (one round's
+    1.5–2.5 was ticked 1.5, 1.6, …, 2.5)."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_xlabel("round")
     if rounds and max(rounds) - min(rounds) < 2:
         ax.set_xlim(min(rounds) - 0.5, max(rounds) + 0.5)
@@ -141,7 +142,8 @@ def draw_domains(ax: Axes, values: Mapping[str, float | Sequence[float]], task: 
     handles, names = ax.get_legend_handles_labels()
     uniq = dict(zip(names, handles))
     ax.legend(uniq.values(), uniq.keys(), fontsize=8)
-    ax.set(ylabel=task.axis_label, ylim=(task.bounds[0], 1.08 * top), title=title or f"{task.label} per domain")
+    ax.set(ylabel=task.axis_label, ylim=(task.bounds[0], 1.08 * top))
+    ax.set_title(title or f"{task.label} per domain", wrap=True)  # a run's title is wider than four bars
 
 
 def draw_domain_spread(ax: Axes, bars: list[tuple[str, str, list[float]]], task: TaskInfo, title: str = "") -> None:
