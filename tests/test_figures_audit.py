@@ -29,6 +29,7 @@ from feddg.evaluation.plots import (
     plot_run,
     read_json,
     read_metrics,
+    run_method,
     run_task,
     run_title,
 )
@@ -230,6 +231,15 @@ def test_run_title_names_a_run_that_holds_no_domain_out_and_its_validation_domai
     assert run_title(tmp_path) == f"FedAvg · pacs · held out {EVERY_DOMAIN_TRAINS} · seed 3"
     (tmp_path / "results.json").write_text(json.dumps({**base, "target": ["sketch"], "val_domain": ["photo", "art"]}))
     assert run_title(tmp_path) == "FedAvg · pacs · held out sketch (val photo, art) · seed 3"
+
+
+def test_a_hierarchical_run_is_titled_by_its_client_method_and_its_station_merge(tmp_path: Path) -> None:
+    """The text demo (FedAvg clients, HFedATM stations) was titled "fedavg", as a flat FedAvg run is."""
+    base = {"method": "fedavg", "dataset": "synthetic-sentiment", "seed": 0, "target": ["kitchen"]}
+    (tmp_path / "results.json").write_text(json.dumps({**base, "hierarchy": {"client_method": "fedavg",
+                                                                              "merge": "hfedatm", "stations": 3}}))
+    assert run_title(tmp_path) == "fedavg+hfedatm · synthetic-sentiment · held out kitchen · seed 0"
+    assert run_method({"method": "fedrc", "method_label": "fedrc (reconstructed)"}) == "fedrc (reconstructed)"
 
 
 def test_a_folder_without_results_is_titled_by_its_name(tmp_path: Path) -> None:

@@ -116,12 +116,13 @@ def _run_dir_mode(run_dir: Path) -> str:
 
 def results_table(results: dict) -> Table:
     """The task's figures of one run (id / val / ood / extra), per domain and their means."""
+    from feddg.evaluation.plots import run_method
     from feddg.tasks import TaskInfo, info_for_dataset
 
     task = TaskInfo.of(results["task"]) if "task" in results else info_for_dataset(results["dataset"])
     if task is None:
         _fail(f"results of {results['dataset']}: unknown task (no task block)")
-    method = results.get("method_label", results["method"])
+    method = run_method(results)
     held = f"held out: {', '.join(results['target'])}" if results["target"] else "every domain trains"
     t = Table(title=f"{method} on {results['dataset']} ({held})")
     t.add_column("domain")

@@ -181,6 +181,14 @@ def save(fig: plt.Figure, path: Path) -> Path:
 EVERY_DOMAIN_TRAINS = "none (every domain trains)"  # split.protocol federated: no held-out domain
 
 
+def run_method(results: Mapping[str, Any]) -> str:
+    """The method a run's results.json names: its label (``fedrc (reconstructed)``), and a hierarchy's station
+    merge after a ``+`` as sweeps name it (``fedavg+hfedatm``: FedAvg clients, HFedATM stations)."""
+    name = str(results.get("method_label", results["method"]))
+    hierarchy = results.get("hierarchy")
+    return f"{name}+{hierarchy['merge']}" if isinstance(hierarchy, dict) and "merge" in hierarchy else name
+
+
 def run_title(run_dir: Path) -> str:
     """"FedAvg · digits-dg · held out synth · seed 0" from results.json, else the folder name."""
     path = run_dir / "results.json"
@@ -189,7 +197,7 @@ def run_title(run_dir: Path) -> str:
     r = read_json(path) or {}
     held = (", ".join(r["target"]) or EVERY_DOMAIN_TRAINS) + (f" (val {', '.join(r['val_domain'])})"
                                                               if r.get("val_domain") else "")
-    return f"{r['method']} · {r['dataset']} · held out {held} · seed {r['seed']}"
+    return f"{run_method(r)} · {r['dataset']} · held out {held} · seed {r['seed']}"
 
 
 def run_task(run_dir: Path) -> TaskInfo | None:

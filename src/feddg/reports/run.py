@@ -9,7 +9,7 @@ from typing import Any
 from feddg.config import read_yaml
 from feddg.evaluation.communication import bytes_per_round
 from feddg.evaluation.overlays import EXAMPLES, example_path
-from feddg.evaluation.plots import EVERY_DOMAIN_TRAINS, plot_run, read_json, read_metrics, run_title
+from feddg.evaluation.plots import EVERY_DOMAIN_TRAINS, plot_run, read_json, read_metrics, run_method, run_title
 from feddg.reports import figures
 from feddg.reports.audit import audit_section
 from feddg.reports.counts import run_counts
@@ -120,7 +120,7 @@ def run_report(run_dir: Path) -> list[Path]:
     raw = read_yaml(config_path) if config_text else {}
     given = {k: (raw.get(k) or {}) for k in ("method", "data", "split", "federation")}  # a run still in progress
     provenance = read_json(run_dir / "provenance.json")
-    summary = [("method", results.get("method_label", results.get("method", given["method"].get("name", "?")))),
+    summary = [("method", run_method(results) if "method" in results else given["method"].get("name", "?")),
                ("dataset", results.get("dataset", given["data"].get("dataset", "?"))),
                ("held out", _held_out(results, given["split"])),
                ("seed", results.get("seed", raw.get("seed", "?"))), ("rounds", len(metrics)),
