@@ -209,11 +209,27 @@ def test_the_failure_note_names_the_rounds_the_client_rounds_lost_and_the_first_
 def test_sweep_report_has_both_tables_its_figures_and_every_run(sweep_dir, sweep_page):
     html = sweep_page.read_text()
     rows = [json.loads(line) for line in (sweep_dir / "runs.jsonl").read_text().splitlines()]
-    assert html.count("<th>avg</th>") == 2  # ood_acc and id_acc tables, with the mean over targets
+    main, rest = html.split('<section id="selection">')
+    selection = rest.split("</section>")[0]
+    assert main.count("<th>avg</th>") == 2  # ood_acc and id_acc tables, with the mean over targets
+    # each model-selection rule's Markdown table as an HTML table (it was the Markdown text in a <pre>), no <pre> left
+    rules = sorted(p.stem for p in sweep_dir.glob("table_*_*.md"))
+    assert rules and selection.count("<table>") == sum("|---" in (sweep_dir / f"{r}.md").read_text() for r in rules)
+    assert "<pre>" not in selection and "|---" not in selection
     # per metric: bars + curves; per variant: per-domain bars
     assert len(_images(html)) == 2 * 2 + 1
     for r in rows:
         assert Path(r["run_dir"]).relative_to(sweep_dir).as_posix() in html
+
+
+def test_markdown_tables_become_html_under_the_pages_headings_and_raw_html_is_escaped():
+    from feddg.reports.page import markdown_html
+
+    html = str(markdown_html("# sweep: privacy audit\n\n### rows\n\n| variant | z |\n|---|---:|\n| <b>A</b> | 1 |\n"))
+    assert html.startswith("<h4>sweep: privacy audit</h4>\n<h6>rows</h6>")  # h1 -> h4, h3 -> h6 (4 + 3 - 1)
+    assert "<td>&lt;b&gt;A&lt;/b&gt;</td>" in html  # a variant named in HTML is shown, not run
+    assert '<th style="text-align:right">z</th>' in html and "<table>" in html
+    assert str(markdown_html("no heading")) == "<p>no heading</p>\n"
 
 
 def test_sweep_report_cells_are_the_mean_the_sample_std_and_a_student_t_ci(sweep_dir, tmp_path):
