@@ -873,10 +873,6 @@ def test_absent_line_lists_every_absent_class() -> None:
         "outputs, no sample trains or tests them")
 
 
-def test_resize_transform_takes_a_height_and_width() -> None:
-    assert transforms.Resize((10, 12))(torch.rand(3, 20, 30, generator=_gen(0))).shape == (3, 10, 12)
-
-
 def test_check_root_refuses_a_missing_root_or_a_file_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     for root in (tmp_path / "nowhere", tmp_path / "file"):

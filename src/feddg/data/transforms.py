@@ -62,16 +62,6 @@ class Compose:
         return img
 
 
-class Resize:
-    """Resize to ``size`` (an int gives a square, as DomainBed's ``Resize((s, s))``)."""
-
-    def __init__(self, size: int | tuple[int, int]) -> None:
-        self.size = _size2(size)
-
-    def __call__(self, img: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return resize(img, self.size)
-
-
 class RandomResizedCrop:
     """Crop a random area fraction ``scale`` and aspect ratio ``ratio``, resize to ``size``.
 
@@ -196,7 +186,3 @@ def train_transform(size: int) -> Compose:
         Normalize(IMAGENET_MEAN, IMAGENET_STD),
     )
 
-
-def eval_transform(size: int) -> Compose:
-    """Resize to ``size``×``size`` and ImageNet-normalise."""
-    return Compose(Resize(size), Normalize(IMAGENET_MEAN, IMAGENET_STD))

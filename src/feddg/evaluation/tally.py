@@ -75,11 +75,3 @@ def domain_metrics(task: Task, tally: np.ndarray, domains: list[str], role: str)
         per[metric_key(role, task.metric)] = float(np.mean(list(per.values())))
     return per
 
-
-def domain_counts(task: Task, tally: np.ndarray, domains: list[str], role: str) -> dict[str, int]:
-    """The samples behind each figure of :func:`domain_metrics` (the mean's: all of them)."""
-    per = {metric_key(role, task.metric, domains[d]): task.count(tally[d])
-           for d in range(len(tally)) if task.count(tally[d]) > 0}
-    if per:
-        per[metric_key(role, task.metric)] = int(sum(per.values()))
-    return per
