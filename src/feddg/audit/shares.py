@@ -30,7 +30,6 @@ from feddg.algorithms.components.style import (
 from feddg.algorithms.pardon import PardonParams, client_style, local_labels
 from feddg.models.base import FedModel
 
-VectorAttack = Literal["sample-style", "client-style", "fedfa-moments", "fpl-prototypes"]
 #: per-sample vectors of a batch, and a client's released rows from its images and labels
 Share = tuple[Callable[[Tensor], np.ndarray], Callable[[Tensor, np.ndarray], np.ndarray]]
 

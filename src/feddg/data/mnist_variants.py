@@ -21,7 +21,6 @@ from feddg.data.digits import Builder, Images, domain_rng, mnist5k
 
 ROTATED = "rotated-mnist"
 ANGLES = (0, 15, 30, 45, 60, 75)
-ROTATED_DOMAINS = [str(a) for a in ANGLES]
 ROTATED_CLASSES = [str(d) for d in range(10)]
 
 COLORED = "colored-mnist"
