@@ -67,6 +67,9 @@ def test_results_table_without_a_task_block_takes_the_datasets_task() -> None:
     res = {"dataset": "digits-dg", "method": "fedavg", "target": [], "final": {"id_acc/mnist": 50.0, "id_acc": 50.0}}
     table = results_table(res)
     assert table.title == "fedavg on digits-dg (every domain trains)"
+    # FedAvg clients under HFedATM stations are not a flat FedAvg run: the title names the station merge
+    assert results_table({**res, "hierarchy": {"merge": "hfedatm"}}).title == (
+        "fedavg+hfedatm on digits-dg (every domain trains)")
     assert text_rows(rendered(table)) == [["domain", "role", "accuracy (%)"], ["mnist", "id", "50.00"],
                                           ["mean", "id", "50.00"]]
 
