@@ -116,6 +116,12 @@ def test_the_curves_figure_plots_the_training_loss_of_every_round(tmp_path: Path
     assert list(ax_loss.get_lines()[0].get_ydata()) == [2.0, 1.5]
     assert ax_loss.get_xlim() == (0.5, 2.5) and ax_loss.get_ylabel() == "loss"
     assert _lines(ax_acc)["ood"] == ([2], [40.0])
+    assert ax_acc.get_xlim() == ax_loss.get_xlim()  # one evaluation (round 2) on the loss's rounds 1-2, not 1.5-2.5
+    rows = [{"round": r, "train_loss": 1.0 / r} for r in range(1, 7)] + [{"round": 7, "train_loss": 0.1, "ood_acc": 50}]
+    plots.plot_curves(rows, tmp_path / "curves.png", ACC, "t")
+    ax_acc, ax_loss = saved["curves.png"].axes
+    low, high = ax_acc.get_xlim()
+    assert (low, high) == ax_loss.get_xlim() and low < 1 and high > 7
 
 
 # plots.py: per-domain bars --------------------------------------------------------------------------------------

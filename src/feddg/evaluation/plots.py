@@ -104,6 +104,7 @@ def plot_curves(metrics: list[dict[str, Any]], path: Path, task: TaskInfo, title
     integer_rounds(ax_loss, [m["round"] for m in metrics])
     ax_loss.set(ylabel="loss", title="mean client training loss")
     ax_loss.grid(alpha=0.3)
+    ax_acc.set_xlim(ax_loss.get_xlim())  # the same rounds side by side, however few of them were evaluated
     fig.suptitle(title)
     return save(fig, path)
 
