@@ -116,6 +116,20 @@ def test_per_class_draws_each_roles_recall_bars_and_prediction_share_dots():
     plt.close(fig)
 
 
+def test_the_per_class_legend_covers_no_bar_when_every_recall_is_high():
+    """Ten classes at 92-99 % recall: matplotlib's "best" place inside the axes lay over the last classes' bars."""
+    view = {"classes": [str(c) for c in range(10)],
+            "id": {"recall": [92.0 + c * 0.7 for c in range(10)], "predicted": [10.0] * 10},
+            "ood": {"recall": [99.0 - c * 0.5 for c in range(10)], "predicted": [10.0] * 10}}
+    fig = figures.per_class(view)
+    (ax,) = fig.axes
+    fig.canvas.draw()
+    legend, frame = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    bars = [p.get_window_extent() for c in ax.containers for p in c.patches]
+    assert not any(legend.overlaps(b) for b in bars) and legend.x0 >= frame.x1  # beside the axes
+    plt.close(fig)
+
+
 def test_collapse_is_reported_from_the_share_threshold_on_the_given_role():
     view = {"classes": ["a", "b", "c"], "ood": {"predicted": [5.0, 90.0, 5.0]}, "id": {"predicted": [40.0, 30.0, 30.0]}}
     assert "90 % of its ood predictions to class 'b'" in figures.collapsed(view)  # exactly the threshold counts
