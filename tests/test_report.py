@@ -124,6 +124,19 @@ def test_a_runs_title_over_few_domains_stays_inside_its_figure():
     plt.close(fig)
 
 
+def test_the_domain_legend_sits_above_bars_at_the_top_of_the_scale_and_ticks_stay_within_it():
+    """Bars at 98-100 %: the legend's default place (upper right, inside 0-108) lay over the last bars' values."""
+    fig, ax = plt.subplots(figsize=(4.8, 3.8))
+    draw_domains(ax, {"id_acc/a": 100.0, "id_acc/b": 99.0, "val_acc/c": 98.0, "ood_acc/d": 100.0}, ACC)
+    fig.tight_layout()
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    drawn = [p.get_window_extent() for c in ax.containers for p in c.patches] + [t.get_window_extent() for t in ax.texts]
+    assert len(drawn) == 8 and not any(legend.overlaps(b) for b in drawn)
+    assert max(ax.get_yticks()) == 100.0 and ax.get_ylim()[1] > 100.0  # a band above 100 %, not ticked
+    plt.close(fig)
+
+
 def test_thousands_of_domains_are_drawn_as_a_histogram_of_their_figures():
     """Natural clients (writers) have thousands of domains: one bar and tick label each took a minute to draw;
     past MAX_DOMAIN_BARS the figure is a histogram per role whose bars count the domains."""

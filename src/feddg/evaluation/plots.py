@@ -142,8 +142,10 @@ def draw_domains(ax: Axes, values: Mapping[str, float | Sequence[float]], task: 
     ax.set_xticks(range(len(bars)), labels, fontsize=8)
     handles, names = ax.get_legend_handles_labels()
     uniq = dict(zip(names, handles))
-    ax.legend(uniq.values(), uniq.keys(), fontsize=8)
-    ax.set(ylabel=task.axis_label, ylim=(task.bounds[0], 1.08 * top))
+    low = task.bounds[0]
+    ax.set(ylabel=task.axis_label, ylim=(low, top + 0.22 * (top - low)))  # a band above the bounds for the legend
+    ax.set_yticks([t for t in ax.get_yticks() if low <= t <= top])  # ticked within the metric's bounds only
+    ax.legend(uniq.values(), uniq.keys(), fontsize=8, loc="upper right", ncols=len(uniq))  # one row, above the bars
     ax.set_title(title or f"{task.label} per domain", wrap=True)  # a run's title is wider than four bars
 
 
