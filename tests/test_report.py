@@ -137,6 +137,23 @@ def test_the_domain_legend_sits_above_bars_at_the_top_of_the_scale_and_ticks_sta
     plt.close(fig)
 
 
+def test_the_sweep_bars_legend_sits_above_bars_near_the_top_of_the_scale():
+    """Five variants at 95-99 % on two targets: the legend (five variants and chance, two rows) clears every bar."""
+    from feddg.reports.sweep import bars
+
+    rows = [{"variant": f"V{v}", "target": t, "seed": s, "ood_acc": 95.0 + v - 0.5 * s}
+            for v in range(5) for t in ("a", "b") for s in (0, 1)]
+    fig = bars(rows, "ood_acc", ACC)
+    (ax,) = fig.axes
+    fig.tight_layout()
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    drawn = [p.get_window_extent() for c in ax.containers if hasattr(c, "patches") for p in c.patches]
+    assert len(drawn) == 15 and not any(legend.overlaps(b) for b in drawn)  # 5 variants × (a, b, avg)
+    assert len(ax.get_legend().get_texts()) == 6 and max(ax.get_yticks()) == 100.0
+    plt.close(fig)
+
+
 def test_thousands_of_domains_are_drawn_as_a_histogram_of_their_figures():
     """Natural clients (writers) have thousands of domains: one bar and tick label each took a minute to draw;
     past MAX_DOMAIN_BARS the figure is a histogram per role whose bars count the domains."""

@@ -140,13 +140,22 @@ def draw_domains(ax: Axes, values: Mapping[str, float | Sequence[float]], task: 
     labels = [f"{dom}\nn={counts[task.key(kind, dom)]}" if counts and task.key(kind, dom) in counts else dom
               for dom, kind, _ in bars]
     ax.set_xticks(range(len(bars)), labels, fontsize=8)
-    handles, names = ax.get_legend_handles_labels()
-    uniq = dict(zip(names, handles))
-    low = task.bounds[0]
-    ax.set(ylabel=task.axis_label, ylim=(low, top + 0.22 * (top - low)))  # a band above the bounds for the legend
-    ax.set_yticks([t for t in ax.get_yticks() if low <= t <= top])  # ticked within the metric's bounds only
-    ax.legend(uniq.values(), uniq.keys(), fontsize=8, loc="upper right", ncols=len(uniq))  # one row, above the bars
+    ax.set_ylabel(task.axis_label)
+    legend_above(ax, task.bounds, max_columns=3)  # one row: id, val, ood
     ax.set_title(title or f"{task.label} per domain", wrap=True)  # a run's title is wider than four bars
+
+
+def legend_above(ax: Axes, bounds: tuple[float, float] | None, max_columns: int = 4) -> None:
+    """The legend (one entry per label) in a band above ``bounds`` (the axes' own range where ``None``), ticks only
+    within them: bars near the top of the scale stay clear of it (inside the bounds "best" lay over them)."""
+    handles, names = ax.get_legend_handles_labels()
+    entries = dict(zip(names, handles))
+    low, top = bounds if bounds is not None else ax.get_ylim()
+    columns = max(1, min(max_columns, len(entries)))
+    rows = -(-len(entries) // columns)
+    ax.set_ylim(low, top + (0.1 + 0.12 * rows) * (top - low))
+    ax.set_yticks([t for t in ax.get_yticks() if low <= t <= top])
+    ax.legend(entries.values(), entries.keys(), fontsize=8, loc="upper right", ncols=columns)
 
 
 def draw_domain_spread(ax: Axes, bars: list[tuple[str, str, list[float]]], task: TaskInfo, title: str = "") -> None:

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from feddg.config import read_yaml
-from feddg.evaluation.plots import chance_line, draw_domains, has_chance, integer_rounds, read_metrics
+from feddg.evaluation.plots import chance_line, draw_domains, has_chance, integer_rounds, legend_above, read_metrics
 from feddg.evaluation.selection import RULES
 from feddg.evaluation.tables import (
     DEGRADED_NOTE,
@@ -112,9 +112,9 @@ def bars(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
             ax.plot(x + np.linspace(-width / 5, width / 5, s.n), s.values, "o", color="black", markersize=2.5, zorder=3)
     chance_line(ax, task, metric)
     ax.set_xticks(range(len(columns)), columns)
-    ax.set(ylabel=_axis_label(metric, task), ylim=task.bounds_of(metric), title=f"{metric}: mean ± sample std, dots = seeds")
+    ax.set(ylabel=_axis_label(metric, task), title=f"{metric}: mean ± sample std, dots = seeds")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncols=min(4, len(variants) + 1))
+    legend_above(ax, task.bounds_of(metric))
     return fig
 
 
