@@ -228,6 +228,26 @@ def test_a_run_in_progress_reports_its_last_evaluation_its_summed_time_and_bytes
     assert 'href="metrics.jsonl"' in html and 'href="report.html"' not in html  # the page does not list itself
 
 
+def test_an_unfinished_run_says_how_many_of_its_rounds_are_in_and_how_it_continues(run_dir, tmp_path):
+    """A run stopped after round 1 of 3 (no results.json "final"): its page read like a finished 1-round run."""
+    from feddg.reports.run import _planned_rounds
+
+    out = shutil.copytree(run_dir, tmp_path / "r", ignore=shutil.ignore_patterns("report.html"))
+    results = json.loads((out / "results.json").read_text())
+    (out / "results.json").write_text(json.dumps({k: v for k, v in results.items() if k != "final"}))
+    first = (out / "metrics.jsonl").read_text().splitlines()[0]
+    (out / "metrics.jsonl").write_text(first + "\n")
+    html = " ".join(report(out)[0].read_text().split())
+    assert (f"unfinished: round 1 of 3 is the last in metrics.jsonl (the run is still going, or it stopped: feddg run "
+            f"--resume {out} continues it); the figures are those of round 1") in html
+    assert "<b>1 of 3</b><span>rounds</span>" in html
+    assert "unfinished" not in report(run_dir)[0].read_text()  # the whole run: no note
+    # engine rounds: federation.rounds × a hierarchy's station rounds
+    assert _planned_rounds({"federation": {"rounds": 3}, "hierarchy": {"station_rounds": 2}}) == 6
+    assert _planned_rounds({"federation": {"rounds": 3}, "hierarchy": None}) == 3
+    assert _planned_rounds({"federation": {}}) is None
+
+
 def test_the_failure_note_names_the_rounds_the_client_rounds_lost_and_the_first_reason():
     failures = {"client_rounds_lost": 3, "rounds": [2, 5],
                 "clients": {"4": [{"round": 2, "reason": "NaN in w"}, {"round": 5, "reason": "no reply"}],

@@ -96,6 +96,15 @@ def failure_notes(failures: dict[str, Any] | None) -> list[str]:
             f"{events[0]['round']}: {events[0]['reason']}); the figures are those of the degraded run"]
 
 
+def _planned_rounds(raw: dict[str, Any]) -> int | None:
+    """The engine rounds config.yaml asks for (``federation.rounds``, × ``hierarchy.station_rounds`` under a
+    hierarchy), ``None`` where it does not say."""
+    rounds = (raw.get("federation") or {}).get("rounds")
+    station_rounds = (raw.get("hierarchy") or {}).get("station_rounds", 1)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (rounds, station_rounds))
+    return rounds * station_rounds if ok else None
+
+
 def run_report(run_dir: Path) -> list[Path]:
     """Write curves.png, domains.png, the method's figures and report.html into ``run_dir``."""
     metrics = read_metrics(run_dir)
@@ -120,10 +129,17 @@ def run_report(run_dir: Path) -> list[Path]:
     raw = read_yaml(config_path) if config_text else {}
     given = {k: (raw.get(k) or {}) for k in ("method", "data", "split", "federation")}  # a run still in progress
     provenance = read_json(run_dir / "provenance.json")
+    planned = None if "final" in results else _planned_rounds(raw)
+    unfinished = planned is not None and metrics[-1]["round"] < planned
+    if unfinished:
+        notes.append(f"unfinished: round {metrics[-1]['round']} of {planned} is the last in metrics.jsonl (the run is "
+                     f"still going, or it stopped: feddg run --resume {run_dir} continues it); the figures are those of "
+                     f"round {last['round']}")
     summary = [("method", run_method(results) if "method" in results else given["method"].get("name", "?")),
                ("dataset", results.get("dataset", given["data"].get("dataset", "?"))),
                ("held out", _held_out(results, given["split"])),
-               ("seed", results.get("seed", raw.get("seed", "?"))), ("rounds", len(metrics)),
+               ("seed", results.get("seed", raw.get("seed", "?"))),
+               ("rounds", f"{len(metrics)} of {planned}" if unfinished else len(metrics)),
                ("clients", results["num_clients"]) if "num_clients" in results
                else ("clients sampled (last round)", metrics[-1].get("clients", "?")),
                ("engine", given["federation"].get("engine", "inprocess"))]
