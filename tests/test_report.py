@@ -241,7 +241,13 @@ def test_an_unfinished_run_says_how_many_of_its_rounds_are_in_and_how_it_continu
     assert (f"unfinished: round 1 of 3 is the last in metrics.jsonl (the run is still going, or it stopped: feddg run "
             f"--resume {out} continues it); the figures are those of round 1") in html
     assert "<b>1 of 3</b><span>rounds</span>" in html
-    assert "unfinished" not in report(run_dir)[0].read_text()  # the whole run: no note
+    # a Flower deployment's run directory has the ServerApp's mark: its state, and the deployment's way to resume
+    (out / "status.json").write_text(json.dumps({"status": "stopped", "error": "stopped from outside"}))
+    html = " ".join(report(out)[0].read_text().split())
+    assert ("unfinished: round 1 of 3 is the last in metrics.jsonl (status.json: stopped: stopped from outside; "
+            "resume = true in the run config continues it)") in html
+    whole = shutil.copytree(run_dir, tmp_path / "whole", ignore=shutil.ignore_patterns("report.html"))
+    assert "unfinished: round" not in report(whole)[0].read_text()  # the whole run: no note
     # engine rounds: federation.rounds × a hierarchy's station rounds
     assert _planned_rounds({"federation": {"rounds": 3}, "hierarchy": {"station_rounds": 2}}) == 6
     assert _planned_rounds({"federation": {"rounds": 3}, "hierarchy": None}) == 3

@@ -132,9 +132,12 @@ def run_report(run_dir: Path) -> list[Path]:
     planned = None if "final" in results else _planned_rounds(raw)
     unfinished = planned is not None and metrics[-1]["round"] < planned
     if unfinished:
-        notes.append(f"unfinished: round {metrics[-1]['round']} of {planned} is the last in metrics.jsonl (the run is "
-                     f"still going, or it stopped: feddg run --resume {run_dir} continues it); the figures are those of "
-                     f"round {last['round']}")
+        mark = read_json(run_dir / "status.json")  # a Flower deployment's ServerApp keeps its state there
+        state = (f"status.json: {mark.get('status')}{': ' + mark['error'] if mark.get('error') else ''}; resume = true "
+                 "in the run config continues it" if isinstance(mark, dict)
+                 else f"the run is still going, or it stopped: feddg run --resume {run_dir} continues it")
+        notes.append(f"unfinished: round {metrics[-1]['round']} of {planned} is the last in metrics.jsonl ({state}); "
+                     f"the figures are those of round {last['round']}")
     summary = [("method", run_method(results) if "method" in results else given["method"].get("name", "?")),
                ("dataset", results.get("dataset", given["data"].get("dataset", "?"))),
                ("held out", _held_out(results, given["split"])),
