@@ -112,6 +112,14 @@ def test_run_experiment_feeds_each_round_to_the_bar_and_tracking_then_draws_and_
     ]
 
 
+def test_a_hierarchical_runs_bar_names_its_station_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FedAvg clients under HFedATM stations: "fedavg+hfedatm → ...", as its report and results table name it."""
+    log = wire(monkeypatch, [], round=0)
+    cfg = build_config({}, ["hierarchy.stations=2", "hierarchy.merge=hfedatm"])
+    run_experiment(cfg, tmp_path / "run", progress=False)
+    assert [args[0] for name, args in log if name == "add_task"] == ["fedavg+hfedatm → uci, mnist"]
+
+
 def test_an_interrupted_run_is_sigint_by_default_and_names_the_round_in_progress_and_the_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

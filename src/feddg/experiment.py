@@ -86,7 +86,8 @@ def run_experiment(
     server = Server(fed, run_dir, resume=resume)
     targets = ", ".join(fed.dataset.domains[d] for d in fed.split.test_domains)
     with progress_bar(progress) as bar, stop_signals() as stopped:
-        task = bar.add_task(f"{cfg.method.name} → {targets}", total=server.rounds, completed=server.round,
+        method = cfg.method.name + (f"+{cfg.hierarchy.merge}" if cfg.hierarchy is not None else "")  # as run_method
+        task = bar.add_task(f"{method} → {targets}", total=server.rounds, completed=server.round,
                             status="")
 
         def on_round(row: dict[str, Any]) -> None:
