@@ -27,7 +27,7 @@ from feddg.config import (
     read_yaml,
 )
 from feddg.engines.inprocess import run_inprocess
-from feddg.evaluation.plots import plot_run
+from feddg.evaluation.plots import method_name, plot_run
 from feddg.federation.checkpoint import has_checkpoint
 from feddg.federation.examples import write_examples
 from feddg.federation.provenance import config_hash, record_resume
@@ -86,7 +86,7 @@ def run_experiment(
     server = Server(fed, run_dir, resume=resume)
     targets = ", ".join(fed.dataset.domains[d] for d in fed.split.test_domains)
     with progress_bar(progress) as bar, stop_signals() as stopped:
-        method = cfg.method.name + (f"+{cfg.hierarchy.merge}" if cfg.hierarchy is not None else "")  # as run_method
+        method = method_name(cfg.method.name, cfg.hierarchy.merge if cfg.hierarchy is not None else None)
         task = bar.add_task(f"{method} → {targets}", total=server.rounds, completed=server.round,
                             status="")
 

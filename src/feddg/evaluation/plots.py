@@ -193,12 +193,17 @@ def save(fig: plt.Figure, path: Path) -> Path:
 EVERY_DOMAIN_TRAINS = "none (every domain trains)"  # split.protocol federated: no held-out domain
 
 
+def method_name(method: str, merge: str | None) -> str:
+    """A run's method as sweeps name it: a hierarchy's station merge after a ``+`` (``fedavg+hfedatm``: FedAvg
+    clients, HFedATM stations); a flat run's method alone."""
+    return method if merge is None else f"{method}+{merge}"
+
+
 def run_method(results: Mapping[str, Any]) -> str:
-    """The method a run's results.json names: its label (``fedrc (reconstructed)``), and a hierarchy's station
-    merge after a ``+`` as sweeps name it (``fedavg+hfedatm``: FedAvg clients, HFedATM stations)."""
-    name = str(results.get("method_label", results["method"]))
+    """:func:`method_name` of a run's results.json: its label (``fedrc (reconstructed)``) and its hierarchy's merge."""
     hierarchy = results.get("hierarchy")
-    return f"{name}+{hierarchy['merge']}" if isinstance(hierarchy, dict) and "merge" in hierarchy else name
+    merge = hierarchy.get("merge") if isinstance(hierarchy, dict) else None
+    return method_name(str(results.get("method_label", results["method"])), merge)
 
 
 def run_title(run_dir: Path) -> str:
