@@ -305,9 +305,12 @@ def test_a_resumed_run_continues_at_the_checkpointed_round(tmp_path, task_identi
                 on_round=rows.append)
     assert [r["round"] for r in rows] == [2, 3]  # Flower's rounds 1, 2 are feddg's 2, 3
     assert _without_times(resumed.metrics) == _without_times(full.metrics)
-    # the clients' own state was on the nodes, not in the checkpoint: the resume says it starts empty again
+    # the clients' own state was in the nodes' memory, not in the checkpoint: the resume says it starts empty again
     said = [m for r in caplog.records if r.levelname == "WARNING" and "resumed after round" in (m := r.getMessage())]
-    assert said and said[0].startswith("feddg: resumed after round 1: what fedavg's clients keep")
+    assert said == ["feddg: resumed after round 1: the nodes of clients 0-3 keep no state-dir, so what fedavg's "
+                    "clients keep between rounds (e.g. SCAFFOLD's control variates, FedBN's own BN) starts empty on "
+                    "them; a method that keeps none continues as an uninterrupted run would (docs/flower.md, 'Where "
+                    "client state lives')"]
     assert _same_weights(full.state["weights"], resumed.state["weights"])
 
 

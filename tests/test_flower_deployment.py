@@ -41,6 +41,7 @@ from feddg.engines.flower.client import (
     node_federation,
 )
 from feddg.engines.flower.records import get_message
+from feddg.engines.flower.routes import train_route
 from feddg.engines.flower.server import PollingGrid, outgoing
 from feddg.experiment import run_experiment
 from feddg.federation.checkpoint import load_checkpoint
@@ -137,7 +138,7 @@ def test_one_process_builds_the_client_federation_once_for_all_its_messages(tmp_
     hello = deliver(Message(RecordDict({ROUTE: ConfigRecord({"node-id": 7})}), 7, IDENTIFY))
     assert len(BUILT) == 1 and hello.content.config_records[ROUTE]["fingerprint"] == fingerprint(BUILT[0])
     server = Server(counted_toy_federation(config_from_text(text)), tmp_path / "run")
-    sent = outgoing({1: server.configure(1)[1]}, {1: 7}, "train", {})
+    sent = outgoing({1: server.configure(1)[1]}, {1: 7}, "train", train_route(server))
     reply = deliver(sent[1])
     assert not reply.has_error() and get_message(reply.content)["num_examples"] == len(BUILT[0].clients[1].train_idx)
     assert len(BUILT) == 2  # the second is the server's: the train message reused the identify message's build

@@ -160,7 +160,9 @@ def test_identify_reports_the_node_s_partition_and_its_federation_s_fingerprint(
     ask = RecordDict({ROUTE: ConfigRecord({"node-id": 1002})})
     reply = app(to_node(ask, 1002, IDENTIFY), node_context(2))
     assert dict(reply.content.config_records[ROUTE]) == {
-        "partition-id": 2, "num-partitions": 4, "fingerprint": fingerprint(toy_federation_of(cfg))}
+        "partition-id": 2, "num-partitions": 4, "fingerprint": fingerprint(toy_federation_of(cfg)), "keeps-state": False}
+    kept = app(to_node(ask, 1002, IDENTIFY), node_context(2, **{"state-dir": "/srv/feddg"}))
+    assert kept.content.config_records[ROUTE]["keeps-state"] is True
     with pytest.raises(ValueError, match=r"^--node-config threads=0: "):  # refused before any client works
         app(to_node(ask, 1002, IDENTIFY), node_context(2, threads=0))
 

@@ -39,7 +39,7 @@ class FakeFlower:
         self.env: dict[str, str | None] = {}
         self.flwr_level = logging.NOTSET
         self.grid_calls: list[tuple[Any, Any, Any]] = []
-        self.client_app_args: tuple[str, Any] | None = None
+        self.client_app_args: tuple[str, Any, Any] | None = None
         self.client_app = object()
         self.console_colored: list[bool] = []
         self.outcome: Callable[[], dict[str, Any]] = lambda: {"final": {"ood_acc": 50.0}}
@@ -56,8 +56,8 @@ class FakeFlower:
         self.grid_calls.append((server, grid, on_round))
         return self.outcome()
 
-    def make_client_app(self, text: str, factory: Any) -> object:
-        self.client_app_args = (text, factory)
+    def make_client_app(self, text: str, factory: Any, state_dir: Any) -> object:
+        self.client_app_args = (text, factory, state_dir)
         return self.client_app
 
     def update_console_handler(self, colored: bool) -> None:
@@ -82,7 +82,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeFlower]:
 
 def fake_server(*overrides: str, clients: int = 3) -> Any:
     """What run_flower reads of a Server: its config and its clients."""
-    return SimpleNamespace(fed=SimpleNamespace(cfg=build_config({}, list(overrides)), clients=[object()] * clients))
+    return SimpleNamespace(fed=SimpleNamespace(cfg=build_config({}, list(overrides)), clients=[object()] * clients),
+                           run_dir=Path("runs/x"))
 
 
 def test_one_supernode_per_client_on_a_loopback_ray_with_the_configured_resources(fake: FakeFlower) -> None:
@@ -118,14 +119,14 @@ def test_only_feddg_verbose_1_lets_flower_and_ray_log_info(fake: FakeFlower, mon
     assert fake.flwr_level == level
 
 
-def test_the_client_app_gets_the_experiment_yaml_and_the_factory(fake: FakeFlower) -> None:
+def test_the_client_app_gets_the_experiment_yaml_the_factory_and_the_run_s_node_state_folder(fake: FakeFlower) -> None:
     server = fake_server("federation.rounds=7", "seed=11")
 
     def factory(cfg: Any) -> Any:
         raise AssertionError("the fake ClientApp builds nothing")
 
     run_flower(server, factory=factory)
-    assert fake.client_app_args == (dump_config(server.fed.cfg), factory)
+    assert fake.client_app_args == (dump_config(server.fed.cfg), factory, Path("runs/x/node-state"))  # for --resume
     assert fake.simulation["client_app"] is fake.client_app
 
 

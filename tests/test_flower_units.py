@@ -40,6 +40,7 @@ from feddg.engines.flower.client import (
     state_prefix,
 )
 from feddg.engines.flower.records import get_message, put_message
+from feddg.engines.flower.routes import train_route
 from feddg.engines.flower.server import (
     FeddgStrategy,
     PollingGrid,
@@ -86,10 +87,12 @@ def test_an_error_reason_loses_its_colour_codes_and_line_breaks_and_is_cut_at_30
 
 @pytest.mark.usefixtures("task_identity")
 def test_outgoing_addresses_each_client_s_node_with_its_last_accepted_round() -> None:
-    out = outgoing({0: {"round": 4}, 2: {"round": 4}}, {0: 1005, 2: 1003}, "train", {2: 3})
+    server = SimpleNamespace(commits={2: 3}, saved_commits={2: 1}, run_key="ab12")
+    out = outgoing({0: {"round": 4}, 2: {"round": 4}}, {0: 1005, 2: 1003}, "train", train_route(server))  # type: ignore[arg-type]
     assert {cid: m.metadata.dst_node_id for cid, m in out.items()} == {0: 1005, 2: 1003}
     routes = {cid: dict(m.content.config_records[ROUTE]) for cid, m in out.items()}
-    assert routes == {0: {"client-id": 0, "commit-round": 0}, 2: {"client-id": 2, "commit-round": 3}}  # 0: none yet
+    assert routes == {0: {"client-id": 0, "commit-round": 0, "durable-round": 0, "run-key": "ab12"},  # 0: none yet
+                      2: {"client-id": 2, "commit-round": 3, "durable-round": 1, "run-key": "ab12"}}
     assert all(get_message(m.content) == {"round": 4} for m in out.values())
 
 
@@ -135,7 +138,8 @@ class IdentifyGrid:
 def test_discovery_maps_declared_partitions_waits_at_least_1_s_and_refuses_another_federation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flower_server, "fingerprint", lambda fed: "fed")
-    server = SimpleNamespace(fed=SimpleNamespace(clients=[0, 1], cfg=SimpleNamespace(flower=SimpleNamespace(roster=None))))
+    server = SimpleNamespace(fed=SimpleNamespace(clients=[0, 1], cfg=SimpleNamespace(flower=SimpleNamespace(roster=None))),
+                             round=0, rounds=3)
     grid = IdentifyGrid({1000: 1, 1001: 0}, {1000: "fed", 1001: "fed"})
     assert discover_clients(grid, server, 30.0) == {0: 1001, 1: 1000}  # type: ignore[arg-type]
     grid0 = IdentifyGrid({1000: 1, 1001: 0}, {1000: "fed", 1001: "fed"})
@@ -183,7 +187,7 @@ class SetupGrid:
 
 @pytest.mark.usefixtures("task_identity")
 def test_a_setup_exchange_that_one_client_fails_stops_the_run_within_the_round_timeout() -> None:
-    server = SimpleNamespace(setup_request=lambda: {"ask": "labels"})
+    server = SimpleNamespace(setup_request=lambda: {"ask": "labels"}, run_key="k")
     grid = SetupGrid()
     with pytest.raises(RunStopped, match=r"^setup exchange: client 1: node 1001: no labels$"):
         run_setup(server, grid, {0: 1000, 1: 1001, 2: 1002}, 9.0)  # type: ignore[arg-type]
@@ -194,7 +198,7 @@ def test_a_setup_exchange_that_one_client_fails_stops_the_run_within_the_round_t
 def test_a_setup_exchange_hands_every_reply_to_the_server_and_one_without_a_request_sends_nothing() -> None:
     done: list[Any] = []
     server = SimpleNamespace(setup_request=lambda: {"ask": "labels"}, finish_setup=done.append,
-                             mark_setup_done=lambda: done.append("marked"))
+                             mark_setup_done=lambda: done.append("marked"), run_key="k")
     grid = SetupGrid()
     run_setup(server, grid, {2: 1002, 0: 1000}, 9.0)  # type: ignore[arg-type]  # client 1 (whose node fails) is not in
     [replies] = done
@@ -233,7 +237,9 @@ def test_the_server_sends_each_round_once_with_its_number_commit_and_the_round_t
     for r, (_, _, msgs) in enumerate(grid.sends[2:], start=1):
         routes = [(m.metadata.dst_node_id, dict(m.content.config_records[ROUTE]), get_message(m.content)["round"])
                   for m in msgs]  # round r tells each node that its round r-1 reply was folded in
-        assert routes == [(1000 + c, {"client-id": c, "commit-round": r - 1}, r) for c in range(4)]
+        key = {"run-key": server.run_key}  # round r-1 was checkpointed too (checkpoint_every: 1)
+        assert routes == [(1000 + c, {"client-id": c, "commit-round": r - 1, "durable-round": r - 1, **key}, r)
+                          for c in range(4)]
 
 
 class ScriptedServer:
@@ -242,6 +248,9 @@ class ScriptedServer:
 
     def __init__(self) -> None:
         self.round, self.rounds = 2, 5
+        self.commits: dict[int, int] = {}  # as Server.finish_round keeps them: not for the rolled-back round 4
+        self.saved_commits: dict[int, int] = {}
+        self.run_key = "k"
         self.fed = SimpleNamespace(cfg=SimpleNamespace(flower=SimpleNamespace(round_timeout_s=5.0)))
         self.configured: list[int] = []
         self.finished: list[int] = []
@@ -264,6 +273,8 @@ class ScriptedServer:
 
     def finish_round(self, round: int, fold: SimpleNamespace, timings: dict[str, float]) -> dict[str, Any]:
         self.finished.append(round)
+        if round != 4:
+            self.commits.update({cid: round for cid in fold.accepted})
         return {"round": round, "rolled_back": round == 4}
 
 

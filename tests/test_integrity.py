@@ -347,6 +347,9 @@ def test_a_rolled_back_round_keeps_the_previous_client_states(tmp_path: Path) ->
         row = server.finish_round(round, fold, {})
     assert row["rolled_back"] is True
     assert {c: int(server.client_states[c]["round"]) for c in server.client_states} == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert server.commits == {0: 1, 1: 1, 2: 1, 3: 1}  # what a Flower node is told to keep: round 1's states
+    resumed = Server(server.fed, server.run_dir, resume=True)  # the last checkpoint (round 1) carries them
+    assert resumed.commits == resumed.saved_commits == {0: 1, 1: 1, 2: 1, 3: 1} and resumed.run_key == server.run_key
 
 
 def round_of_bias_steps(server: Server, steps: tuple[float, ...]) -> dict:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from feddg.federation.checkpoint import load_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- recipe: secure -->\n```bash\n"
 
@@ -70,3 +72,7 @@ def test_the_secure_recipe_runs_as_written(tmp_path, cache_dir):
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["clients"] for r in rows] == [3, 3] and (run / "results.json").is_file() and (run / "report.html").is_file()
     assert "identified by the roster" in output, output[-3000:]  # the ServerApp's log, streamed by flwr run
+    key = load_checkpoint(run)["run_key"]  # each hospital keeps its client's state of rounds 1 and 2 on its disk
+    for p in range(3):
+        held = tmp_path / "runs" / "secure" / "state" / f"hospital{p}" / key / f"client-{p}"
+        assert sorted(f.name for f in held.iterdir()) == ["round-1.pb", "round-2.pb"], output[-3000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,8 @@ class Server:
             self.metrics: list[dict[str, Any]] = []
             self.round = 0
             self.setup_done = False
+            self.commits: dict[int, int] = {}
+            self.run_key = secrets.token_hex(8)
             (self.run_dir / CONFIG).write_text(dump_config(cfg))
             write_provenance(self.run_dir, cfg)
         else:
@@ -139,6 +142,11 @@ class Server:
             self.metrics = ckpt["metrics"]
             self.round = ckpt["round"]
             self.setup_done = ckpt["setup_done"]
+            self.commits = dict(ckpt.get("commits", {}))  # older checkpoints: none kept
+            self.run_key = ckpt.get("run_key") or secrets.token_hex(8)
+        #: client -> the last round whose reply was folded into a kept (not rolled-back) round; as of the last
+        #: checkpoint in ``saved_commits``. A Flower node keeps the client state of that round (engines/flower).
+        self.saved_commits = dict(self.commits)
         self.saved_round: int | None = ckpt["round"] if ckpt is not None else None
         self.setup_sent: Message | None = None  # the setup request, once made (its replies are checked against it)
         fc = fed.cfg.federation
@@ -339,6 +347,7 @@ class Server:
             for cid in fold.accepted:
                 if cid in fold.states:
                     self.client_states[cid] = fold.states[cid]
+                self.commits[cid] = round
             if self.norm_bound is not None:
                 self.norm_bound.update([fold.norms[cid] for cid in fold.accepted if cid in fold.norms])
             if self.dp is not None:
@@ -409,6 +418,8 @@ class Server:
             {
                 "round": self.round,
                 "setup_done": self.setup_done,
+                "commits": self.commits,
+                "run_key": self.run_key,
                 "server_state": self.stores.detach(self.state),
                 "client_states": self.stores.detach(self.client_states),
                 "client_store": index,
@@ -421,6 +432,7 @@ class Server:
         )
         self.stores.saved(index)
         self.saved_round = self.round
+        self.saved_commits = dict(self.commits)
 
     def _rewrite_metrics(self) -> None:
         """metrics.jsonl = exactly the checkpointed rounds (drops rows of a round that crashed)."""

@@ -7,7 +7,9 @@ split and partition are deterministic given the seed — once per process (a war
 :mod:`feddg.engines.flower.executor`, reuses it for every message), and keeps each client's state
 (a Message) in its ``Context.state`` under ``client-<k>/``, so it never leaves the node. A train
 update's new state waits under ``client-<k>/pending/`` until the server's next message says the
-reply was folded in (``commit-round``): a client whose reply the server dropped keeps its old state.
+reply was folded in (``commit-round``): a client whose reply the server dropped keeps its old state. A node started
+with ``--node-config state-dir=DIR`` (the simulation: the run directory's ``node-state/``) keeps the state on disk
+instead, so a resumed run continues with it (:mod:`feddg.engines.flower.node_state`).
 
 Message types (the ServerApp sends them, see :mod:`feddg.engines.flower.server`):
 
@@ -30,10 +32,11 @@ import os
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from logging import ERROR, INFO
 from pathlib import Path
+from typing import Any
 
 import yaml
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -43,6 +46,7 @@ from flwr.common.logger import log
 from flwr.supercore.logger import update_console_handler
 
 from feddg.config import ExperimentConfig, build_config, dump_config
+from feddg.engines.flower.node_state import DURABLE, RUN_KEY, STATE_DIR, NodeStateDir
 from feddg.engines.flower.records import get_message, put_message, record_int
 from feddg.engines.flower.secagg import fitres_content, from_fitins, is_fitins, secure_mod
 from feddg.engines.flower.security import identity_statement, load_private_key, public_key_text, sign
@@ -56,6 +60,8 @@ IDENTIFY, SETUP, TRAIN = "query.identify", "query.setup", "train"
 ROUTE = "route"
 #: route key of train messages: the last round whose reply the server folded in from this client
 COMMIT = "commit-round"
+#: identify reply key: True when the node keeps its clients' state on disk (``state-dir``), so a resume keeps it
+KEEPS_STATE = "keeps-state"
 #: node config key: the node's private key file (its ``--auth-supernode-private-key``), for the roster's proof
 AUTH_KEY = "auth-key"
 #: node config key: torch and BLAS threads of the node's clients (default: the experiment's ``federation.threads``)
@@ -161,8 +167,19 @@ def committed_state(state: RecordDict, client_id: int, commit: int) -> FeddgMess
     return get_message(state, state_prefix(client_id))
 
 
-def make_client_app(config_text: str | None = None, factory: FederationFactory = client_federation) -> ClientApp:
-    """A ClientApp for the experiment ``config_text`` (YAML); ``None`` reads the run config key ``config``."""
+def node_state_dir(context: Context, route: Mapping[str, Any], cid: int, state_dir: Path | None) -> NodeStateDir | None:
+    """Where client ``cid`` keeps its state on this node's disk: ``state_dir`` (the simulation's), else the node's
+    ``--node-config state-dir=DIR``; ``None``: in ``Context.state`` only (lost when the run is resumed)."""
+    root = state_dir if state_dir is not None else context.node_config.get(STATE_DIR)
+    if root is None:
+        return None
+    return NodeStateDir(Path(str(root)), str(route[RUN_KEY]), cid)
+
+
+def make_client_app(config_text: str | None = None, factory: FederationFactory = client_federation,
+                    state_dir: Path | None = None) -> ClientApp:
+    """A ClientApp for the experiment ``config_text`` (YAML); ``None`` reads the run config key ``config``.
+    ``state_dir``: where every node keeps its clients' state (default: the node config's ``state-dir``, if any)."""
     app = ClientApp(mods=[secure_mod])
 
     def federation(context: Context) -> Federation:
@@ -198,6 +215,7 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         else:
             p, n = node_partition(context)
             info = ConfigRecord({"partition-id": p, "num-partitions": n, "fingerprint": fp})
+        info[KEEPS_STATE] = state_dir is not None or STATE_DIR in context.node_config
         return Message(RecordDict({ROUTE: info}), reply_to=msg)
 
     @app.query("setup")
@@ -206,21 +224,29 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         state = get_message(context.state, state_prefix(cid))
         with node_threads(context, fed):
             answer, state = run_client_setup(fed, cid, get_message(msg.content), state)
-        put_message(context.state, state, state_prefix(cid))
+        if (store := node_state_dir(context, msg.content.config_records[ROUTE], cid, state_dir)) is not None:
+            store.save(0, state)
+        else:
+            put_message(context.state, state, state_prefix(cid))
         return reply(msg, answer, cid)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         secure = is_fitins(msg.content)  # SecAgg+'s stage 2: the route travels in the FitIns config
+        route: Mapping[str, Any]
         if secure:
             payload, route = from_fitins(msg.content)
-            cid, commit = client_id(msg, context, route["client-id"]), route[COMMIT]
+            cid = client_id(msg, context, int(route["client-id"]))
         else:
-            payload = get_message(msg.content)
-            cid, commit = client_id(msg, context), record_int(msg.content.config_records[ROUTE][COMMIT])
+            payload, route = get_message(msg.content), msg.content.config_records[ROUTE]
+            cid = client_id(msg, context)
         fed = federation(context)
-        round = int(payload["round"])
-        state = committed_state(context.state, cid, commit)
+        round, commit = int(payload["round"]), record_int(route[COMMIT])
+        if (store := node_state_dir(context, route, cid, state_dir)) is not None:
+            state = store.load(commit)
+            store.keep_only({commit, record_int(route[DURABLE])})  # what a resume from the checkpoint may ask for
+        else:
+            state = committed_state(context.state, cid, commit)
         try:
             with node_threads(context, fed):
                 answer, state = run_client(fed, cid, round, payload, state)
@@ -229,8 +255,11 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         except Exception as err:
             log(ERROR, "feddg client %d, round %d failed:\n%s", cid, round, traceback.format_exc())
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, describe(err)), reply_to=msg)
-        put_message(context.state, state, pending_prefix(cid))  # kept once the server accepts the reply
-        context.state[pending_prefix(cid) + "round"] = MetricRecord({"round": round})
+        if store is not None:
+            store.save(round, state)  # read back once the server names this round as the commit round
+        else:
+            put_message(context.state, state, pending_prefix(cid))  # kept once the server accepts the reply
+            context.state[pending_prefix(cid) + "round"] = MetricRecord({"round": round})
         return Message(content, reply_to=msg) if secure else reply(msg, answer, cid)
 
     return app

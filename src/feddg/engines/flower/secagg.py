@@ -16,6 +16,7 @@ integer buffers (BatchNorm's ``num_batches_tracked``) keep the value the server 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 import numpy as np
@@ -31,8 +32,8 @@ from feddg.messages import Message as FeddgMessage
 
 #: FitIns config key: the message's array keys, in the order of ``FitIns.parameters``
 ARRAY_KEYS = "feddg-array-keys"
-#: FitIns config keys of the route (the client, the last round whose reply the server folded in)
-ROUTE_KEYS = ("client-id", "commit-round")
+#: prefix of the route's FitIns config keys (the client, the commit rounds, the run's key: ``server.train_route``)
+ROUTE_PREFIX = "feddg-route/"
 FITINS = "fitins.parameters"
 
 
@@ -42,12 +43,12 @@ def summed_keys(msg: FeddgMessage) -> list[str]:
             if k.startswith(WEIGHT_PREFIX) and isinstance(v, np.ndarray) and v.dtype.kind == "f"]
 
 
-def to_fitins(msg: FeddgMessage, route: dict[str, int]) -> FitIns:
+def to_fitins(msg: FeddgMessage, route: Mapping[str, int | str]) -> FitIns:
     """A feddg message as legacy ``FitIns``: its arrays as the parameters, numbers and strings as the config."""
     arrays = {k: v for k, v in msg.items() if isinstance(v, np.ndarray)}
     config: dict[str, Scalar] = {k: v.item() if isinstance(v, np.generic) else v  # numpy scalars as Python's
                                  for k, v in msg.items() if not isinstance(v, np.ndarray)}
-    route_config = {k: int(v) for k, v in route.items()}
+    route_config = {ROUTE_PREFIX + k: v for k, v in route.items()}
     return FitIns(ndarrays_to_parameters(list(arrays.values())),
                   {**config, **route_config, ARRAY_KEYS: "\n".join(arrays)})
 
@@ -57,12 +58,13 @@ def is_fitins(content: RecordDict) -> bool:
     return FITINS in content.array_records
 
 
-def from_fitins(content: RecordDict) -> tuple[FeddgMessage, dict[str, int]]:
+def from_fitins(content: RecordDict) -> tuple[FeddgMessage, dict[str, int | str]]:
     """The feddg message and the route of a stage-2 ``FitIns`` (inverse of :func:`to_fitins`)."""
     ins = compat.recorddict_to_fitins(content, keep_input=True)
     config = dict(ins.config)
     keys = str(config.pop(ARRAY_KEYS)).split("\n")
-    route = {k: int(cast(int, config.pop(k))) for k in ROUTE_KEYS}
+    route = {k.removeprefix(ROUTE_PREFIX): cast(int | str, config.pop(k))
+             for k in [k for k in config if k.startswith(ROUTE_PREFIX)]}
     arrays = parameters_to_ndarrays(ins.parameters)
     return {**dict(zip(keys, arrays, strict=True)), **config}, route  # type: ignore[dict-item]
 

@@ -26,6 +26,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.serverapp import Grid
 
 from feddg.config import SecAggPlusConfig
+from feddg.engines.flower.routes import Route, train_route
 from feddg.engines.flower.secagg import summed_keys, to_fitins
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
@@ -37,11 +38,10 @@ class SecureRound(Strategy):
     """The legacy strategy the workflow calls: the clients of ``sent`` and what the workflow exposes of their
     replies (``results``: the aggregate in every ``FitRes.parameters``, each client's count and metrics)."""
 
-    def __init__(self, grid: Grid, nodes: dict[int, int]) -> None:
-        self.grid, self.nodes = grid, nodes
+    def __init__(self, grid: Grid, nodes: dict[int, int], route: Route) -> None:
+        self.grid, self.nodes, self.route = grid, nodes, route
         self.by_node = {node: cid for cid, node in nodes.items()}
         self.sent: dict[int, FeddgMessage] = {}
-        self.commits: dict[int, int] = {}
         self.results: list[tuple[ClientProxy, FitRes]] | None = None
         self.failures: list[Any] = []
 
@@ -51,7 +51,7 @@ class SecureRound(Strategy):
     def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager
                       ) -> list[tuple[ClientProxy, FitIns]]:
         return [(GridClientProxy(self.nodes[cid], self.grid, 0),  # the proxy is a node id here: it sends nothing
-                 to_fitins(msg, {"client-id": cid, "commit-round": self.commits.get(cid, 0)}))
+                 to_fitins(msg, self.route(cid)))
                 for cid, msg in self.sent.items()]
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]], failures: list[Any]
@@ -91,7 +91,7 @@ def run_secure_rounds(server: Server, grid: Grid, nodes: dict[int, int],
     """The remaining rounds of ``server``, each one SecAgg+ exchange (four message rounds) over ``grid``."""
     fed = server.fed
     timeout = fed.cfg.flower.round_timeout_s
-    strategy = SecureRound(grid, nodes)
+    strategy = SecureRound(grid, nodes, train_route(server))
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
                                     run_config={}), strategy=strategy)
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
@@ -112,9 +112,7 @@ def run_secure_rounds(server: Server, grid: Grid, nodes: dict[int, int],
         mean = aggregate_message(strategy.sent[clients[0]], strategy.results[0][1].parameters)
         server.receive_aggregate(fold, mean, {c: r.num_examples for c, (_, r) in zip(clients, strategy.results)},
                                  {c: r.metrics.get("train_loss") for c, (_, r) in zip(clients, strategy.results)})
-        row = server.finish_round(round, fold, {"time_train_s": time.perf_counter() - t0})
-        if not row.get("rolled_back", False):  # a rolled-back round keeps the previous client states
-            strategy.commits.update({cid: round for cid in fold.accepted})
+        row = server.finish_round(round, fold, {"time_train_s": time.perf_counter() - t0})  # commits (not rolled back)
         if on_round is not None:
             on_round(row)
 

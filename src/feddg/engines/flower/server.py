@@ -15,7 +15,9 @@ SuperLink):
    (aggregation, evaluation, metrics.jsonl, checkpoint). A client's Error reply or a reply missing
    after ``flower.round_timeout_s`` is dropped (``Server.fail``), like a reply that fails the checks;
    each train message tells the client's node the last round whose reply was folded in and kept
-   (``commit-round``; not a rolled-back round), so the node keeps only accepted updates' client state. With
+   (``commit-round``; not a rolled-back round), so the node keeps only accepted updates' client state, and that
+   round as of the last checkpoint (``durable-round``), so a node that keeps the state on disk (``state-dir``)
+   keeps what a resume from the checkpoint will ask for (:mod:`feddg.engines.flower.node_state`). With
    ``flower.secure_aggregation: secaggplus`` each round is one call of Flower's SecAgg+ workflow instead
    (:mod:`feddg.engines.flower.secagg_server`): the server receives the round's weighted mean only.
 
@@ -43,8 +45,9 @@ from flwr.supercore.run import Run
 
 from feddg.algorithms.base import Reply
 from feddg.config import one_line
-from feddg.engines.flower.client import COMMIT, IDENTIFY, ROUTE, SETUP, TRAIN, fingerprint
+from feddg.engines.flower.client import IDENTIFY, KEEPS_STATE, ROUTE, SETUP, TRAIN, fingerprint
 from feddg.engines.flower.records import get_message, put_message, record_int
+from feddg.engines.flower.routes import Route, client_route, setup_route, train_route
 from feddg.engines.flower.secagg_server import run_secure_rounds
 from feddg.engines.flower.security import (
     Roster,
@@ -110,13 +113,9 @@ class PollingGrid(Grid):
 
 
 def outgoing(msgs: dict[int, FeddgMessage], nodes: dict[int, int], message_type: str,
-             commits: dict[int, int] | None = None) -> dict[int, Message]:
-    """One Flower Message per client, addressed to that client's SuperNode; ``commits``: the last round whose
-    reply the server accepted from each client (its node then keeps the client state of that round)."""
-    def route(cid: int) -> ConfigRecord:
-        return ConfigRecord({"client-id": cid, **({COMMIT: commits.get(cid, 0)} if commits is not None else {})})
-
-    return {cid: Message(put_message(RecordDict({ROUTE: route(cid)}), msg), nodes[cid], message_type)
+             route: Route = client_route) -> dict[int, Message]:
+    """One Flower Message per client, addressed to that client's SuperNode, with its ``route``."""
+    return {cid: Message(put_message(RecordDict({ROUTE: ConfigRecord(dict(route(cid)))}), msg), nodes[cid], message_type)
             for cid, msg in msgs.items()}
 
 
@@ -197,6 +196,7 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
     nodes: dict[int, int] = {}
     refused: dict[int, str] = {}
     challenges: dict[int, str] = {}
+    forgetful: set[int] = set()  # clients whose node keeps their state in memory only (no state-dir)
     while len(nodes) < k:
         new = [n for n in grid.get_node_ids() if n not in nodes.values() and n not in refused]
         msgs = []
@@ -219,6 +219,8 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
             if r.content.config_records[ROUTE]["fingerprint"] != want:
                 raise RuntimeError(f"node {node} (client {p}) built a different federation: same config and data?")
             nodes[p] = node
+            if not r.content.config_records[ROUTE].get(KEEPS_STATE, False):
+                forgetful.add(p)
         if len(nodes) < k:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(k)) - set(nodes))
@@ -226,7 +228,23 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
                                    + (f"; refused {len(refused)} node(s): {'; '.join(refused.values())}" if refused else ""))
             time.sleep(0.5)
     log(INFO, "feddg: %d clients on %d SuperNodes%s", k, k, " (identified by the roster)" if roster else "")
+    if 0 < server.round < server.rounds and forgetful:
+        log(WARNING, "feddg: resumed after round %d: the nodes of clients %s keep no state-dir, so what %s's clients "
+            "keep between rounds (e.g. SCAFFOLD's control variates, FedBN's own BN) starts empty on them; a method "
+            "that keeps none continues as an uninterrupted run would (docs/flower.md, 'Where client state lives')",
+            server.round, compact_ids(sorted(forgetful)), server.fed.cfg.method.name)
     return nodes
+
+
+def compact_ids(ids: list[int]) -> str:
+    """``0-3, 7`` for [0, 1, 2, 3, 7]."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def run_setup(server: Server, grid: Grid, nodes: dict[int, int], timeout: float) -> None:
@@ -235,7 +253,7 @@ def run_setup(server: Server, grid: Grid, nodes: dict[int, int], timeout: float)
     if request is None:
         server.mark_setup_done()
         return
-    sent = outgoing({cid: request for cid in nodes}, nodes, SETUP)
+    sent = outgoing({cid: request for cid in nodes}, nodes, SETUP, setup_route(server))
     replies, failed = collect(sent, grid.send_and_receive(list(sent.values()), timeout=timeout), timeout)
     if failed:  # the setup exchange needs every client
         raise RunStopped("setup exchange: " + "; ".join(f"client {cid}: {why}" for cid, why in sorted(failed.items())))
@@ -254,7 +272,6 @@ class FeddgStrategy(Strategy):
         self.server, self.nodes, self.on_round = server, nodes, on_round
         self.offset = server.round
         self.timeout = server.fed.cfg.flower.round_timeout_s
-        self.accepted: dict[int, int] = {}  # client -> last round whose reply was folded in, not rolled back
         self._sent: dict[int, FeddgMessage] = {}
         self._out: dict[int, Message] = {}
         self._t0 = 0.0
@@ -264,7 +281,7 @@ class FeddgStrategy(Strategy):
     ) -> Iterable[Message]:
         self._t0 = time.perf_counter()
         self._sent = self.server.configure(server_round + self.offset)
-        self._out = outgoing(self._sent, self.nodes, TRAIN, self.accepted)
+        self._out = outgoing(self._sent, self.nodes, TRAIN, train_route(self.server))
         return list(self._out.values())
 
     def aggregate_train(
@@ -280,9 +297,7 @@ class FeddgStrategy(Strategy):
         for reply in got:
             self.server.receive(fold, reply)
         timings = {"time_train_s": time.perf_counter() - self._t0}
-        row = self.server.finish_round(round, fold, timings)
-        if not row.get("rolled_back", False):  # a rolled-back round keeps the previous client states
-            self.accepted.update({cid: round for cid in fold.accepted})
+        row = self.server.finish_round(round, fold, timings)  # commits the accepted clients' round (not rolled back)
         if self.on_round is not None:
             self.on_round(row)
         return None, round_metrics(row)
@@ -306,11 +321,6 @@ def run_on_grid(server: Server, grid: Grid, on_round: RoundCallback | None = Non
     own work (aggregation, evaluation) runs under ``federation.threads``, as in-process (``auto``: one torch thread
     and one BLAS thread, so nothing of the server's spins beside the SuperNodes of a shared machine)."""
     fc = server.fed.cfg.flower
-    if 0 < server.round < server.rounds:
-        log(WARNING, "feddg: resumed after round %d: what %s's clients keep between rounds (their client state, e.g. "
-            "SCAFFOLD's control variates, FedBN's own BN) lives on the nodes, not in checkpoint.pt, so it starts "
-            "empty again; a method that keeps none continues as an uninterrupted run would (docs/flower.md)",
-            server.round, server.fed.cfg.method.name)
     with federation_threads(server.fed.cfg.federation.threads, server.fed.device):
         nodes = discover_clients(grid, server, fc.node_wait_s)
         run_setup(server, grid, nodes, fc.round_timeout_s)

@@ -3,7 +3,8 @@
 ``run_flower(server)`` starts Flower's Simulation Runtime (Ray, on 127.0.0.1 only) with one
 virtual SuperNode per client (partition-id k is client k). The ServerApp runs in
 a thread of this process and drives ``server`` itself, so metrics.jsonl, checkpoint.pt and
-results.json land in the run directory exactly as with the in-process engine. Each Ray actor
+results.json land in the run directory exactly as with the in-process engine; the clients' state lands in its
+``node-state/`` (what a deployed node keeps in its ``state-dir``), so ``--resume`` continues with it. Each Ray actor
 rebuilds the Federation from the experiment's YAML text (see ``flower_client``).
 
 For a real deployment (SuperLink + SuperNodes) see ``flower_app`` and docs/flower.md.
@@ -30,6 +31,8 @@ from feddg.federation.validation import RunStopped
 LOOPBACK = "127.0.0.1"
 VERBOSE = "FEDDG_VERBOSE"  # "1": Flower's and Ray's own INFO logs (``feddg --verbose``); else warnings only
 PLAIN = "FEDDG_PLAIN_LOGS"  # "1": Flower's log lines without colour codes (set when stderr is not a terminal)
+#: the run directory's folder of the virtual SuperNodes' client state (a resumed simulation continues with it)
+NODE_STATE = "node-state"
 
 
 def verbose() -> bool:
@@ -98,7 +101,7 @@ def run_flower(
     plain_logs()
     run_simulation(
         server_app=server_app,
-        client_app=make_client_app(dump_config(cfg), factory),
+        client_app=make_client_app(dump_config(cfg), factory, state_dir=server.run_dir / NODE_STATE),
         num_supernodes=len(server.fed.clients),
         backend_config=backend_config(server),
         verbose_logging=verbose(),
