@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from flwr.app import Context, RecordDict
 
 from feddg.config import build_config, dump_config
 from feddg.engines.flower import simulation
+from feddg.engines.flower.server import PollingGrid
 from feddg.engines.flower.simulation import run_flower
 from feddg.federation.validation import RunStopped
 
@@ -134,7 +136,49 @@ def test_the_server_app_drives_the_server_and_its_results_come_back(fake: FakeFl
     server = fake_server()
     rows: list[dict[str, Any]] = []
     assert run_flower(server, on_round=rows.append) == {"final": {"ood_acc": 50.0}}
-    assert fake.grid_calls == [(server, GRID, rows.append)]
+    [(driven, grid, callback)] = fake.grid_calls
+    assert driven is server and callback == rows.append
+    assert isinstance(grid, PollingGrid) and grid.grid is GRID and not grid.stop.is_set()
+
+
+class SilentGrid:
+    """A Grid whose clients never reply (their Ray actors are gone)."""
+
+    def push_messages(self, messages: Any) -> list[str]:
+        return ["m1"]
+
+    def pull_messages(self, ids: Any) -> list[Any]:
+        return []
+
+
+def test_an_interrupted_simulation_stops_its_server_app_thread_instead_of_waiting_out_the_round(
+        fake: FakeFlower, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C reaches the main thread inside run_simulation while the ServerApp's thread waits for replies that
+    # will not come: it waited flower.round_timeout_s (an hour) and held the process that long
+    waited: list[BaseException] = []
+    threads: list[threading.Thread] = []
+
+    def waits(server: Any, grid: Any, on_round: Any) -> dict[str, Any]:
+        try:
+            grid.send_and_receive([], timeout=3600.0)
+        except RunStopped as err:
+            waited.append(err)
+            raise
+        return {}
+
+    def interrupted(server_app: Any, **kwargs: Any) -> None:
+        thread = threading.Thread(target=server_app, args=(SilentGrid(), None), daemon=True)  # a failure ends too
+        thread.start()
+        threads.append(thread)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "run_on_grid", waits)
+    monkeypatch.setattr(simulation, "run_simulation", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_flower(fake_server())
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive()
+    assert [str(e) for e in waited] == ["interrupted while waiting for the clients' replies"]
 
 
 def test_run_stopped_in_the_server_app_thread_is_raised_again_by_run_flower(fake: FakeFlower) -> None:

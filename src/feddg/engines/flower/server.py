@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -68,14 +69,17 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class PollingGrid(Grid):
-    """``grid`` whose ``send_and_receive`` asks for replies every ``interval`` seconds.
+    """``grid`` whose ``send_and_receive`` asks for replies every ``interval`` seconds, and gives up when ``stop``
+    is set (:class:`RunStopped`).
 
     Flower 1.41's deployment Grid (``HttpGrid``) waits 3 s between polls, which rounds every exchange
-    up to a multiple of 3 s; this one pushes and pulls through the same ``grid``, more often.
+    up to a multiple of 3 s; this one pushes and pulls through the same ``grid``, more often. The simulation sets
+    ``stop`` when its main thread is interrupted: Flower's in-memory Grid would wait out the round's timeout in the
+    ServerApp's thread, and the process with it (an hour by default).
     """
 
-    def __init__(self, grid: Grid, interval: float = 0.1) -> None:
-        self.grid, self.interval = grid, interval
+    def __init__(self, grid: Grid, interval: float = 0.1, stop: threading.Event | None = None) -> None:
+        self.grid, self.interval, self.stop = grid, interval, stop or threading.Event()
 
     def set_run(self, run: Run) -> None:
         self.grid.set_run(run)
@@ -108,7 +112,8 @@ class PollingGrid(Grid):
             waiting -= {m.metadata.reply_to_message_id for m in got}
             if not waiting or (deadline is not None and time.monotonic() >= deadline):
                 break
-            time.sleep(self.interval)
+            if self.stop.wait(self.interval):
+                raise RunStopped("interrupted while waiting for the clients' replies")
         return replies
 
 

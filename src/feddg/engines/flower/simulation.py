@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 from flwr.app import Context
@@ -24,7 +25,7 @@ from flwr.supercore.logger import update_console_handler
 
 from feddg.config import ROSTER_NEEDS_DEPLOYMENT, dump_config
 from feddg.engines.flower.client import FederationFactory, client_federation, make_client_app
-from feddg.engines.flower.server import RoundCallback, run_on_grid
+from feddg.engines.flower.server import PollingGrid, RoundCallback, run_on_grid
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
 
@@ -82,12 +83,13 @@ def run_flower(
         raise ValueError(ROSTER_NEEDS_DEPLOYMENT)
     results: dict[str, Any] = {}
     stopped: list[RunStopped] = []
+    interrupted = threading.Event()
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            results.update(run_on_grid(server, grid, on_round))
+            results.update(run_on_grid(server, PollingGrid(grid, stop=interrupted), on_round))
         except RunStopped as err:  # raised again below, outside Flower's thread
             stopped.append(err)
 
@@ -99,13 +101,17 @@ def run_flower(
     if not any(isinstance(f, _NotRunSimulationDeprecation) for f in flwr_log.filters):
         flwr_log.addFilter(_NotRunSimulationDeprecation())
     plain_logs()
-    run_simulation(
-        server_app=server_app,
-        client_app=make_client_app(dump_config(cfg), factory, state_dir=server.run_dir / NODE_STATE),
-        num_supernodes=len(server.fed.clients),
-        backend_config=backend_config(server),
-        verbose_logging=verbose(),
-    )
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=make_client_app(dump_config(cfg), factory, state_dir=server.run_dir / NODE_STATE),
+            num_supernodes=len(server.fed.clients),
+            backend_config=backend_config(server),
+            verbose_logging=verbose(),
+        )
+    except BaseException:  # Ctrl-C: the ServerApp's thread stops at its next poll, and the process can end
+        interrupted.set()
+        raise
     if stopped:
         raise stopped[0]
     if not results:
