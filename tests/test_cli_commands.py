@@ -370,8 +370,8 @@ def test_flower_run_submits_the_config_and_exits_1_on_a_failure(tmp_path: Path,
     outcomes = iter([None, "the run stopped: status failed"])
     asked: list[Any] = []
 
-    def submit(*args: Any) -> str | None:
-        asked.append(args)
+    def submit(*args: Any, resume: bool) -> str | None:
+        asked.append((*args, resume))
         return next(outcomes)
 
     monkeypatch.setattr("feddg.engines.flower.launch.submit", submit)
@@ -379,11 +379,43 @@ def test_flower_run_submits_the_config_and_exits_1_on_a_failure(tmp_path: Path,
             "-o", "federation.rounds=3"]
     ok = _feddg(*args)
     assert ok.exit_code == 0 and ok.output.strip() == f"run directory: {tmp_path}"
-    [(cfg, run_dir, connection, app_dir)] = asked
+    [(cfg, run_dir, connection, app_dir, resume)] = asked
     assert cfg.federation.rounds == 3 and (run_dir, connection, app_dir) == (tmp_path, "lab", Path("flower"))
+    assert resume is False
     failed = _feddg(*args, "--app-dir", "app")
     assert failed.exit_code == 1 and failed.output.strip() == "error: the run stopped: status failed"
     assert asked[1][3] == Path("app")
+
+
+def test_flower_run_resume_submits_the_runs_own_config_or_says_it_finished(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[Any] = []
+    prepared: list[Any] = []
+    config = build_config({}, ["federation.rounds=9"])
+    monkeypatch.setattr("feddg.engines.flower.launch.submit", lambda *a, resume: asked.append((*a, resume)))
+    monkeypatch.setattr("feddg.experiment.prepare_resume",
+                        lambda run, o, restart: prepared.append((run, o)) or config)
+    ok = _feddg("flower", "run", "--resume", str(tmp_path), "--connection", "lab", "-o", "federation.rounds=9")
+    assert ok.exit_code == 0 and ok.output.strip() == f"run directory: {tmp_path}"
+    assert prepared == [(tmp_path, ["federation.rounds=9"])]
+    assert asked == [(config, tmp_path, "lab", Path("flower"), True)]
+    monkeypatch.setattr("feddg.experiment.prepare_resume", lambda run, o, restart: None)  # finished, nothing to grow
+    done = _feddg("flower", "run", "--resume", str(tmp_path), "--connection", "lab")
+    assert done.exit_code == 0 and " ".join(done.output.split()) == (
+        f"{tmp_path} finished all its rounds already: nothing resumed (grow it with -o federation.rounds=N)")
+    assert len(asked) == 1
+    both = _feddg("flower", "run", "configs/demo.yaml", "--resume", str(tmp_path), "--connection", "lab")
+    assert both.exit_code == 2 and " ".join(both.output.split()) == (
+        "error: --resume continues a run with its own config.yaml: drop CONFIG (-o changes the keys a resume may "
+        "change)")
+    monkeypatch.undo()
+    (tmp_path / "config.yaml").write_text(dump_config(config))  # a run that stopped before its first checkpoint
+    early = _feddg("flower", "run", "--resume", str(tmp_path), "--connection", "lab")
+    assert early.exit_code == 2 and " ".join(early.output.split()) == (
+        f"error: nothing to resume in {tmp_path}: it has no checkpoint (it stopped before its first round ended); "
+        "start it again into a new --run-dir")
+    neither = _feddg("flower", "run", "configs/demo.yaml", "--connection", "lab")
+    assert neither.exit_code == 2 and neither.output.strip() == "error: give a config file and --run-dir, or --resume RUN_DIR"
 
 
 def test_flower_keys_prints_each_pairs_paths_and_its_public_keys_sha256(tmp_path: Path) -> None:

@@ -245,7 +245,7 @@ def test_an_unfinished_run_says_how_many_of_its_rounds_are_in_and_how_it_continu
     (out / "status.json").write_text(json.dumps({"status": "stopped", "error": "stopped from outside"}))
     html = " ".join(report(out)[0].read_text().split())
     assert ("unfinished: round 1 of 3 is the last in metrics.jsonl (status.json: stopped: stopped from outside; "
-            "resume = true in the run config continues it)") in html
+            f"feddg flower run --resume {out} --connection NAME continues it)") in html
     whole = shutil.copytree(run_dir, tmp_path / "whole", ignore=shutil.ignore_patterns("report.html"))
     assert "unfinished: round" not in report(whole)[0].read_text()  # the whole run: no note
     # engine rounds: federation.rounds × a hierarchy's station rounds

@@ -679,17 +679,36 @@ def flower_keys(
 
 @flower_app.command("run")
 def flower_run(
-    config: Annotated[Path, typer.Argument(help="experiment YAML")],
-    run_dir: Annotated[Path, typer.Option(help="run directory the ServerApp writes (readable from here)")],
     connection: Annotated[str, typer.Option(help="the SuperLink connection in $FLWR_HOME/config.toml")],
+    config: Annotated[Path | None, typer.Argument(help="experiment YAML")] = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        help="run directory the ServerApp writes (readable from here)")] = None,
+    resume: Annotated[Path | None, typer.Option(
+        help="continue a stopped (or extend a finished) run from its checkpoint; nodes with a state-dir keep "
+             "their clients' state")] = None,
     app_dir: Annotated[Path, typer.Option(help="the Flower App directory")] = Path("flower"),
     overrides: Overrides = None,
 ) -> None:
     """Submit an experiment with `flwr run --stream`; exit 1 unless the run completed (status.json, results.json)."""
     from feddg.engines.flower.launch import submit
+    from feddg.experiment import prepare_resume
 
     with _user_errors():
-        failure = submit(load_config(config, list(overrides or [])), run_dir, connection, app_dir)
+        if resume is not None:
+            if extra := [name for name, given in (("CONFIG", config), ("--run-dir", run_dir)) if given is not None]:
+                _fail(f"--resume continues a run with its own config.yaml: drop {', '.join(extra)} "
+                      "(-o changes the keys a resume may change)")
+            cfg = prepare_resume(resume, list(overrides or []), restart="into a new --run-dir")
+            if cfg is None:
+                out.print(f"{resume} finished all its rounds already: nothing resumed (grow it with "
+                          "-o federation.rounds=N)", soft_wrap=True, highlight=False)
+                return
+            run_dir = resume
+        elif config is None or run_dir is None:
+            _fail("give a config file and --run-dir, or --resume RUN_DIR")
+        else:
+            cfg = load_config(config, list(overrides or []))
+        failure = submit(cfg, run_dir, connection, app_dir, resume=resume is not None)
     if failure is not None:
         out.print(f"[red]error:[/red] {escape(one_line(failure))}", soft_wrap=True, highlight=False)
         raise typer.Exit(1)

@@ -227,6 +227,19 @@ def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *
     ``overrides`` may change only :data:`RESUME_SAFE` keys; they are written to config.yaml.
     """
     run_dir = Path(run_dir)
+    cfg = prepare_resume(run_dir, overrides)
+    if cfg is None:
+        return {**json.loads((run_dir / RESULTS).read_text()), "run_dir": str(run_dir), "resumed": False}
+    return run_experiment(cfg, run_dir, resume=True, progress=progress)
+
+
+def prepare_resume(run_dir: Path, overrides: list[str] | None = None, restart: str = "with --overwrite"
+                   ) -> ExperimentConfig | None:
+    """The config that a resume of ``run_dir`` goes on with (:func:`resume_experiment`: its checks, in one line each),
+    with the run directory made ready for it (the results and audits of the shorter run removed, config.yaml
+    rewritten with ``overrides``, the resume recorded in provenance.json); ``None`` for a finished run that the
+    resume would not change. Any engine then resumes it (``feddg flower run --resume`` on a deployment);
+    ``restart`` ends the refusal of a run with no checkpoint (how the command starts it again)."""
     if not (run_dir / CONFIG).is_file():
         raise RunDirError(f"{run_dir} is not a feddg run directory (no {CONFIG}) to resume")
     overrides = list(overrides or [])
@@ -248,9 +261,9 @@ def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *
                           f"follows the run's {before} rounds)")
     if not has_checkpoint(run_dir):
         raise RunDirError(f"nothing to resume in {run_dir}: it has no checkpoint (it stopped before its first round "
-                          "ended); start it again with --overwrite")
+                          f"ended); start it again {restart}")
     if (run_dir / RESULTS).is_file() and not grows:
-        return {**json.loads((run_dir / RESULTS).read_text()), "run_dir": str(run_dir), "resumed": False}
+        return None
     (run_dir / RESULTS).unlink(missing_ok=True)  # it describes the shorter run; rewritten at the new end
     for pattern in AUDIT_DIRS:  # so do the audits of its model: a sweep must not reuse them
         for path in run_dir.glob(pattern):
@@ -258,4 +271,4 @@ def resume_experiment(run_dir: str | Path, overrides: list[str] | None = None, *
     if overrides:
         (run_dir / CONFIG).write_text(dump_config(cfg))
     record_resume(run_dir, cfg, overrides, same_as_fresh=_same_as_fresh(build_config(raw), cfg))
-    return run_experiment(cfg, run_dir, resume=True, progress=progress)
+    return cfg

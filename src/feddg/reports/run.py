@@ -133,8 +133,8 @@ def run_report(run_dir: Path) -> list[Path]:
     unfinished = planned is not None and metrics[-1]["round"] < planned
     if unfinished:
         mark = read_json(run_dir / "status.json")  # a Flower deployment's ServerApp keeps its state there
-        state = (f"status.json: {mark.get('status')}{': ' + mark['error'] if mark.get('error') else ''}; resume = true "
-                 "in the run config continues it" if isinstance(mark, dict)
+        state = (f"status.json: {mark.get('status')}{': ' + mark['error'] if mark.get('error') else ''}; feddg flower run "
+                 f"--resume {run_dir} --connection NAME continues it" if isinstance(mark, dict)
                  else f"the run is still going, or it stopped: feddg run --resume {run_dir} continues it")
         notes.append(f"unfinished: round {metrics[-1]['round']} of {planned} is the last in metrics.jsonl ({state}); "
                      f"the figures are those of round {last['round']}")

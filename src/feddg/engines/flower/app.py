@@ -99,7 +99,7 @@ def main(grid: Grid, context: Context) -> None:
     resume = bool(rc.get("resume", False))
     if not resume and used_run_dir(run_dir):  # Server would start the run over the files (and mark) of another
         raise ValueError(f"run directory {run_dir} is not empty: a new run needs a new or empty one (resume = true "
-                         "in the run config continues the run there)")
+                         "in the run config, or feddg flower run --resume, continues the run there)")
     if not cfg.flower.roster:
         log(WARNING, "feddg: no flower.roster: each SuperNode is the client of the partition it declares, unproven "
             "(docs/flower.md, 'Insecure trial'); a deployment's nodes prove their keys with a roster")

@@ -61,24 +61,25 @@ def flwr_command() -> str | None:
     return shutil.which("flwr", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
 
-def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path) -> str | None:
+def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path, resume: bool = False) -> str | None:
     """``flwr run app_dir connection --run-config <cfg> --stream`` (its output goes to this terminal); returns
     :func:`outcome` of ``run_dir``, or why ``flwr run`` itself failed. What is refused before submitting (no
-    ``flwr``, no app, a used run directory: a user's mistake) raises ValueError."""
+    ``flwr``, no app, a used run directory unless ``resume``: a user's mistake) raises ValueError. ``resume``: the
+    ServerApp continues ``run_dir`` from its checkpoint (``experiment.prepare_resume`` checked it)."""
     flwr = flwr_command()
     if flwr is None:
         raise ValueError(f"no `flwr` command beside {sys.executable} or on PATH: reinstall feddg with the [flower] extra")
     if not (app_dir / "pyproject.toml").is_file():
         raise ValueError(f"--app-dir {app_dir}: no Flower App there (no pyproject.toml); feddg's is the checkout's "
                          "flower/ (docs/flower.md)")
-    if used_run_dir(run_dir):  # where the run directory is readable here (else the ServerApp refuses it)
+    if not resume and used_run_dir(run_dir):  # where the run directory is readable here (else the ServerApp refuses it)
         raise ValueError(f"--run-dir {run_dir} is not empty: a new run needs a new or empty directory (nothing was "
                          "submitted)")
     if (warning := insecure_warning(connection)) is not None:
         print(warning, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         toml = Path(tmp) / "run.toml"
-        toml.write_text(run_config_toml(cfg, run_dir))
+        toml.write_text(run_config_toml(cfg, run_dir, resume))
         code = subprocess.run([flwr, "run", str(app_dir), connection, "--run-config", str(toml), "--stream"]).returncode
     if code != 0:
         return f"`flwr run` exited with {code}"
