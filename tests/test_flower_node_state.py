@@ -126,3 +126,21 @@ def test_a_resume_whose_nodes_keep_state_dirs_warns_of_nothing(tmp_path, task_id
     run_on_grid(resumed, LoopbackGrid(make_client_app(server_config_text(resumed), factory=toy_federation), 4,
                                       node_config=nodes))
     assert resumed.round == 3 and not [r for r in caplog.records if "resumed after round" in r.getMessage()]
+
+
+def test_a_node_that_lost_its_client_state_fails_that_client_in_one_line(tmp_path, task_identity) -> None:
+    cfg = toy_config("method.name=scaffold", "optim.momentum=0")
+    nodes = {"state-dir": str(tmp_path / "nodes")}
+    first = Server(toy_federation(cfg), tmp_path / "run")
+    with pytest.raises(Crash):
+        run_on_grid(first, LoopbackGrid(make_client_app(server_config_text(first), factory=toy_federation), 4,
+                                        node_config=nodes), on_round=crash_after(1))
+    lost = NodeStateDir(tmp_path / "nodes", first.run_key, 2)
+    lost.path(1).unlink()  # client 2's node lost its disk
+    resumed = Server(toy_federation(cfg), tmp_path / "run", resume=True)
+    run_on_grid(resumed, LoopbackGrid(make_client_app(server_config_text(resumed), factory=toy_federation), 4,
+                                      node_config=nodes))
+    why = {"2": f"node 1002: FileNotFoundError: the client state of round 1 is not in {lost.folder} (the server "
+                "folded that round's reply in): this node's state-dir lost it"}
+    # no guess from an empty state: the client stays out, round after round, and the others go on
+    assert [r.get("clients_failed_reasons") for r in resumed.metrics] == [None, why, why]
