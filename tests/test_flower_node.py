@@ -3,6 +3,7 @@ fingerprint and cache, the node's partition and thread count, and the identify, 
 client-state commit rule (``run_client`` and ``run_client_setup`` stubbed, so no model trains)."""
 
 import hashlib
+import logging
 from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -165,6 +166,18 @@ def test_identify_reports_the_node_s_partition_and_its_federation_s_fingerprint(
     assert kept.content.config_records[ROUTE]["keeps-state"] is True
     with pytest.raises(ValueError, match=r"^--node-config threads=0: "):  # refused before any client works
         app(to_node(ask, 1002, IDENTIFY), node_context(2, threads=0))
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_quiet_client_app_turns_flowers_info_lines_off_in_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    flwr_log = logging.getLogger("flwr")
+    monkeypatch.setattr(flwr_log, "level", logging.INFO)  # restored after the test
+    ask = RecordDict({ROUTE: ConfigRecord({"node-id": 1002})})
+    make_client_app(dump_config(toy_config()), factory=toy_federation_of)(to_node(ask, 1002, IDENTIFY), node_context(2))
+    assert flwr_log.level == logging.INFO  # a deployment's SuperNode logs its builds
+    make_client_app(dump_config(toy_config()), factory=toy_federation_of, quiet=True)(
+        to_node(ask, 1002, IDENTIFY), node_context(2))
+    assert flwr_log.level == logging.WARNING
 
 
 @pytest.mark.usefixtures("task_identity")

@@ -42,6 +42,7 @@ class FakeFlower:
         self.flwr_level = logging.NOTSET
         self.grid_calls: list[tuple[Any, Any, Any]] = []
         self.client_app_args: tuple[str, Any, Any] | None = None
+        self.client_app_quiet: bool | None = None
         self.client_app = object()
         self.console_colored: list[bool] = []
         self.outcome: Callable[[], dict[str, Any]] = lambda: {"final": {"ood_acc": 50.0}}
@@ -58,8 +59,9 @@ class FakeFlower:
         self.grid_calls.append((server, grid, on_round))
         return self.outcome()
 
-    def make_client_app(self, text: str, factory: Any, state_dir: Any) -> object:
+    def make_client_app(self, text: str, factory: Any, state_dir: Any, quiet: bool) -> object:
         self.client_app_args = (text, factory, state_dir)
+        self.client_app_quiet = quiet
         return self.client_app
 
     def update_console_handler(self, colored: bool) -> None:
@@ -117,6 +119,7 @@ def test_only_feddg_verbose_1_lets_flower_and_ray_log_info(fake: FakeFlower, mon
     run_flower(fake_server())
     level = logging.INFO if loud else logging.WARNING
     assert fake.simulation["verbose_logging"] is loud
+    assert fake.client_app_quiet is not loud  # the actors' own INFO lines (Ray prints them under the progress bar)
     assert fake.simulation["backend_config"]["init_args"]["logging_level"] == level
     assert fake.flwr_level == level
 

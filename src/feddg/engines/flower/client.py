@@ -28,6 +28,7 @@ one BLAS thread), or the node's ``--node-config threads=N``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 import traceback
@@ -177,12 +178,16 @@ def node_state_dir(context: Context, route: Mapping[str, Any], cid: int, state_d
 
 
 def make_client_app(config_text: str | None = None, factory: FederationFactory = client_federation,
-                    state_dir: Path | None = None) -> ClientApp:
+                    state_dir: Path | None = None, quiet: bool = False) -> ClientApp:
     """A ClientApp for the experiment ``config_text`` (YAML); ``None`` reads the run config key ``config``.
-    ``state_dir``: where every node keeps its clients' state (default: the node config's ``state-dir``, if any)."""
+    ``state_dir``: where every node keeps its clients' state (default: the node config's ``state-dir``, if any).
+    ``quiet``: Flower's INFO lines off in the processes that run it (the simulation's Ray actors, whose lines Ray
+    prints under the driver's progress bar)."""
     app = ClientApp(mods=[secure_mod])
 
     def federation(context: Context) -> Federation:
+        if quiet:
+            logging.getLogger("flwr").setLevel(logging.WARNING)
         text = config_text if config_text is not None else str(context.run_config.get("config", ""))
         return node_federation(required_config(text), factory)
 

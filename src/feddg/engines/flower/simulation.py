@@ -104,7 +104,8 @@ def run_flower(
     try:
         run_simulation(
             server_app=server_app,
-            client_app=make_client_app(dump_config(cfg), factory, state_dir=server.run_dir / NODE_STATE),
+            client_app=make_client_app(dump_config(cfg), factory, state_dir=server.run_dir / NODE_STATE,
+                                       quiet=not verbose()),
             num_supernodes=len(server.fed.clients),
             backend_config=backend_config(server),
             verbose_logging=verbose(),
