@@ -91,6 +91,7 @@ def test_a_state_crosses_the_disk_with_its_dtypes_shapes_and_scalars(tmp_path: P
         assert back[key].dtype == state[key].dtype and back[key].shape == state[key].shape
         assert np.array_equal(back[key], state[key])
     assert [p.name for p in store.folder.iterdir()] == ["round-5.pb"]  # no temporary file left
+    assert store.path(5).stat().st_mode & 0o777 == 0o600  # the client's state: readable by the node's user only
 
 
 def test_a_missing_state_is_none_before_any_round_and_one_line_after_a_commit(tmp_path: Path) -> None:
