@@ -112,6 +112,7 @@ def test_overwrite_removes_only_what_feddg_wrote(tmp_path):
     for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "events.out.tfevents.1.host", "NOTES.txt"):
         (run / name).write_text("x")
     (run / "client_store").mkdir()
+    (run / "node-state" / "k" / "client-0").mkdir(parents=True)  # a Flower simulation's client states
     (run / "analysis").mkdir()
     (run / "analysis" / "fig.png").write_text("x")
     assert clear_run_dir(run) == ["NOTES.txt", "analysis"]

@@ -31,7 +31,7 @@ from feddg.evaluation.plots import method_name, plot_run
 from feddg.federation.checkpoint import has_checkpoint
 from feddg.federation.examples import write_examples
 from feddg.federation.provenance import config_hash, record_resume
-from feddg.federation.server import CONFIG, RESULTS, Server, default_run_dir, used_run_dir
+from feddg.federation.server import CONFIG, NODE_STATE, RESULTS, Server, default_run_dir, used_run_dir
 from feddg.federation.setup import build_federation
 from feddg.tasks import Task, metric_key
 from feddg.tracking import Tracking
@@ -171,7 +171,8 @@ AUDIT_DIRS = (AUDIT_DIR, f"{AUDIT_DIR}-[0-9]*", f"{AUDIT_DIR}.partial")
 #: what feddg writes into a run directory: ``--overwrite`` removes these, and only these
 RUN_FILES = ("config.yaml", "provenance.json", "provenance.json.tmp", "metrics.jsonl", "results.json",
              "checkpoint.pt", "checkpoint.prev.pt", "checkpoint.pt.tmp", "client_store", "curves.png", "domains.png",
-             "styles.png", "report.html", "mlflow_run_id", "events.out.tfevents.*", "examples", *AUDIT_DIRS)
+             "styles.png", "report.html", "mlflow_run_id", "events.out.tfevents.*", "examples",
+             NODE_STATE, *AUDIT_DIRS)
 
 
 def clear_run_dir(run_dir: Path) -> list[str]:

@@ -58,6 +58,9 @@ METRICS = "metrics.jsonl"
 AGGREGATE = -1
 RESULTS = "results.json"
 CONFIG = "config.yaml"
+#: the Flower simulation's folder of its virtual SuperNodes' client states (what a deployed node keeps in its
+#: ``state-dir``: engines/flower/node_state.py), so a resumed simulation continues with them
+NODE_STATE = "node-state"
 
 
 def default_run_dir(cfg: ExperimentConfig) -> Path:

@@ -26,14 +26,12 @@ from flwr.supercore.logger import update_console_handler
 from feddg.config import ROSTER_NEEDS_DEPLOYMENT, dump_config
 from feddg.engines.flower.client import FederationFactory, client_federation, make_client_app
 from feddg.engines.flower.server import PollingGrid, RoundCallback, run_on_grid
-from feddg.federation.server import Server
+from feddg.federation.server import NODE_STATE, Server
 from feddg.federation.validation import RunStopped
 
 LOOPBACK = "127.0.0.1"
 VERBOSE = "FEDDG_VERBOSE"  # "1": Flower's and Ray's own INFO logs (``feddg --verbose``); else warnings only
 PLAIN = "FEDDG_PLAIN_LOGS"  # "1": Flower's log lines without colour codes (set when stderr is not a terminal)
-#: the run directory's folder of the virtual SuperNodes' client state (a resumed simulation continues with it)
-NODE_STATE = "node-state"
 
 
 def verbose() -> bool:
