@@ -197,3 +197,14 @@ def test_the_sweep_audit_plots_mean_psnr_against_z_sorted_with_the_std_as_error_
     assert list(line.get_xdata()) == [0.0, 1.0] and list(line.get_ydata()) == [20.0, 12.0]
     assert [seg[:, 1].tolist() for seg in bars.get_segments()] == [[19.0, 21.0], [10.0, 14.0]]
     plt.close(captured[0])
+
+
+def test_an_error_bar_stops_at_the_metrics_bounds_and_the_value_label_sits_above_it():
+    fig, ax = plt.subplots()
+    draw_domains(ax, {"ood_acc/z": [0.0, 10.0], "id_acc/a": [90.0, 100.0]}, ACC)  # 5 ± 7.1 and 95 ± 7.1
+    spans = [c.errorbar.lines[2][0].get_segments()[0][:, 1] for c in ax.containers if hasattr(c, "errorbar")]
+    std = float(np.std([0.0, 10.0], ddof=1))
+    assert [list(s) for s in spans] == [pytest.approx([0.0, 5.0 + std]), pytest.approx([95.0 - std, 100.0])]
+    labels = {t.get_text(): t.get_position()[1] for t in ax.texts}
+    assert labels == pytest.approx({"5.0": 5.0 + std + 1.5, "95.0": 101.0})  # above the bar's top, never on it
+    plt.close(fig)

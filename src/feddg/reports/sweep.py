@@ -18,7 +18,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from feddg.config import read_yaml
-from feddg.evaluation.plots import chance_line, draw_domains, has_chance, integer_rounds, legend_above, read_metrics
+from feddg.evaluation.plots import (
+    bounded_error,
+    chance_line,
+    draw_domains,
+    has_chance,
+    integer_rounds,
+    legend_above,
+    read_metrics,
+)
 from feddg.evaluation.selection import RULES
 from feddg.evaluation.tables import (
     DEGRADED_NOTE,
@@ -108,11 +116,11 @@ def bars(rows: list[dict[str, Any]], metric: str, task: TaskInfo) -> plt.Figure:
                 continue
             x = i - 0.4 + width * (j + 0.5)
             ax.bar(x, s.mean, width * 0.92, color=f"C{j}", label=v if i == 0 else None,
-                   yerr=None if math.isnan(s.std) else s.std, capsize=3)
+                   yerr=None if math.isnan(s.std) else bounded_error(s.mean, s.std, task.bounds_of(metric)), capsize=3)
             ax.plot(x + np.linspace(-width / 5, width / 5, s.n), s.values, "o", color="black", markersize=2.5, zorder=3)
     chance_line(ax, task, metric)
     ax.set_xticks(range(len(columns)), columns)
-    ax.set(ylabel=_axis_label(metric, task), title=f"{metric}: mean ± sample std, dots = seeds")
+    ax.set(ylabel=_axis_label(metric, task), title=f"{metric}: mean ± sample std (within the bounds), dots = seeds")
     ax.grid(axis="y", alpha=0.3)
     legend_above(ax, task.bounds_of(metric))
     return fig
