@@ -18,6 +18,8 @@ from feddg.engines.flower.server import compact_ids, run_on_grid
 from feddg.engines.inprocess import run_inprocess
 from feddg.federation.server import Server
 
+KEY = "0123456789abcdef"  # a run key as Server makes it
+
 
 class Crash(Exception):
     """The ServerApp's process dies after a round that it did not checkpoint."""
@@ -80,11 +82,11 @@ def test_a_node_keeps_on_disk_the_states_of_the_commit_and_durable_rounds_and_ne
 
 
 def test_a_state_crosses_the_disk_with_its_dtypes_shapes_and_scalars(tmp_path: Path) -> None:
-    store = NodeStateDir(tmp_path, "ab12", 3)
+    store = NodeStateDir(tmp_path, KEY, 3)
     state = {"c/w": np.arange(6, dtype=np.float16).reshape(2, 3), "n": np.array(7, dtype=np.int64),
              "empty": np.zeros((0, 4), np.float32), "steps": 12, "lr": 0.25, "style": "feature"}
     store.save(5, state)
-    assert store.path(5) == tmp_path / "ab12" / "client-3" / "round-5.pb"
+    assert store.path(5) == tmp_path / KEY / "client-3" / "round-5.pb"
     back = store.load(5)
     assert back.keys() == state.keys() and back["steps"] == 12 and back["lr"] == 0.25 and back["style"] == "feature"
     for key in ("c/w", "n", "empty"):
@@ -95,7 +97,7 @@ def test_a_state_crosses_the_disk_with_its_dtypes_shapes_and_scalars(tmp_path: P
 
 
 def test_a_missing_state_is_none_before_any_round_and_one_line_after_a_commit(tmp_path: Path) -> None:
-    store = NodeStateDir(tmp_path, "ab12", 0)
+    store = NodeStateDir(tmp_path, KEY, 0)
     assert store.load(0) == {}  # no setup exchange, no accepted update yet
     with pytest.raises(FileNotFoundError, match=r"^the client state of round 4 is not in .*client-0 \(the server "
                                                 r"folded that round's reply in\): this node's state-dir lost it$"):
@@ -103,12 +105,19 @@ def test_a_missing_state_is_none_before_any_round_and_one_line_after_a_commit(tm
 
 
 def test_keep_only_removes_every_other_round(tmp_path: Path) -> None:
-    store = NodeStateDir(tmp_path, "ab12", 1)
+    store = NodeStateDir(tmp_path, KEY, 1)
     for r in (0, 2, 3, 5, 11):
         store.save(r, {"r": r})
     store.keep_only({2, 5})
     assert sorted(p.name for p in store.folder.iterdir()) == ["round-2.pb", "round-5.pb"]
-    assert NodeStateDir(tmp_path, "other", 1).folder != store.folder  # another run's states are apart
+    assert NodeStateDir(tmp_path, "fedcba9876543210", 1).folder != store.folder  # another run's states are apart
+
+
+@pytest.mark.parametrize("key", ["../../etc", "0123456789ABCDEF", "0123456789abcdef/..", ""])
+def test_a_run_key_that_is_not_16_hex_digits_names_no_folder(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError, match=r"^run-key '.*' is not a run key \(16 hex digits\)$"):
+        NodeStateDir(tmp_path / "nodes", key, 0)  # a server's route must not reach beyond the node's state-dir
+    assert not (tmp_path / "nodes").exists()
 
 
 @pytest.mark.parametrize(("ids", "text"), [([0, 1, 2, 3], "0-3"), ([0, 2, 3, 4, 9], "0, 2-4, 9"), ([5], "5")])

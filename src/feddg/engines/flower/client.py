@@ -247,9 +247,8 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
             cid = client_id(msg, context)
         fed = federation(context)
         round, commit = int(payload["round"]), record_int(route[COMMIT])
-        store = node_state_dir(context, route, cid, state_dir)
         try:
-            if store is not None:
+            if (store := node_state_dir(context, route, cid, state_dir)) is not None:
                 state = store.load(commit)  # a file this node lost fails the client in one line (describe)
                 store.keep_only({commit, record_int(route[DURABLE])})  # what a resume from the checkpoint may ask for
             else:

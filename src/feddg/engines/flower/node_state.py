@@ -12,6 +12,7 @@ checkpoint), so two runs of one config never share a file.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from flwr.app import RecordDict
@@ -26,12 +27,16 @@ from feddg.messages import Message
 STATE_DIR = "state-dir"
 #: route keys of setup and train messages: the run's key, and the commit round as of the server's last checkpoint
 RUN_KEY, DURABLE = "run-key", "durable-round"
+#: a run key as ``federation.server.Server`` makes it (``secrets.token_hex(8)``)
+RUN_KEY_FORM = re.compile(r"[0-9a-f]{16}")
 
 
 class NodeStateDir:
     """One client's states by round, in ``root/<run_key>/client-<client_id>/``."""
 
     def __init__(self, root: Path, run_key: str, client_id: int) -> None:
+        if not RUN_KEY_FORM.fullmatch(run_key):  # it names a folder: the server's word must not reach beyond root
+            raise ValueError(f"run-key {run_key[:40]!r} is not a run key (16 hex digits)")
         self.folder = root / run_key / f"client-{client_id}"
 
     def path(self, round: int) -> Path:
