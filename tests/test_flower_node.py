@@ -169,15 +169,22 @@ def test_identify_reports_the_node_s_partition_and_its_federation_s_fingerprint(
 
 
 @pytest.mark.usefixtures("task_identity")
-def test_a_quiet_client_app_turns_flowers_info_lines_off_in_its_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_quiet_client_app_turns_flowers_info_lines_and_its_actors_routine_end_off_in_its_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     flwr_log = logging.getLogger("flwr")
     monkeypatch.setattr(flwr_log, "level", logging.INFO)  # restored after the test
+    monkeypatch.setattr(flwr_log, "filters", [])
     ask = RecordDict({ROUTE: ConfigRecord({"node-id": 1002})})
     make_client_app(dump_config(toy_config()), factory=toy_federation_of)(to_node(ask, 1002, IDENTIFY), node_context(2))
     assert flwr_log.level == logging.INFO  # a deployment's SuperNode logs its builds
     make_client_app(dump_config(toy_config()), factory=toy_federation_of, quiet=True)(
         to_node(ask, 1002, IDENTIFY), node_context(2))
-    assert flwr_log.level == logging.WARNING
+    assert flwr_log.level == logging.WARNING and len(flwr_log.filters) == 1
+
+    def shown(msg: str) -> bool:
+        return flwr_log.filter(logging.LogRecord("flwr", logging.WARNING, __file__, 1, msg, ("ClientAppActor",), None))
+
+    assert not shown("Manually terminating %s") and shown("Actor %s died")  # an actor's normal end, not its failure
 
 
 @pytest.mark.usefixtures("task_identity")

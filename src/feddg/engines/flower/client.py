@@ -177,6 +177,21 @@ def node_state_dir(context: Context, route: Mapping[str, Any], cid: int, state_d
     return NodeStateDir(Path(str(root)), str(route[RUN_KEY]), cid)
 
 
+class _RoutineActorExit(logging.Filter):
+    """Flower's Ray actors announce their normal end at WARNING (``Manually terminating ClientAppActor``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Manually terminating")
+
+
+def quiet_actor_logs() -> None:
+    """Flower's INFO lines and its actors' routine end off in this process (a simulation's Ray actor)."""
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.setLevel(logging.WARNING)
+    if not any(isinstance(f, _RoutineActorExit) for f in flwr_log.filters):
+        flwr_log.addFilter(_RoutineActorExit())
+
+
 def make_client_app(config_text: str | None = None, factory: FederationFactory = client_federation,
                     state_dir: Path | None = None, quiet: bool = False) -> ClientApp:
     """A ClientApp for the experiment ``config_text`` (YAML); ``None`` reads the run config key ``config``.
@@ -187,7 +202,7 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
 
     def federation(context: Context) -> Federation:
         if quiet:
-            logging.getLogger("flwr").setLevel(logging.WARNING)
+            quiet_actor_logs()
         text = config_text if config_text is not None else str(context.run_config.get("config", ""))
         return node_federation(required_config(text), factory)
 
