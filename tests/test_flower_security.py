@@ -271,11 +271,20 @@ def test_discovery_refuses_a_rogue_node_once_and_waits_for_the_roster_clients(tm
     roster = write_roster(tmp_path, keys, [(0, "St Mary's", "node0"), (1, "Guy's", "node1")])
     fed = SimpleNamespace(clients=[0, 1], cfg=SimpleNamespace(flower=SimpleNamespace(roster=str(roster))))
     grid = RosterGrid({10: keys["rogue"][0], 11: keys["node1"][0], 12: keys["node0"][0]}, late={11, 12})
-    assert discover_clients(grid, SimpleNamespace(fed=fed, round=0, rounds=2), 60.0) == {0: 12, 1: 11}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "provenance.json").write_text("{}")
+    assert discover_clients(grid, SimpleNamespace(fed=fed, round=0, rounds=2, run_dir=run), 60.0) == {0: 12, 1: 11}
     assert grid.challenged == [10, 11, 12]  # the refused node is not challenged again on the next poll
+    [session] = json.loads((run / "provenance.json").read_text())["flower_nodes"]  # who trained: the sign-off record
+    fp = {k: key_fingerprint(load_public_key(keys[k][1].read_text())) for k in ("node0", "node1")}
+    assert session["after_round"] == 0 and session["clients"] == {
+        "0": {"node": 12, "by": "roster key", "name": "St Mary's", "key": fp["node0"], "state_dir": False},
+        "1": {"node": 11, "by": "roster key", "name": "Guy's", "key": fp["node1"], "state_dir": False}}
+    assert [line.split(": key")[0] for line in session["refused"]] == ["node 10"]
     with pytest.raises(TimeoutError, match=r"clients \[0\] did not connect .*; refused 1 node\(s\): node 10: key "):
         discover_clients(RosterGrid({10: keys["rogue"][0], 11: keys["node1"][0]}, late=set()),
-                         SimpleNamespace(fed=fed, round=0, rounds=2), 0.0)
+                         SimpleNamespace(fed=fed, round=0, rounds=2, run_dir=run), 0.0)
 
 
 class ChallengeRecordingGrid(RosterGrid):
@@ -300,7 +309,8 @@ def test_every_node_gets_a_fresh_random_challenge_so_a_recorded_proof_cannot_be_
     sent = []
     for _ in range(2):
         grid = ChallengeRecordingGrid({11: keys["node1"][0], 12: keys["node0"][0]})
-        assert discover_clients(grid, SimpleNamespace(fed=fed, round=0, rounds=2), 60.0) == {0: 12, 1: 11}
+        assert discover_clients(grid, SimpleNamespace(fed=fed, round=0, rounds=2, run_dir=tmp_path), 60.0) == {
+            0: 12, 1: 11}
         sent += grid.challenges
     assert len(sent) == 4 and len(set(sent)) == 4
     assert all(re.fullmatch(r"[0-9a-f]{64}", c) for c in sent)

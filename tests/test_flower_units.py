@@ -136,10 +136,10 @@ class IdentifyGrid:
 
 @pytest.mark.usefixtures("task_identity")
 def test_discovery_maps_declared_partitions_waits_at_least_1_s_and_refuses_another_federation(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(flower_server, "fingerprint", lambda fed: "fed")
     server = SimpleNamespace(fed=SimpleNamespace(clients=[0, 1], cfg=SimpleNamespace(flower=SimpleNamespace(roster=None))),
-                             round=0, rounds=3)
+                             round=0, rounds=3, run_dir=tmp_path)
     grid = IdentifyGrid({1000: 1, 1001: 0}, {1000: "fed", 1001: "fed"})
     assert discover_clients(grid, server, 30.0) == {0: 1001, 1: 1000}  # type: ignore[arg-type]
     grid0 = IdentifyGrid({1000: 1, 1001: 0}, {1000: "fed", 1001: "fed"})

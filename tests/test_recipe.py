@@ -72,6 +72,9 @@ def test_the_secure_recipe_runs_as_written(tmp_path, cache_dir):
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["clients"] for r in rows] == [3, 3] and (run / "results.json").is_file() and (run / "report.html").is_file()
     assert "identified by the roster" in output, output[-3000:]  # the ServerApp's log, streamed by flwr run
+    [session] = json.loads((run / "provenance.json").read_text())["flower_nodes"]  # who trained the model
+    assert {c: (n["by"], n["name"], n["state_dir"]) for c, n in session["clients"].items()} == {
+        str(p): ("roster key", f"Hospital {'ABC'[p]}", True) for p in range(3)} and session["refused"] == []
     key = load_checkpoint(run)["run_key"]  # each hospital keeps its client's state of rounds 1 and 2 on its disk
     for p in range(3):
         held = tmp_path / "runs" / "secure" / "state" / f"hospital{p}" / key / f"client-{p}"

@@ -152,6 +152,20 @@ def record_resume(run_dir: str | Path, cfg: ExperimentConfig, overrides: list[st
     _write(path, record)
 
 
+def record_nodes(run_dir: str | Path, after_round: int, clients: dict[int, dict[str, Any]], refused: list[str]) -> None:
+    """Note in ``provenance.json`` who took part in a Flower run from ``after_round`` on (0: its start; a resume adds
+    another entry): per client its node and how it was identified (a roster name and key, or a declared partition),
+    and the nodes refused on the way. The record a consortium signs off: which sites trained the model."""
+    path = Path(run_dir) / PROVENANCE
+    record = _read(path)
+    if record is None:
+        return  # a run from before provenance.json
+    record.setdefault("flower_nodes", []).append(
+        {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_round": after_round,
+         "clients": {str(cid): clients[cid] for cid in sorted(clients)}, "refused": refused})
+    _write(path, record)
+
+
 def changed_inputs(run_dir: str | Path, cfg: ExperimentConfig) -> list[str]:
     """The input paths (:func:`inputs_stamp`) whose files changed since the run in ``run_dir`` recorded them (none
     for a run from before the record)."""

@@ -180,6 +180,11 @@ class Roster:
     def __init__(self, entries: list[RosterEntry], fingerprints: list[str]) -> None:
         self.entries = entries
         self.by_fingerprint = dict(zip(fingerprints, entries, strict=True))
+        self._fingerprints = {e.client: fp for fp, e in self.by_fingerprint.items()}
+
+    def fingerprint_of(self, entry: RosterEntry) -> str:
+        """The ``SHA256:`` fingerprint of ``entry``'s key."""
+        return self._fingerprints[entry.client]
 
     @classmethod
     def load(cls, path: Path, num_clients: int) -> Roster:

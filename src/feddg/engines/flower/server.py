@@ -59,6 +59,7 @@ from feddg.engines.flower.security import (
     verify,
 )
 from feddg.engines.workers import federation_threads
+from feddg.federation.provenance import record_nodes
 from feddg.federation.server import Server
 from feddg.federation.validation import RunStopped
 from feddg.messages import Message as FeddgMessage
@@ -201,7 +202,7 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
     nodes: dict[int, int] = {}
     refused: dict[int, str] = {}
     challenges: dict[int, str] = {}
-    forgetful: set[int] = set()  # clients whose node keeps their state in memory only (no state-dir)
+    who: dict[int, dict[str, Any]] = {}  # per client: its node and how it was identified (provenance.json)
     while len(nodes) < k:
         new = [n for n in grid.get_node_ids() if n not in nodes.values() and n not in refused]
         msgs = []
@@ -214,18 +215,21 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
             node = r.metadata.src_node_id
             if roster is None:
                 p = declared_partition(r, k, nodes)
+                identity: dict[str, Any] = {"by": "declared partition"}
             else:
                 try:
-                    p = roster_identity(roster, r, challenges[node], nodes).client
+                    entry = roster_identity(roster, r, challenges[node], nodes)
                 except Refused as why:
                     refused[node] = str(why)
                     log(WARNING, "feddg: refused %s", why)
                     continue
+                p, identity = entry.client, {"by": "roster key", "name": entry.name,
+                                             "key": roster.fingerprint_of(entry)}
             if r.content.config_records[ROUTE]["fingerprint"] != want:
                 raise RuntimeError(f"node {node} (client {p}) built a different federation: same config and data?")
             nodes[p] = node
-            if not r.content.config_records[ROUTE].get(KEEPS_STATE, False):
-                forgetful.add(p)
+            who[p] = {"node": node, **identity,
+                      "state_dir": bool(r.content.config_records[ROUTE].get(KEEPS_STATE, False))}
         if len(nodes) < k:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(k)) - set(nodes))
@@ -233,11 +237,13 @@ def discover_clients(grid: Grid, server: Server, wait_s: float) -> dict[int, int
                                    + (f"; refused {len(refused)} node(s): {'; '.join(refused.values())}" if refused else ""))
             time.sleep(0.5)
     log(INFO, "feddg: %d clients on %d SuperNodes%s", k, k, " (identified by the roster)" if roster else "")
+    record_nodes(server.run_dir, server.round, who, list(refused.values()))
+    forgetful = [cid for cid in sorted(who) if not who[cid]["state_dir"]]  # their nodes keep state in memory only
     if 0 < server.round < server.rounds and forgetful:
         log(WARNING, "feddg: resumed after round %d: the nodes of clients %s keep no state-dir, so what %s's clients "
             "keep between rounds (e.g. SCAFFOLD's control variates, FedBN's own BN) starts empty on them; a method "
             "that keeps none continues as an uninterrupted run would (docs/flower.md, 'Where client state lives')",
-            server.round, compact_ids(sorted(forgetful)), server.fed.cfg.method.name)
+            server.round, compact_ids(forgetful), server.fed.cfg.method.name)
     return nodes
 
 
