@@ -435,3 +435,29 @@ def test_report_renders_in_headless_chromium(which, request, tmp_path):
     assert f'data-images="{n_img}"' in body and 'data-broken-images="0"' in body, body
     pixels = np.asarray(Image.open(shot).convert("RGB"))
     assert pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 100  # a page, not a blank
+
+
+def test_a_flower_runs_page_tables_who_took_part_in_each_session(run_dir, tmp_path):
+    out = shutil.copytree(run_dir, tmp_path / "r", ignore=shutil.ignore_patterns("report.html"))
+    assert "who took part" not in " ".join(report(out)[0].read_text().split())  # an in-process run: no table
+    record = json.loads((out / "provenance.json").read_text())
+    node = {"by": "roster key", "name": "St Mary's", "key": "SHA256:abc", "state_dir": True}
+    record["flower_nodes"] = [
+        {"at": "t0", "after_round": 0, "clients": {"0": {"node": 12, **node}}, "refused": ["node 10: key SHA256:x is "
+                                                                                             "not in the roster"]},
+        {"at": "t1", "after_round": 2, "clients": {"0": {"node": 31, "by": "declared partition", "state_dir": False}},
+         "refused": []}]
+    (out / "provenance.json").write_text(json.dumps(record))
+    (out / "status.json").write_text(json.dumps({"status": "completed"}))  # the deployed ServerApp's mark
+    html = " ".join(report(out)[0].read_text().split())
+    assert "<b>flower deployment</b><span>engine</span>" in html  # its config.yaml says engine: inprocess
+    cells = lambda *v: "<tr>" + "".join(f'<td class="text">{x}</td>' for x in v) + "</tr>"  # noqa: E731
+    assert "who took part (Flower nodes, session 1)</h3>" in html and "who took part (Flower nodes, session 2)" in html
+    assert cells(1, 0, "St Mary&#39;s", "roster key", "SHA256:abc", 12, "yes") in html  # Jinja escapes the quote
+    assert cells(3, 0, "–", "declared partition", "–", 31, "no") in html  # resumed after round 2: from round 3
+    assert "<p>refused: node 10: key SHA256:x is not in the roster</p>" in html
+    crowd = {str(c): {"node": 1000 + c, "by": "declared partition", "state_dir": True} for c in range(3060)}
+    record["flower_nodes"] = [{"at": "t", "after_round": 0, "clients": crowd, "refused": []}]  # writers, simulated
+    (out / "provenance.json").write_text(json.dumps(record))
+    html = " ".join(report(out)[0].read_text().split())
+    assert html.count("declared partition") == 100 and "<p>and 2960 more clients (provenance.json, flower_nodes)</p>" in html

@@ -63,6 +63,32 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return rows
 
 
+PARTICIPANT_COLUMNS = ("from round", "client", "site", "identified by", "key", "node", "state-dir")
+
+
+#: clients tabled per session; a larger federation (a simulation of thousands of writers) is counted, not listed
+MAX_PARTICIPANT_ROWS = 100
+
+
+def participants(provenance: Any) -> list[dict[str, Any]]:
+    """provenance.json's ``flower_nodes`` (a Flower run's start and resumes): per session its rows (one per client,
+    :data:`PARTICIPANT_COLUMNS`, the first :data:`MAX_PARTICIPANT_ROWS`), how many more there are, and the refused
+    nodes' lines; none for another run."""
+    sessions = provenance.get("flower_nodes", []) if isinstance(provenance, dict) else []
+    return [{"rows": [(s["after_round"] + 1, cid, c.get("name", "–"), c["by"], c.get("key", "–"), c["node"],
+                       "yes" if c["state_dir"] else "no")
+                      for cid, c in list(s["clients"].items())[:MAX_PARTICIPANT_ROWS]],
+             "more": max(len(s["clients"]) - MAX_PARTICIPANT_ROWS, 0), "refused": s["refused"]} for s in sessions]
+
+
+def _untabled(provenance: Any) -> Any:
+    """provenance.json as the page prints it: ``flower_nodes`` (thousands of lines for a simulation of writers) is in
+    the "who took part" tables already."""
+    if not isinstance(provenance, dict) or "flower_nodes" not in provenance:
+        return provenance
+    return {**provenance, "flower_nodes": f"{len(provenance['flower_nodes'])} session(s): tabled above"}
+
+
 def domain_rows(final: dict[str, float], counts: dict[str, int], task: TaskInfo) -> list[dict[str, Any]]:
     """One row per ``<role>_<metric>/<domain>`` key: the figure and the samples behind it."""
     rows = []
@@ -145,7 +171,8 @@ def run_report(run_dir: Path) -> list[Path]:
                ("rounds", f"{len(metrics)} of {planned}" if unfinished else len(metrics)),
                ("clients", results["num_clients"]) if "num_clients" in results
                else ("clients sampled (last round)", metrics[-1].get("clients", "?")),
-               ("engine", given["federation"].get("engine", "inprocess"))]
+               ("engine", "flower deployment" if (run_dir / "status.json").is_file()  # its ServerApp's mark
+                else given["federation"].get("engine", "inprocess"))]
     summary += [(f"{k} ({task.unit})", f"{final[k]:.2f}") for k in map(task.key, ("ood", "val", "id", "global_ood"))
                 if k in final]
     summary += [(f"chance ({task.unit})", f"{task.chance:.3g}")] if task.chance is not None else []
@@ -176,7 +203,8 @@ def run_report(run_dir: Path) -> list[Path]:
         if view else None,
         hierarchy=_flat(results["hierarchy"]) if "hierarchy" in results else [],
         method_params=_flat(results.get("method_params", {})),
-        config_text=config_text, provenance_text=json.dumps(provenance, indent=2) if provenance else "",
+        participants=participants(provenance), participant_columns=PARTICIPANT_COLUMNS,
+        config_text=config_text, provenance_text=json.dumps(_untabled(provenance), indent=2) if provenance else "",
         files=[(p.name, _size(p.stat().st_size)) for p in sorted(run_dir.iterdir())
                if p.is_file() and p.name != REPORT],
     )
