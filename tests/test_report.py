@@ -456,6 +456,10 @@ def test_a_flower_runs_page_tables_who_took_part_in_each_session(run_dir, tmp_pa
     assert cells(1, 0, "St Mary&#39;s", "roster key", "SHA256:abc", 12, "yes") in html  # Jinja escapes the quote
     assert cells(3, 0, "–", "declared partition", "–", 31, "no") in html  # resumed after round 2: from round 3
     assert "<p>refused: node 10: key SHA256:x is not in the roster</p>" in html
+    record["flower_nodes"] = [{"after_round": "x", "clients": {"0": {"node": 5}, "1": "junk"}}, "junk"]  # hand-edited
+    (out / "provenance.json").write_text(json.dumps(record))
+    html = " ".join(report(out)[0].read_text().split())
+    assert cells("?", 0, "–", "?", "–", 5, "?") in html and html.count("who took part") == 1
     crowd = {str(c): {"node": 1000 + c, "by": "declared partition", "state_dir": True} for c in range(3060)}
     record["flower_nodes"] = [{"at": "t", "after_round": 0, "clients": crowd, "refused": []}]  # writers, simulated
     (out / "provenance.json").write_text(json.dumps(record))

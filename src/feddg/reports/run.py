@@ -63,6 +63,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return rows
 
 
+#: the "who took part" table's columns (one row per client of a Flower run's session)
 PARTICIPANT_COLUMNS = ("from round", "client", "site", "identified by", "key", "node", "state-dir")
 
 
@@ -75,10 +76,19 @@ def participants(provenance: Any) -> list[dict[str, Any]]:
     :data:`PARTICIPANT_COLUMNS`, the first :data:`MAX_PARTICIPANT_ROWS`), how many more there are, and the refused
     nodes' lines; none for another run."""
     sessions = provenance.get("flower_nodes", []) if isinstance(provenance, dict) else []
-    return [{"rows": [(s["after_round"] + 1, cid, c.get("name", "–"), c["by"], c.get("key", "–"), c["node"],
-                       "yes" if c["state_dir"] else "no")
-                      for cid, c in list(s["clients"].items())[:MAX_PARTICIPANT_ROWS]],
-             "more": max(len(s["clients"]) - MAX_PARTICIPANT_ROWS, 0), "refused": s["refused"]} for s in sessions]
+    out = []
+    for s in (s for s in sessions if isinstance(s, dict)):  # a hand-edited file must not stop the report
+        clients = {cid: c for cid, c in (s.get("clients") or {}).items() if isinstance(c, dict)}
+        start = s["after_round"] + 1 if isinstance(s.get("after_round"), int) else "?"
+        out.append({"rows": [(start, cid, c.get("name", "–"), c.get("by", "?"), c.get("key", "–"), c.get("node", "?"),
+                              _yes_no(c.get("state_dir")))
+                             for cid, c in list(clients.items())[:MAX_PARTICIPANT_ROWS]],
+                    "more": max(len(clients) - MAX_PARTICIPANT_ROWS, 0), "refused": list(s.get("refused") or [])})
+    return out
+
+
+def _yes_no(value: Any) -> str:
+    return "yes" if value is True else "no" if value is False else "?"
 
 
 def _untabled(provenance: Any) -> Any:
