@@ -2,8 +2,8 @@
 with it: Flower keeps a node's ``Context.state`` per Flower run, and ``flwr run`` after a crash is a new run.
 
 The node writes the state after each update as ``DIR/<run-key>/client-<k>/round-<r>.pb`` (the setup exchange's as
-round 0), through the records of :mod:`feddg.engines.flower.records` and Flower's protobuf, one file replacing its
-temporary copy. Every train message names the round whose reply the server last folded in (``commit-round``) and
+round 0), through the records of :mod:`feddg.engines.flower.records` and Flower's protobuf, written to a temporary
+file and renamed. Every train message names the round whose reply the server last folded in (``commit-round``) and
 that round as of the server's last checkpoint (``durable-round``): the node reads the state of the first and keeps
 the files of those two rounds only, so a reply the server dropped or rolled back leaves no trace, and a server that
 resumes from its checkpoint finds the node's state of the same round. ``run-key`` is the feddg run's (kept in its
@@ -62,5 +62,6 @@ class NodeStateDir:
     def keep_only(self, rounds: set[int]) -> None:
         """Remove every state file but those of ``rounds``."""
         for path in self.folder.glob("round-*.pb"):
-            if int(path.stem.removeprefix("round-")) not in rounds:
+            number = path.stem.removeprefix("round-")
+            if number.isdigit() and int(number) not in rounds:  # another name there is not this module's
                 path.unlink(missing_ok=True)
