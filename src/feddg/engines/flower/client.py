@@ -196,8 +196,8 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
                     state_dir: Path | None = None, quiet: bool = False) -> ClientApp:
     """A ClientApp for the experiment ``config_text`` (YAML); ``None`` reads the run config key ``config``.
     ``state_dir``: where every node keeps its clients' state (default: the node config's ``state-dir``, if any).
-    ``quiet``: Flower's INFO lines off in the processes that run it (the simulation's Ray actors, whose lines Ray
-    prints under the driver's progress bar)."""
+    ``quiet``: Flower's INFO lines and its actors' routine end notice off in the processes that run it (the
+    simulation's Ray actors, whose lines Ray prints under the driver's progress bar)."""
     app = ClientApp(mods=[secure_mod])
 
     def federation(context: Context) -> Federation:
