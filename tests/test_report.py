@@ -154,6 +154,18 @@ def test_the_sweep_bars_legend_sits_above_bars_near_the_top_of_the_scale():
     plt.close(fig)
 
 
+def test_the_sweep_bars_error_bars_stop_at_the_metrics_bounds():
+    """Seeds at 90 and 100 %: mean 95 ± 7.1; the error bar ends at 100, not 102.1 (into the legend's band)."""
+    from feddg.reports.sweep import bars
+
+    rows = [{"variant": "V", "target": "a", "seed": s, "ood_acc": v} for s, v in ((0, 90.0), (1, 100.0))]
+    fig = bars(rows, "ood_acc", ACC)
+    (ax,) = fig.axes
+    [span] = [c.errorbar.lines[2][0].get_segments()[0][:, 1] for c in ax.containers if hasattr(c, "errorbar")]
+    assert list(span) == pytest.approx([95.0 - np.sqrt(50.0), 100.0])
+    plt.close(fig)
+
+
 def test_thousands_of_domains_are_drawn_as_a_histogram_of_their_figures():
     """Natural clients (writers) have thousands of domains: one bar and tick label each took a minute to draw;
     past MAX_DOMAIN_BARS the figure is a histogram per role whose bars count the domains."""
