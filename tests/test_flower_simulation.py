@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -20,12 +21,14 @@ from typing import Any
 
 import flwr.simulation
 import pytest
+import ray._private.utils as ray_utils
 from flwr.app import Context, RecordDict
 
 from feddg.config import build_config, dump_config
 from feddg.engines.flower import simulation
 from feddg.engines.flower.server import PollingGrid
 from feddg.engines.flower.simulation import run_flower
+from feddg.experiment import stop_signals
 from feddg.federation.validation import RunStopped
 
 GRID = object()  # the Grid Flower would give the ServerApp
@@ -240,3 +243,35 @@ def test_ray_environment_at_start_keeps_a_users_accelerator_override(fake: FakeF
     run_flower(fake_server())
     assert fake.env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == seen
     assert fake.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_simulation_ends_it_as_a_finished_run_then_reaches_the_callers_handler(
+        fake: FakeFlower, monkeypatch: pytest.MonkeyPatch, sig: int) -> None:
+    # raised in the main thread, Flower shut Ray down under its workers' pending ray.get: the process hung or Ray
+    # ended it before feddg's line; now the ServerApp stops, the simulation returns, and then the signal is raised
+    waited: list[str] = []
+    threads: list[threading.Thread] = []
+
+    def waits(server: Any, grid: Any, on_round: Any) -> dict[str, Any]:
+        try:
+            grid.send_and_receive([], timeout=3600.0)
+        except RunStopped as err:
+            waited.append(str(err))
+            raise
+        return {}
+
+    def signalled(server_app: Any, **kwargs: Any) -> None:
+        ray_utils.set_sigterm_handler(lambda s, f: None)  # what ray.init does: it must not take SIGTERM over
+        thread = threading.Thread(target=server_app, args=(SilentGrid(), None), daemon=True)
+        thread.start()
+        signal.raise_signal(sig)  # while the clients train: deferred, not raised here
+        thread.join(timeout=10)  # Flower's run ends once the ServerApp has
+        threads.append(thread)
+
+    monkeypatch.setattr(simulation, "run_on_grid", waits)
+    monkeypatch.setattr(simulation, "run_simulation", signalled)
+    with stop_signals() as got, pytest.raises(KeyboardInterrupt):  # feddg run's handlers: which signal came
+        run_flower(fake_server())
+    assert got == {"signal": sig} and not threads[0].is_alive()
+    assert waited == ["interrupted while waiting for the clients' replies"]

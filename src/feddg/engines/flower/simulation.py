@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import ray._private.ray_constants as ray_constants
+import ray._private.utils as ray_utils
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
@@ -70,6 +75,39 @@ def backend_config(server: Server) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def deferred_stop_signals(interrupted: threading.Event) -> Iterator[list[int]]:
+    """In the block, SIGINT and SIGTERM set ``interrupted`` (the ServerApp's thread stops at its next poll, and the
+    simulation ends as a finished one would) and are listed, for the caller to raise again after the block; a second
+    one raises KeyboardInterrupt at once. Raised in the main thread, Flower's run_simulation answered a signal by
+    shutting Ray down under its worker threads' pending ``ray.get``: the process then hung, or Ray's core worker ended
+    it before feddg's line. Ray's own SIGTERM handlers stay off meanwhile: ``ray.init`` would install
+    ``sys.exit(15)`` (``ray._private.utils.set_sigterm_handler``) and its core worker a stack dump that aborts the
+    process (``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, read when the driver connects). Outside the main thread
+    (a library caller's worker thread) signals are left alone."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def defer(sig: int, frame: object) -> None:
+        if received:
+            raise KeyboardInterrupt
+        received.append(sig)
+        interrupted.set()
+
+    previous = {s: signal.signal(s, defer) for s in (signal.SIGINT, signal.SIGTERM)}
+    install, dump = ray_utils.set_sigterm_handler, ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    ray_utils.set_sigterm_handler = lambda handler: None
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True  # the driver's only: the actors keep their crash dumps
+    try:
+        yield received
+    finally:
+        ray_utils.set_sigterm_handler, ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = install, dump
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_flower(
     server: Server, on_round: RoundCallback | None = None, *, factory: FederationFactory = client_federation
 ) -> dict[str, Any]:
@@ -99,18 +137,21 @@ def run_flower(
     if not any(isinstance(f, _NotRunSimulationDeprecation) for f in flwr_log.filters):
         flwr_log.addFilter(_NotRunSimulationDeprecation())
     plain_logs()
-    try:
-        run_simulation(
-            server_app=server_app,
-            client_app=make_client_app(dump_config(cfg), factory, state_dir=server.run_dir / NODE_STATE,
-                                       quiet=not verbose()),
-            num_supernodes=len(server.fed.clients),
-            backend_config=backend_config(server),
-            verbose_logging=verbose(),
-        )
-    except BaseException:  # Ctrl-C: the ServerApp's thread stops at its next poll, and the process can end
-        interrupted.set()
-        raise
+    with deferred_stop_signals(interrupted) as received:
+        try:
+            run_simulation(
+                server_app=server_app,
+                client_app=make_client_app(dump_config(cfg), factory, state_dir=server.run_dir / NODE_STATE,
+                                           quiet=not verbose()),
+                num_supernodes=len(server.fed.clients),
+                backend_config=backend_config(server),
+                verbose_logging=verbose(),
+            )
+        except BaseException:  # a second signal: the ServerApp's thread stops at its next poll, the process can end
+            interrupted.set()
+            raise
+    if received and not results:  # the simulation ended as a finished one would: now the caller's handler
+        signal.raise_signal(received[0])  # (feddg run's: one line, exit 130 or 143)
     if stopped:
         raise stopped[0]
     if not results:
