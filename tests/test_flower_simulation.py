@@ -157,20 +157,26 @@ class SilentGrid:
         return []
 
 
-def test_an_interrupted_simulation_stops_its_server_app_thread_instead_of_waiting_out_the_round(
-        fake: FakeFlower, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Ctrl-C reaches the main thread inside run_simulation while the ServerApp's thread waits for replies that
-    # will not come: it waited flower.round_timeout_s (an hour) and held the process that long
-    waited: list[BaseException] = []
-    threads: list[threading.Thread] = []
+def waiting_for_replies(waited: list[str]) -> Any:
+    """A stand-in for run_on_grid that waits for replies (up to an hour) and notes why it stopped in ``waited``."""
 
     def waits(server: Any, grid: Any, on_round: Any) -> dict[str, Any]:
         try:
             grid.send_and_receive([], timeout=3600.0)
         except RunStopped as err:
-            waited.append(err)
+            waited.append(str(err))
             raise
         return {}
+
+    return waits
+
+
+def test_an_interrupted_simulation_stops_its_server_app_thread_instead_of_waiting_out_the_round(
+        fake: FakeFlower, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C reaches the main thread inside run_simulation while the ServerApp's thread waits for replies that
+    # will not come: it waited flower.round_timeout_s (an hour) and held the process that long
+    waited: list[str] = []
+    threads: list[threading.Thread] = []
 
     def interrupted(server_app: Any, **kwargs: Any) -> None:
         thread = threading.Thread(target=server_app, args=(SilentGrid(), None), daemon=True)  # a failure ends too
@@ -178,13 +184,13 @@ def test_an_interrupted_simulation_stops_its_server_app_thread_instead_of_waitin
         threads.append(thread)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(simulation, "run_on_grid", waits)
+    monkeypatch.setattr(simulation, "run_on_grid", waiting_for_replies(waited))
     monkeypatch.setattr(simulation, "run_simulation", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_flower(fake_server())
     threads[0].join(timeout=10)
     assert not threads[0].is_alive()
-    assert [str(e) for e in waited] == ["interrupted while waiting for the clients' replies"]
+    assert waited == ["interrupted while waiting for the clients' replies"]
 
 
 def test_run_stopped_in_the_server_app_thread_is_raised_again_by_run_flower(fake: FakeFlower) -> None:
@@ -253,14 +259,6 @@ def test_a_signal_during_the_simulation_ends_it_as_a_finished_run_then_reaches_t
     waited: list[str] = []
     threads: list[threading.Thread] = []
 
-    def waits(server: Any, grid: Any, on_round: Any) -> dict[str, Any]:
-        try:
-            grid.send_and_receive([], timeout=3600.0)
-        except RunStopped as err:
-            waited.append(str(err))
-            raise
-        return {}
-
     def signalled(server_app: Any, **kwargs: Any) -> None:
         ray_utils.set_sigterm_handler(lambda s, f: None)  # what ray.init does: it must not take SIGTERM over
         thread = threading.Thread(target=server_app, args=(SilentGrid(), None), daemon=True)
@@ -269,7 +267,7 @@ def test_a_signal_during_the_simulation_ends_it_as_a_finished_run_then_reaches_t
         thread.join(timeout=10)  # Flower's run ends once the ServerApp has
         threads.append(thread)
 
-    monkeypatch.setattr(simulation, "run_on_grid", waits)
+    monkeypatch.setattr(simulation, "run_on_grid", waiting_for_replies(waited))
     monkeypatch.setattr(simulation, "run_simulation", signalled)
     with stop_signals() as got, pytest.raises(KeyboardInterrupt):  # feddg run's handlers: which signal came
         run_flower(fake_server())
