@@ -64,7 +64,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 
 
 #: the "who took part" table's columns (one row per client of a Flower run's session)
-PARTICIPANT_COLUMNS = ("from round", "client", "site", "identified by", "key", "node", "state-dir")
+PARTICIPANT_COLUMNS = ("from round", "client", "site", "identified by", "key", "node", "state-dir (its word)")
 
 
 #: clients tabled per session; a larger federation (a simulation of thousands of writers) is counted, not listed
@@ -167,8 +167,9 @@ def run_report(run_dir: Path) -> list[Path]:
     provenance = read_json(run_dir / "provenance.json")
     planned = None if "final" in results else _planned_rounds(raw)
     unfinished = planned is not None and metrics[-1]["round"] < planned
+    mark = read_json(run_dir / "status.json")  # only a Flower deployment's ServerApp writes one: its state
+    deployed = isinstance(mark, dict)
     if unfinished:
-        mark = read_json(run_dir / "status.json")  # a Flower deployment's ServerApp keeps its state there
         state = (f"status.json: {mark.get('status')}{': ' + mark['error'] if mark.get('error') else ''}; feddg flower run "
                  f"--resume {run_dir} --connection NAME continues it" if isinstance(mark, dict)
                  else f"the run is still going, or it stopped: feddg run --resume {run_dir} continues it")
@@ -181,8 +182,7 @@ def run_report(run_dir: Path) -> list[Path]:
                ("rounds", f"{len(metrics)} of {planned}" if unfinished else len(metrics)),
                ("clients", results["num_clients"]) if "num_clients" in results
                else ("clients sampled (last round)", metrics[-1].get("clients", "?")),
-               ("engine", "flower deployment" if (run_dir / "status.json").is_file()  # its ServerApp's mark
-                else given["federation"].get("engine", "inprocess"))]
+               ("engine", "flower deployment" if deployed else given["federation"].get("engine", "inprocess"))]
     summary += [(f"{k} ({task.unit})", f"{final[k]:.2f}") for k in map(task.key, ("ood", "val", "id", "global_ood"))
                 if k in final]
     summary += [(f"chance ({task.unit})", f"{task.chance:.3g}")] if task.chance is not None else []
