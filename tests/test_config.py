@@ -50,6 +50,29 @@ def test_a_model_that_does_not_fit_the_data_or_an_unknown_option_is_refused_befo
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("raw, overrides, message", [
+    ({}, ["engine=flower"], "engine: unknown key; did you mean federation.engine?"),
+    ({}, ["federation.roundz=2"], "federation.roundz: unknown key; did you mean federation.rounds?"),
+    ({}, ["secaggplus.num_shares=3"], "secaggplus: unknown key; did you mean flower.secaggplus?"),
+    ({}, ["method.name=fedprox", "method.params.mux=1"], "method.params.mux: unknown key; did you mean method.params.mu?"),
+    ({"hierarchy": {"params": {"alpah": 1}}}, [], "hierarchy.params.alpah: unknown key; did you mean "
+                                                 "hierarchy.params.alpha?"),
+    ({}, ["method.name=fedprox", "method.params.nu=1"], "method.params.nu: unknown key"),  # nothing close: no guess
+    ({}, ["name2=x"], "name2: unknown key; did you mean name?"),
+])
+def test_an_unknown_key_names_the_key_it_may_have_meant(raw, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(raw, overrides)
+    assert str(err.value) == message
+
+
+def test_a_sweep_key_names_the_key_it_may_have_meant(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text("sweep: {targts: all}\n")
+    with pytest.raises(ConfigError, match=r"^sweep\.targts: unknown key; did you mean sweep\.targets\?$"):
+        load_sweep(path)
+
+
 def test_model_options_that_fit_pass():
     cfg = build_config({}, ["data.dataset=synthetic-sentiment", "model.name=tiny-roberta", "model.params.hidden_size=32"])
     assert cfg.model.params == {"hidden_size": 32}

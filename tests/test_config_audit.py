@@ -221,7 +221,7 @@ def test_several_errors_are_joined_by_semicolons_on_one_line():
 def test_an_unknown_key_with_a_line_break_is_shown_as_its_repr():
     with pytest.raises(ConfigError) as err:
         build_config({"feder\nation": {}})
-    assert str(err.value) == "'feder\\nation': unknown key"
+    assert str(err.value) == "'feder\\nation': unknown key; did you mean federation?"
 
 
 def test_one_line_folds_every_run_of_white_space():

@@ -134,7 +134,8 @@ def test_secaggplus_loads_with_a_deployments_config_and_feddg_run_in_process_ref
 
 @pytest.mark.parametrize(("args", "error"), [
     (["{configs}/absent.yaml"], "error: config file not found: {configs}/absent.yaml"),
-    (["{configs}/demo.yaml", "-o", "federation.roundz=2"], "error: federation.roundz: unknown key"),
+    (["{configs}/demo.yaml", "-o", "federation.roundz=2"],
+     "error: federation.roundz: unknown key; did you mean federation.rounds?"),
 ])
 def test_the_run_config_writer_refuses_bad_input_in_one_line(monkeypatch, capsys, args, error):
     monkeypatch.setattr(sys, "argv", ["app", *(a.format(configs=CONFIGS) for a in args)])

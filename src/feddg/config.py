@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator, field_validator, model_validator
 
-from feddg.settings import Settings
+from feddg.settings import Settings, meant_keys
 
 
 def domain_names(value: Any) -> Any:
@@ -569,7 +569,7 @@ class ExperimentConfig(Settings):
         try:
             cls.Params(**self.method.params)
         except ValidationError as err:
-            raise ValueError(format_errors(err, prefix="method.params")) from None
+            raise ValueError(format_errors(err, prefix="method.params", model=cls.Params)) from None
         return self
 
     @model_validator(mode="after")
@@ -622,7 +622,7 @@ class ExperimentConfig(Settings):
         try:  # every hierarchy key is known (a sweep may switch merges); each merge takes the ones it uses
             HFedATMParams(**h.params)
         except ValidationError as err:
-            raise ValueError(format_errors(err, prefix="hierarchy.params")) from None
+            raise ValueError(format_errors(err, prefix="hierarchy.params", model=HFedATMParams)) from None
         natural = self.partition.kind == "natural"  # its clients are the dataset's groups: counted when it loads
         if not natural and self.partition.num_clients < h.stations:
             raise ValueError(f"hierarchy.stations: {h.stations} stations need partition.num_clients >= {h.stations}")
@@ -726,12 +726,16 @@ class ConfigError(ValueError):
     """A configuration problem, with the dotted key in the message."""
 
 
-def format_errors(err: ValidationError, prefix: str = "") -> str:
+def format_errors(err: ValidationError, prefix: str = "", model: type[Settings] | None = None) -> str:
+    """Every error of ``err`` as ``key: problem`` on one line; with the validated ``model``, an unknown key names
+    the keys it may have meant."""
     lines = []
     for e in err.errors():
         loc = ".".join(_show(p) for p in e["loc"])
         loc = f"{prefix}.{loc}" if prefix and loc else prefix or loc
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden" and model is not None and (meant := meant_keys(model, e["loc"])):
+            msg += f"; did you mean {' or '.join('.'.join(filter(None, (prefix, *path))) for path in meant)}?"
         lines.append(f"{loc}: {msg}" if loc else msg)
     return one_line("; ".join(lines))
 
@@ -820,7 +824,7 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Exp
     try:
         return ExperimentConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(format_errors(err)) from None
+        raise ConfigError(format_errors(err, model=ExperimentConfig)) from None
     except (ValueError, TypeError) as err:  # a validator's own check, outside pydantic's wrapping
         raise ConfigError(one_line(str(err))) from None
 

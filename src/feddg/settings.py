@@ -11,7 +11,9 @@ take one (``int``, ``float | None``, ``list[int]``, ...) is refused at that fiel
 
 from __future__ import annotations
 
+import difflib
 import types
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -78,3 +80,24 @@ class Settings(BaseModel):
         if errors:
             raise ValidationError.from_exception_data(cls.__name__, errors)
         return data
+
+
+def key_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every key of a settings model as a path, the keys of its nested sections included (not inside lists or
+    free mappings such as ``params``)."""
+    for name, field in model.model_fields.items():
+        yield (*prefix, name)
+        for member in _members(field.annotation):
+            if isinstance(member, type) and issubclass(member, BaseModel):
+                yield from key_paths(member, (*prefix, name))
+
+
+def meant_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[tuple[str, ...]]:
+    """The keys an unknown key at ``loc`` may have meant: the closest spelling beside it (``federation.roundz`` ->
+    ``federation.rounds``), else the same name in other sections (``engine`` -> ``federation.engine``)."""
+    *parents, leaf = loc
+    paths = list(key_paths(model))
+    beside = {path[-1]: path for path in paths if list(path[:-1]) == parents}
+    if close := difflib.get_close_matches(str(leaf), list(beside), n=1, cutoff=0.75):
+        return [beside[close[0]]]
+    return [path for path in paths if path[-1] == leaf and len(path) > 1]

@@ -132,7 +132,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
     try:
         spec = SweepSpec.model_validate(section)
     except ValidationError as err:
-        raise ConfigError(format_errors(err, prefix="sweep")) from None
+        raise ConfigError(format_errors(err, prefix="sweep", model=SweepSpec)) from None
     return spec, config_tree(build_config(raw, overrides))
 
 
