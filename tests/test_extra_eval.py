@@ -92,6 +92,9 @@ def test_an_extra_target_needs_the_training_datas_classes_and_image_shape(cache_
     # the same digits in one channel: `feddg eval` failed loading them with the training data's 3-channel statistics
     ("digits-dg", "rotated-mnist", "rotated-mnist has 1-channel images, the training data digits-dg 3-channel ones: an "
      "extra target needs images of the same channels"),
+    # a natural source's channels are known before it loads: the writers failed on the 3-channel statistics
+    ("digits-dg", "writers", "writers has 1-channel images, the training data digits-dg 3-channel ones"),
+    ("femnist", "cifar10", "cifar10 has 3-channel images, the training data femnist 1-channel ones"),
     ("digits-dg", "nosuch", "unknown dataset 'nosuch'"),
     # token ids of feddg's own BPE are the training corpus's: another corpus's ids would name other words
     ("synthetic-sentiment", "text-table", "without data.tokenizer (or model.path) synthetic-sentiment's token ids come "

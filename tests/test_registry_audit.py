@@ -159,9 +159,10 @@ def test_dataset_info_defaults_and_unknown_class_counts() -> None:
     assert dataset_info("text-table")["num_classes"] is None
     assert dataset_info("digits-dg")["image_size"] == 28
     assert dataset_info("pacs")["image_size"] == 224
-    # channels: a built-in's statistics' length, 3 for a folder (read as RGB), unknown for plug-ins and volumes
-    assert [dataset_info(n)["channels"] for n in ("digits-dg", "rotated-mnist", "pacs", "femnist", "prostate")] == [
-        3, 1, 3, None, None]
+    # channels: a built-in's or natural source's statistics' length, 3 for a folder (read as RGB), unknown for
+    # volumes and for plug-ins that do not declare them
+    assert [dataset_info(n)["channels"] for n in ("digits-dg", "rotated-mnist", "pacs", "femnist", "iwildcam",
+                                                  "prostate", "text-table")] == [3, 1, 3, 1, 3, None, None]
 
 
 def test_evaluation_mismatch_needs_the_same_class_order(monkeypatch: pytest.MonkeyPatch) -> None:

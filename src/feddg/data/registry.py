@@ -98,6 +98,7 @@ class Plugin:
     inputs: str = "images"
     needs_root: bool = False
     image_size: int | None = None
+    channels: int | None = None  # None: only the data tells
 
 
 PLUGINS: dict[str, Plugin] = {}
@@ -165,8 +166,10 @@ def _natural_loader(name: str, source: natural.Source) -> Callable[..., DomainDa
 
 NATURAL_SOURCES = {femnist.NAME: femnist.SOURCE, cifar.NAME: cifar.SOURCE, tinyimagenet.NAME: tinyimagenet.SOURCE,
                    writers.NAME: writers.SOURCE, iwildcam.NAME: iwildcam.SOURCE}
+# a source's default normalisation has one value per channel of every image it reads (check_channels)
 PLUGINS.update({name: Plugin(_natural_loader(name, s), s.domains, s.classes, needs_root=s.needs_root,
-                             image_size=s.image_size) for name, s in NATURAL_SOURCES.items()})
+                             image_size=s.image_size, channels=None if s.transforms.mean is None else len(s.transforms.mean))
+                for name, s in NATURAL_SOURCES.items()})
 
 
 def _load_writers(*, writer_count: int | None = None, **options: Any) -> DomainDataset:
@@ -249,6 +252,7 @@ def dataset_info(name: str) -> dict[str, Any]:
         plugin = PLUGINS.get(name) or VOLUMES[name]
         domains, classes, num_classes = list(plugin.domains), list(plugin.classes), len(plugin.classes) or None
         needs_root, image_size, task, inputs = plugin.needs_root, plugin.image_size, plugin.task, plugin.inputs
+        channels = plugin.channels
     elif name in BUILTINS:
         b = BUILTINS[name]
         domains, classes, num_classes = list(b.builders), list(b.classes), len(b.classes)
