@@ -59,6 +59,9 @@ def test_a_model_that_does_not_fit_the_data_or_an_unknown_option_is_refused_befo
                                                  "hierarchy.params.alpha?"),
     ({}, ["method.name=fedprox", "method.params.nu=1"], "method.params.nu: unknown key"),  # nothing close: no guess
     ({}, ["name2=x"], "name2: unknown key; did you mean name?"),
+    ({}, ["federation.seed=3"], "federation.seed: unknown key; did you mean seed or data.seed or audit.seed?"),
+    ({}, ["data.sed=3"], "data.sed: unknown key; did you mean data.seed?"),
+    ({}, ["eval.extra=[{name: x, dataset: digits-dg, seed: 1}]"], "eval.extra.0.seed: unknown key"),  # a list item
 ])
 def test_an_unknown_key_names_the_key_it_may_have_meant(raw, overrides, message):
     with pytest.raises(ConfigError) as err:

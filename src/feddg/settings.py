@@ -96,8 +96,10 @@ def meant_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[tuple
     """The keys an unknown key at ``loc`` may have meant: the closest spelling beside it (``federation.roundz`` ->
     ``federation.rounds``), else the same name in other sections (``engine`` -> ``federation.engine``)."""
     *parents, leaf = loc
+    if any(isinstance(p, int) for p in parents):  # an item of a list: key_paths does not reach inside lists
+        return []
     paths = list(key_paths(model))
     beside = {path[-1]: path for path in paths if list(path[:-1]) == parents}
     if close := difflib.get_close_matches(str(leaf), list(beside), n=1, cutoff=0.75):
         return [beside[close[0]]]
-    return [path for path in paths if path[-1] == leaf and len(path) > 1]
+    return [path for path in paths if path[-1] == leaf]
