@@ -362,7 +362,7 @@ def test_the_sweep_page_sums_the_runs_time_and_counts_every_target(sweep_dir, tm
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     html = " ".join(report(out)[0].read_text().split())
     assert "<b>100</b><span>time (s)</span>" in html  # 20.1 + 30.2 + 10.1 + 40.0
-    assert "1 variants × 2 targets × 2 seeds" in html  # each target's sample counts read
+    assert "1 variant × 2 targets × 2 seeds" in html  # each target's sample counts read
 
 
 def test_a_sweep_still_running_reads_each_runs_dropped_clients_from_its_results(sweep_dir, tmp_path):

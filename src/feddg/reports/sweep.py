@@ -253,9 +253,13 @@ def sweep_report(sweep_dir: Path) -> Path:
     run_rows = [{**r, "rel": Path(r["run_dir"]).relative_to(sweep_dir).as_posix()
                  if Path(r["run_dir"]).is_relative_to(sweep_dir) else r["run_dir"]} for r in rows]
     return render("sweep.html.j2", sweep_dir / REPORT, **page_context(f"sweep: {name}", str(sweep_dir), notes),
-                  subtitle=f"{len(variants)} variants × {len(counts)} targets × {len(seeds)} seeds",
+                  subtitle=" × ".join(_count(n, noun) for n, noun in ((len(variants), "variant"),
+                                                                       (len(counts), "target"), (len(seeds), "seed"))),
                   summary=summary, sections=sections, per_domain=per_domain, metrics=metrics, runs=run_rows,
                   metric_label=task.label, variants=spec.get("expanded", {}), degraded_note=DEGRADED_NOTE,
                   selection=selection, audit=sweep_audit_section(sweep_dir),
                   base_config=cfg_text)
 
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
