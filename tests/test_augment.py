@@ -62,6 +62,21 @@ def test_moex_exchanges_positional_moments():
     assert torch.allclose(out.view(2, 2), torch.tensor([[2.0, 10.0], [1.0, 3.0]]), **TOL)
 
 
+def test_the_authors_unbiased_variance_gives_the_same_mixstyle_and_moex_but_for_epsilon():
+    """The papers' σ is the population std (MixStyle eq. 1); the authors' code takes torch's unbiased variance, which
+    scales σ_i and σ_j by one factor √(n/(n−1)): it cancels in σ_mix/σ_i and σ_j/σ_i, so only ε tells them apart."""
+    torch.manual_seed(0)
+    x, perm, lam = torch.randn(4, 16, 5, 5), torch.tensor([2, 3, 0, 1]), torch.tensor([0.2, 0.5, 0.9, 1.0])
+    mu, sig = x.mean(dim=(2, 3), keepdim=True), (x.var(dim=(2, 3), keepdim=True) + 1e-6).sqrt()
+    lam4 = lam.view(-1, 1, 1, 1)
+    unbiased = (x - mu) / sig * (lam4 * sig + (1 - lam4) * sig[perm]) + lam4 * mu + (1 - lam4) * mu[perm]
+    assert torch.allclose(mixstyle(x, perm, lam), unbiased, atol=1e-5)
+    mu, sig = x.mean(dim=1, keepdim=True), (x.var(dim=1, keepdim=True) + 1e-6).sqrt()
+    assert torch.allclose(moex(x, perm), (x - mu) / sig * sig[perm] + mu[perm], atol=1e-5)
+    # the two variances themselves differ (by 25/24 over a 5×5 map): the test compares outputs, not σ
+    assert not torch.allclose(x.var(dim=(2, 3)), x.var(dim=(2, 3), unbiased=False), rtol=1e-2)
+
+
 def test_mixstyle_statistics_are_detached_so_the_gradient_is_the_style_ratio():
     # μ, σ detached: ∂ x̂ / ∂ x = σ_mix / σ_i elementwise (same tensors as above: σ_mix 2.5, σ_0 1; sample 1 kept)
     x = torch.tensor([[[[1.0, 3.0]]], [[[2.0, 10.0]]]], requires_grad=True)
