@@ -227,6 +227,24 @@ def test_a_searched_sweep_writes_a_table_per_rule_with_the_rounds_metrics_jsonl_
     assert "Model selection" in html and "<h3>ood_acc_oracle</h3>" in html and 'id="ood_acc_oracle"' not in html
 
 
+def test_the_default_rules_table_quietly_what_they_cannot_and_named_rules_say_it(tmp_path, cache_dir, monkeypatch,
+                                                                                 capsys):
+    """train_domain never tables id_acc: a sweep with the default rules (`make demo`) keeps that to the file; one
+    that names its rules hears it on the console."""
+    monkeypatch.setenv("FEDDG_CACHE", str(cache_dir))
+    why = "train_domain: no id_acc table"
+    for named in (False, True):
+        path = tmp_path / f"{named}.yaml"
+        sweep = {"targets": ["mnist"], "seeds": [0], **({"selection": ["train_domain", "last"]} if named else {})}
+        path.write_text(yaml.safe_dump({
+            "name": "sel", "data": {"dataset": "digits-dg", "max_per_domain": 40},
+            "partition": {"kind": "by_domain", "num_clients": 3}, "model": {"name": "lenet"},
+            "federation": {"rounds": 1, "batch_size": 32}, "sweep": sweep}))
+        out = Path(run_sweep(path, out_dir=tmp_path / str(named), progress=False)["out_dir"])
+        assert (out / "table_id_acc_train_domain.md").read_text().startswith(why)
+        assert (why in capsys.readouterr().err) == named
+
+
 def test_a_selection_method_never_reports_the_figures_it_picks_by(lodo_rows, tmp_path, capsys):
     spec = SweepSpec(seeds=[0, 1], metrics=["ood_acc", "id_acc"])
     write_rule_tables(tmp_path, "train_domain", lodo_rows, lodo_rows, spec, ACC, None)

@@ -217,6 +217,7 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
         raise ConfigError(f"sweep.metrics: no run reports {missing[0]!r} (the runs finished and are kept; their "
                           f"figures: {', '.join(keys)})")
     (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    asked = spec.selection is not None  # rules the user named: say on the console what each cannot table
     spec.selection = spec.selection or default_rules(rows, task)  # resolved, for sweep.json
     record = {**spec.model_dump(mode="json"), "expanded": {labelled(v, build_config(raw, [
         _override(k, x) for k, x in extra.items()]).method.name): extra for v, extra in variants.items()}}
@@ -228,15 +229,18 @@ def run_sweep(path: str | Path, overrides: list[str] | None = None, out_dir: str
     for m in spec.metrics:
         (out / f"table_{_safe(m)}.csv").write_text(csv_table(table_rows, m, spec.baseline, task.bounds_of(m)))
     for rule in spec.selection:
-        write_rule_tables(out, rule, rows, table_rows, spec, task, results[0]["source"] if federated else None)
+        write_rule_tables(out, rule, rows, table_rows, spec, task, results[0]["source"] if federated else None,
+                          say_skips=asked)
     return {"out_dir": str(out), "rows": rows, "markdown": md, "configs": [cfg for _, cfg, _ in cells]}
 
 
 def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_rows: list[dict[str, Any]],
-                 spec: SweepSpec, task: TaskInfo, domains: list[str] | None) -> None:
+                      spec: SweepSpec, task: TaskInfo, domains: list[str] | None, say_skips: bool = True) -> None:
     """table_<metric>_<rule>.md/.csv: the cells each selection rule picks (evaluation/selection.py), with the
-    chosen draw and round beside each; ``last`` is table.md's content; an unavailable rule, or a metric the rule
-    picks by (selection on the reported data), is one line."""
+    chosen draw and round beside each; ``last`` is table.md's content. An unavailable rule is one line, in its files
+    and on the console; a metric the rule cannot table (one it picks by: selection on the reported data; one no
+    round reports) is one line in its file, and on the console with ``say_skips`` (the default rules' train_domain
+    never tables id_acc: no news to a user who did not name the rule)."""
     assert spec.metrics is not None
     if (why := unavailable(rule, rows, task)) is not None:
         _say(why)
@@ -261,7 +265,8 @@ def write_rule_tables(out: Path, rule: str, rows: list[dict[str, Any]], last_row
         elif not any(m in r for r in chosen):  # time_total_s: a run's figure, not a round's
             why = f"{rule}: no {m} table, {m} is not a figure of the evaluated rounds this rule picks among"
         if why is not None:
-            _say(why)
+            if say_skips:
+                _say(why)
             (out / f"{name}.md").write_text(why + "\n")
             continue
         note = "" if picks is None else "; beside each cell: per seed, the chosen search draw #k and round, of N candidates"
