@@ -255,8 +255,9 @@ def test_eval_hands_its_options_on_and_tables_each_domain_with_the_global_model(
     res = _feddg("eval", str(tmp_path), "--dataset", "digits-dg", "--domains", "a,b", "--domains", "c",
                  "--max-per-domain", "7", "--root", "/data", "--device", "cpu")
     assert res.exit_code == 0, res.output
-    [((run_dir, spec, device), _)] = asked
+    [((run_dir, spec, device), options)] = asked
     assert run_dir == tmp_path and device == "cpu" and pinned == [(("portable",), {})]
+    assert options == {"where": "--dataset digits-dg"}  # a refusal names the option the user typed
     assert (spec.dataset, spec.domains, spec.max_per_domain, spec.root) == ("digits-dg", ["a", "b", "c"], 7, "/data")
     assert text_rows(res.output)[1:] == [["a", "10.00", "11.00"], ["b", "30.00", "33.00"], ["mean", "20.00", "22.00"]]
     shared = {k: v for k, v in metrics.items() if "_global" not in k}  # a shared model: one column

@@ -81,6 +81,9 @@ def test_an_extra_target_needs_the_training_datas_classes_and_image_shape(cache_
                           _digits_like(ToyDomains()))
     with pytest.raises(ValueError, match=r"^eval.extra d: bad domains \['mars'\] for digits-dg"):
         load_extra_target(ExtraEvalConfig(name="d", dataset="digits-dg", domains=["mars"]), cfg, ToyDomains())
+    with pytest.raises(ValueError, match=r"^--dataset digits-dg: bad domains \['mars'\]"):  # feddg eval's wording
+        load_extra_target(ExtraEvalConfig(name="d", dataset="digits-dg", domains=["mars"]), cfg, ToyDomains(),
+                          where="--dataset digits-dg")
 
 
 @pytest.mark.parametrize(("data", "extra", "why"), [
@@ -131,6 +134,8 @@ def test_feddg_eval_refuses_another_kind_of_dataset_before_loading_it(tmp_path, 
     (tmp_path / "config.yaml").write_text(dump_config(build_config({}, [f"data.cache_dir={cache_dir}"])))
     with pytest.raises(ValueError, match=r"^eval.extra t: synthetic-sentiment is a classification dataset of tokens"):
         evaluate_run(tmp_path, ExtraEvalConfig(name="t", dataset="synthetic-sentiment"))  # no checkpoint, no data read
+    with pytest.raises(ValueError, match=r"^--dataset writers: writers has 1-channel images"):  # as feddg eval asks
+        evaluate_run(tmp_path, ExtraEvalConfig(name="writers", dataset="writers"), where="--dataset writers")
     assert build_config({}, ["eval.extra=[{name: f, dataset: folder, root: /nowhere}]"])  # a folder's classes: at load
 
 

@@ -283,7 +283,7 @@ def eval_run(
         _pin_kernels(_run_dir_mode(run_dir))
         spec = ExtraEvalConfig(name=dataset, dataset=dataset, root=str(root) if root else None, domains=chosen,
                                max_per_domain=max_per_domain)
-        metrics, target, round, task = evaluate_run(run_dir, spec, device)
+        metrics, target, round, task = evaluate_run(run_dir, spec, device, where=f"--dataset {dataset}")
     role = f"extra/{dataset}"
     personal = task.key(f"{role}_global") in metrics
     t = Table(title=f"{run_dir.name} (round {round}) on {dataset}")

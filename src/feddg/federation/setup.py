@@ -101,11 +101,13 @@ def worker_device(name: str, index: int) -> str:
     return str(device) if device.index is not None else f"cuda:{index % torch.cuda.device_count()}"
 
 
-def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: DomainDataset) -> ExtraTarget:
+def load_extra_target(spec: ExtraEvalConfig, cfg: ExperimentConfig, reference: DomainDataset,
+                      where: str | None = None) -> ExtraTarget:
     """Dataset ``spec`` read as the training data is: images at its size and normalised with its statistics (not
     the other dataset's default ones), text with its tokenizer and ``max_length``; checked to have the training
-    data's classes (same names, same order) and input shape."""
-    where = f"eval.extra {spec.name}"
+    data's classes (same names, same order) and input shape. A refusal starts with ``where`` (default: the config's
+    ``eval.extra <name>``)."""
+    where = where or f"eval.extra {spec.name}"
     try:
         if reference.inputs == "tokens":
             inputs = text_options(cfg)  # the training data's tokenizer and length
