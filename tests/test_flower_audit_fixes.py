@@ -209,6 +209,31 @@ def test_only_an_insecure_true_connection_is_warned_about(tmp_path: Path, monkey
     assert launch.insecure_warning("on") is not None
 
 
+def test_a_connection_that_config_toml_does_not_name_is_refused_before_flwr_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flwr printed its own boxed error and feddg a second line; now one line names the connections there are."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "pyproject.toml").write_text("")
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    monkeypatch.setattr(launch, "flwr_command", lambda: "/opt/flwr")
+    monkeypatch.setattr(launch.subprocess, "run", lambda argv: pytest.fail("flwr ran for an unknown connection"))
+    (tmp_path / "config.toml").write_text('[superlink]\ndefault = "lab"\n[superlink.lab]\naddress = "h:9093"\n'
+                                          '[superlink.local]\naddress = "127.0.0.1:9093"\n')
+    with pytest.raises(ValueError) as err:
+        launch.submit(build_config({}), tmp_path / "run", "nosuch", tmp_path / "app")
+    assert str(err.value) == (f"--connection nosuch: {tmp_path / 'config.toml'} has no SuperLink connection of that "
+                              "name (it has: lab, local); nothing was submitted")
+    app_dir = tmp_path / "app"
+    assert launch.unknown_connection("lab", app_dir) is None and launch.unknown_connection("local", app_dir) is None
+    (app_dir / "pyproject.toml").write_text('[tool.flwr.federations.nosuch]\naddress = "h:9093"\n')
+    assert launch.unknown_connection("nosuch", app_dir) is None  # flwr run moves legacy federations into config.toml
+    (app_dir / "pyproject.toml").write_text("")
+    (tmp_path / "config.toml").write_text("[superlink.lab\n")  # flwr reports a file that does not parse
+    assert launch.unknown_connection("nosuch", app_dir) is None
+    (tmp_path / "config.toml").unlink()  # and makes one that is absent
+    assert launch.unknown_connection("nosuch", app_dir) is None
+
+
 def test_a_run_mark_keeps_the_first_500_characters_of_the_error_on_one_line(tmp_path: Path) -> None:
     app.mark(tmp_path, "failed", "E" * 300 + "\n\n" + "F" * 300)
     assert json.loads((tmp_path / app.STATUS).read_text())["error"] == "E" * 300 + " " + "F" * 199

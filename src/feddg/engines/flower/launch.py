@@ -41,14 +41,40 @@ def outcome(run_dir: Path) -> str | None:
     return f"{run_dir}: run {state}: {status.get('error', '')}".rstrip(": ")
 
 
+def superlink_connections() -> tuple[Path, dict[str, dict[str, object]]] | None:
+    """``$FLWR_HOME/config.toml`` and its SuperLink connections by name; ``None`` when it is absent or does not
+    parse (``flwr`` makes or reports it)."""
+    path = get_flwr_home() / "config.toml"
+    try:
+        table = tomllib.loads(path.read_text()).get("superlink", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    if not isinstance(table, dict):  # `superlink = 1`: no connections (flwr says what is wrong)
+        table = {}
+    return path, {name: value for name, value in table.items() if isinstance(value, dict)}  # not `default = NAME`
+
+
+def unknown_connection(connection: str, app_dir: Path) -> str | None:
+    """Why ``connection`` is not one of ``$FLWR_HOME/config.toml``'s, in one line naming those it has; ``None``
+    when it is, or there is no readable file to ask, or the app's pyproject.toml has legacy
+    ``[tool.flwr.federations]`` (``flwr run`` first moves those into config.toml)."""
+    try:
+        legacy = "federations" in tomllib.loads((app_dir / "pyproject.toml").read_text()).get("tool", {}).get("flwr", {})
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+        legacy = False
+    if legacy or (found := superlink_connections()) is None or connection in found[1]:
+        return None
+    path, connections = found
+    return (f"--connection {connection}: {path} has no SuperLink connection of that name (it has: "
+            f"{', '.join(connections) or 'none'}); nothing was submitted")
+
+
 def insecure_warning(connection: str) -> str | None:
     """A warning when ``connection`` in ``$FLWR_HOME/config.toml`` says ``insecure = true`` (no TLS to the
     SuperLink, so no node authentication either), else ``None``."""
-    try:
-        conf = tomllib.loads((get_flwr_home() / "config.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+    if (found := superlink_connections()) is None:
         return None
-    if conf.get("superlink", {}).get(connection, {}).get("insecure") is True:
+    if found[1].get(connection, {}).get("insecure") is True:
         return (f"feddg: warning: connection {connection!r} is insecure (no TLS): any process that reaches the "
                 "SuperLink may join as a client; use it on one trusted machine only (docs/flower.md, "
                 "\"Insecure trial\")")
@@ -75,6 +101,8 @@ def submit(cfg: ExperimentConfig, run_dir: Path, connection: str, app_dir: Path,
     if not resume and used_run_dir(run_dir):  # where the run directory is readable here (else the ServerApp refuses it)
         raise ValueError(f"--run-dir {run_dir} is not empty: a new run needs a new or empty directory (nothing was "
                          "submitted)")
+    if (why := unknown_connection(connection, app_dir)) is not None:
+        raise ValueError(why)
     if (warning := insecure_warning(connection)) is not None:
         print(warning, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
