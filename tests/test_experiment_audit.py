@@ -412,3 +412,22 @@ def test_the_cache_folder_expands_a_home_relative_feddg_cache(tmp_path: Path, mo
 def test_the_progress_bar_is_disabled_exactly_when_progress_is_off() -> None:
     """``progress=False`` (``--quiet``) gives a disabled bar; ``True`` a live one."""
     assert experiment.progress_bar(False).disable and not experiment.progress_bar(True).disable
+
+
+@pytest.mark.parametrize("width", [80, 150])
+def test_a_run_line_keeps_its_count_status_and_both_times_whole_on_a_narrow_console(
+        monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    """At 80 columns (a classic terminal, and `make demo` piped to a log) rich squeezed the bar and cut both times to
+    ``0:…``; the bar now shows only where the line has room for it."""
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.setattr(experiment, "console", Console(file=io.StringIO(), width=width, force_terminal=False))
+    with experiment.progress_bar(True) as bar:
+        task = bar.add_task("fedavg → mnistm", total=8, status="")
+        bar.update(task, advance=8, status="loss 1.375 · id acc 48.3% · ood acc 61.0%")
+    [line] = experiment.console.file.getvalue().splitlines()
+    assert "8/8 loss 1.375 · id acc 48.3% · ood acc 61.0%" in line and "…" not in line
+    assert line.count("0:00:0") == 2 and len(line) <= width
+    assert ("━" in line) == (width >= experiment.BAR_FROM_WIDTH)

@@ -38,12 +38,17 @@ from feddg.tracking import Tracking
 
 console = Console(stderr=True)
 
+#: console columns below which a run's line has no bar (the count says as much): at 80 columns rich squeezed the
+#: bar and cut both times to ``0:…``
+BAR_FROM_WIDTH = 100
 
 
 def progress_bar(enabled: bool) -> Progress:
+    """A run's (or a sweep's) line: description, bar, rounds done, the status fields, elapsed and remaining time."""
+    bar = [BarColumn()] if console.width >= BAR_FROM_WIDTH else []
     return Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        *bar,
         MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
