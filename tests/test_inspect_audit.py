@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.images import png
-from support.natural_fixtures import leaf_blob, write_json
+from support.natural_fixtures import iwildcam_tree, leaf_blob, write_json
 
 from feddg.data import load_dataset
 from feddg.data.inspect import check_dataset, describe_dataset
@@ -23,6 +23,20 @@ def test_a_folder_is_counted_per_domain_and_class_without_decoding(tmp_path: Pat
     assert (s.domains, s.classes) == (["a", "b"], ["x", "y"])
     assert s.counts == {"a": {"x": 2, "y": 1}, "b": {"x": 1, "y": 3}}
     assert (s.total, s.unit, s.image_shape) == (7, "images", (3, 16, 16))
+
+
+def test_a_natural_source_is_counted_from_its_metadata_without_decoding_an_image(tmp_path: Path) -> None:
+    """IWildCam's counts come from metadata.csv: the summary built no image cache (it decoded every photo, hours for
+    the real 200,000); the counts are those of the loaded dataset."""
+    root, cache = iwildcam_tree(tmp_path / "data"), tmp_path / "cache"
+    s = describe_dataset("iwildcam", root=str(root), cache_dir=cache, image_size=8)
+    assert not cache.exists() or not any(cache.rglob("*"))  # nothing decoded, nothing cached
+    ds = load_dataset("iwildcam", root=str(root), cache_dir=cache, image_size=8)
+    assert list(cache.rglob("*"))  # the load does decode into the cache: the check above can fail
+    assert (s.domains, s.classes, s.counts, s.total) == (ds.domains, ds.classes, ds.counts(), len(ds))
+    assert s.image_shape == ds.image_shape == (3, 8, 8)
+    writers = describe_dataset("writers", cache_dir=cache)
+    assert writers.counts == load_dataset("writers", cache_dir=cache).counts() and writers.image_shape[0] == 1
 
 
 def test_a_folder_with_a_layout_problem_is_refused_not_summarised(tmp_path: Path) -> None:

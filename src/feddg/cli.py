@@ -333,8 +333,8 @@ def datasets(
     image_size: Annotated[int | None, typer.Option(help="image side (= data.image_size)", min=1)] = None,
     check: Annotated[bool, typer.Option(help="decode every image and list every problem; exit 1 on any")] = False,
 ) -> None:
-    """List datasets; with NAME, its domains, classes and sample counts (a folder is scanned, not decoded; a natural
-    source such as iwildcam is loaded, which builds its image cache)."""
+    """List datasets; with NAME, its domains, classes and sample counts (a folder is scanned and a natural source
+    such as iwildcam read from its metadata, neither decoded; a built-in is built into its cache)."""
     from feddg.data import dataset_info, list_datasets
     from feddg.data.inspect import check_dataset, describe_dataset
     from feddg.data.registry import NATURAL_SOURCES

@@ -1,5 +1,5 @@
-"""What ``feddg datasets NAME [--check]`` shows: counts and shapes (a folder scanned, not decoded; a built-in or a
-natural source loaded as a run loads it, so its image cache is built), and a full check."""
+"""What ``feddg datasets NAME [--check]`` shows: counts and shapes (a folder scanned and a natural source's files
+listed, neither decoded; a built-in loaded as a run loads it, so its cache is built), and a full check."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from feddg.data import image_cache, natural, prostate, synthetic_mri
+from feddg.data.cache import resolve_cache_dir
 from feddg.data.folders import PRESETS, FolderScan, check_root, discover_classes, discover_domains, scan_tree
 from feddg.data.registry import (
     BUILTINS,
@@ -70,12 +71,12 @@ def describe_dataset(
         ds = load_dataset(name, root=root, cache_dir=cache_dir, image_size=image_size, transforms=transforms)
         assert isinstance(ds, SliceDataset)
         return _describe_slices(ds)
-    if name in BUILTINS or name in NATURAL_SOURCES or root is None:
+    if name in NATURAL_SOURCES:
+        return _describe_natural(name, root, cache_dir, image_size, transforms)
+    if name in BUILTINS or root is None:
         ds = load_dataset(name, root=root, cache_dir=cache_dir, image_size=image_size, transforms=transforms)
-        own = NATURAL_SOURCES[name].transforms if name in NATURAL_SOURCES else default_transforms(name)
-        spec = parse_transforms(transforms, own)
-        counts = ds.counts()
-        return Summary(name, ds.domains, ds.classes, counts, ds.image_shape, spec, len(ds))
+        spec = parse_transforms(transforms, default_transforms(name))
+        return Summary(name, ds.domains, ds.classes, ds.counts(), ds.image_shape, spec, len(ds))
     spec = parse_transforms(transforms, default_transforms(name, root))
     path, domains, classes, scan = scan_folder(name, root, None)
     if scan.problems:
@@ -85,6 +86,20 @@ def describe_dataset(
               for i, d in enumerate(domains)}
     size = folder_image_size(path, image_size)
     return Summary(name, domains, classes, counts, (3, size, size), spec, len(labels))
+
+
+def _describe_natural(name: str, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None,
+                      transforms: str | dict[str, Any] | None) -> Summary:
+    """A natural source's counts from what its reader lists (IWildCam's metadata.csv, FEMNIST's LEAF json): its
+    images are not decoded, so no image cache is built (IWildCam's 200,000 photos take ~112 GB at 448 px)."""
+    source = NATURAL_SOURCES[name]
+    spec = parse_transforms(transforms, source.transforms)
+    samples = source.read(natural.check_root(name, source, root), 0, resolve_cache_dir(cache_dir))
+    counts = {d: {c: int(((samples.domain_ids == i) & (samples.labels == k)).sum()) for k, c in enumerate(samples.classes)}
+              for i, d in enumerate(samples.domains)}
+    size = image_size or source.image_size
+    return Summary(name, samples.domains, samples.classes, counts, (samples.channels, size, size), spec,
+                   len(samples.labels))
 
 
 def _check_natural(name: str, root: str | None, workers: int | None) -> list[str]:
