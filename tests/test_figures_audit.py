@@ -247,6 +247,8 @@ def test_a_hierarchical_run_is_titled_by_its_client_method_and_its_station_merge
                                                                               "merge": "hfedatm", "stations": 3}}))
     assert run_title(tmp_path) == "fedavg+hfedatm · synthetic-sentiment · held out kitchen · seed 0"
     assert run_method({"method": "fedrc", "method_label": "fedrc (reconstructed)"}) == "fedrc (reconstructed)"
+    assert run_method({"method": "fedrc", "method_label": "fedrc (reconstructed)", "hierarchy": {"merge": "avg"}}
+                      ) == "fedrc+avg (reconstructed)"  # the merge beside the method, the label's note after both
 
 
 def test_a_folder_without_results_is_titled_by_its_name(tmp_path: Path) -> None:

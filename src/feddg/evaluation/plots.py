@@ -209,10 +209,12 @@ def method_name(method: str, merge: str | None) -> str:
 
 
 def run_method(results: Mapping[str, Any]) -> str:
-    """:func:`method_name` of a run's results.json: its label (``fedrc (reconstructed)``) and its hierarchy's merge."""
+    """:func:`method_name` of a run's results.json in its label: ``fedrc+avg (reconstructed)`` for FedRC clients under
+    averaging stations (it read ``fedrc (reconstructed)+avg``)."""
     hierarchy = results.get("hierarchy")
     merge = hierarchy.get("merge") if isinstance(hierarchy, dict) else None
-    return method_name(str(results.get("method_label", results["method"])), merge)
+    method = str(results["method"])
+    return str(results.get("method_label", method)).replace(method, method_name(method, merge), 1)
 
 
 def run_title(run_dir: Path) -> str:
