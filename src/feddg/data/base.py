@@ -116,11 +116,7 @@ class DomainDataset(ABC):
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Sample counts per domain and class, for ``feddg datasets``."""
-        out: dict[str, dict[str, int]] = {}
-        for d, dname in enumerate(self.domains):
-            mask = self.domain_ids == d
-            out[dname] = {c: int((self.labels[mask] == k).sum()) for k, c in enumerate(self.classes)}
-        return out
+        return class_counts(self.domains, self.classes, self.domain_ids, self.labels)
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -173,3 +169,13 @@ def iterate_batches(
     for i, chunk in enumerate(chunks):
         g = torch.Generator().manual_seed(seed + i) if seed is not None else generator
         yield dataset.get_batch(chunk, train=train, generator=g)
+
+
+def class_counts(domains: list[str], classes: list[str], domain_ids: np.ndarray, labels: np.ndarray
+                 ) -> dict[str, dict[str, int]]:
+    """Samples per domain and class (``domain_ids`` and ``labels`` index ``domains`` and ``classes``)."""
+    out: dict[str, dict[str, int]] = {}
+    for d, name in enumerate(domains):
+        mask = domain_ids == d
+        out[name] = {c: int((labels[mask] == k).sum()) for k, c in enumerate(classes)}
+    return out

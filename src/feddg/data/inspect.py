@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from feddg.data import image_cache, natural, prostate, synthetic_mri
+from feddg.data.base import class_counts
 from feddg.data.cache import resolve_cache_dir
 from feddg.data.folders import PRESETS, FolderScan, check_root, discover_classes, discover_domains, scan_tree
 from feddg.data.registry import (
@@ -81,11 +82,9 @@ def describe_dataset(
     path, domains, classes, scan = scan_folder(name, root, None)
     if scan.problems:
         raise ValueError(scan.error(name, path))
-    labels, domain_ids = np.array(scan.labels), np.array(scan.domain_ids)
-    counts = {d: {c: int(((domain_ids == i) & (labels == k)).sum()) for k, c in enumerate(classes)}
-              for i, d in enumerate(domains)}
+    counts = class_counts(domains, classes, np.array(scan.domain_ids), np.array(scan.labels))
     size = folder_image_size(path, image_size)
-    return Summary(name, domains, classes, counts, (3, size, size), spec, len(labels))
+    return Summary(name, domains, classes, counts, (3, size, size), spec, len(scan.labels))
 
 
 def _describe_natural(name: str, root: str | None, cache_dir: str | os.PathLike[str] | None, image_size: int | None,
@@ -95,8 +94,7 @@ def _describe_natural(name: str, root: str | None, cache_dir: str | os.PathLike[
     source = NATURAL_SOURCES[name]
     spec = parse_transforms(transforms, source.transforms)
     samples = source.read(natural.check_root(name, source, root), 0, resolve_cache_dir(cache_dir))
-    counts = {d: {c: int(((samples.domain_ids == i) & (samples.labels == k)).sum()) for k, c in enumerate(samples.classes)}
-              for i, d in enumerate(samples.domains)}
+    counts = class_counts(samples.domains, samples.classes, samples.domain_ids, samples.labels)
     size = image_size or source.image_size
     return Summary(name, samples.domains, samples.classes, counts, (samples.channels, size, size), spec,
                    len(samples.labels))

@@ -168,13 +168,17 @@ def committed_state(state: RecordDict, client_id: int, commit: int) -> FeddgMess
     return get_message(state, state_prefix(client_id))
 
 
-def node_state_dir(context: Context, route: Mapping[str, Any], cid: int, state_dir: Path | None) -> NodeStateDir | None:
-    """Where client ``cid`` keeps its state on this node's disk: ``state_dir`` (the simulation's), else the node's
-    ``--node-config state-dir=DIR``; ``None``: in ``Context.state`` only (lost when the run is resumed)."""
+def state_root(context: Context, state_dir: Path | None) -> Path | None:
+    """This node's folder of client state: ``state_dir`` (the simulation's), else its ``--node-config state-dir=DIR``;
+    ``None``: in ``Context.state`` only (lost when the run is resumed)."""
     root = state_dir if state_dir is not None else context.node_config.get(STATE_DIR)
-    if root is None:
-        return None
-    return NodeStateDir(Path(str(root)), str(route[RUN_KEY]), cid)
+    return None if root is None else Path(str(root))
+
+
+def node_state_dir(context: Context, route: Mapping[str, Any], cid: int, state_dir: Path | None) -> NodeStateDir | None:
+    """Where client ``cid`` keeps its state on this node's disk, under :func:`state_root` and the run's key."""
+    root = state_root(context, state_dir)
+    return None if root is None else NodeStateDir(root, str(route[RUN_KEY]), cid)
 
 
 class _RoutineActorExit(logging.Filter):
@@ -235,7 +239,7 @@ def make_client_app(config_text: str | None = None, factory: FederationFactory =
         else:
             p, n = node_partition(context)
             info = ConfigRecord({"partition-id": p, "num-partitions": n, "fingerprint": fp})
-        info[KEEPS_STATE] = state_dir is not None or STATE_DIR in context.node_config
+        info[KEEPS_STATE] = state_root(context, state_dir) is not None
         return Message(RecordDict({ROUTE: info}), reply_to=msg)
 
     @app.query("setup")
